@@ -1,0 +1,110 @@
+"""Command line: ds4d serve | config | plugins | console | bench | make-tiny."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from ds4d import __version__
+from ds4d.config import ConfigError, add_cli_flags, describe, load_config
+from ds4d.registry import KINDS, PluginError, available
+
+
+def _loaded(args: argparse.Namespace):
+    return load_config(vars(args), config_file=args.config_file)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ds4d.kernel import Kernel
+
+    loaded = _loaded(args)
+    logging.basicConfig(level=loaded.config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(Kernel(loaded).serve())
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    print(describe(_loaded(args)))
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    for kind in KINDS:
+        specs = available(kind)
+        print(f"{kind}:" + ("" if specs else " (none installed)"))
+        for name, spec in sorted(specs.items()):
+            print(f"  {name:14} {spec.target}  ({spec.origin})")
+    return 0
+
+
+def cmd_console(args: argparse.Namespace) -> int:
+    from tui.app import main as console_main
+
+    return console_main(args.console_args)
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    if args.family != "deepseek_v4":
+        raise PluginError(f"make-tiny knows only --family deepseek_v4, not {args.family!r}")
+    from ds4d.models.deepseek_v4.make_tiny import main_make_tiny
+
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    main_make_tiny(Path(args.out), args.seed, layers)
+    print(f"wrote a tiny deepseek_v4 checkpoint to {args.out}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ds4d.bench import main as bench_main
+
+    return bench_main(args.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds4d", description="DeepSeek-V4 inference daemon")
+    parser.add_argument("--version", action="version", version=f"ds4d {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="start the daemon")
+    add_cli_flags(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    config = sub.add_parser("config", help="print the effective configuration and where each value came from")
+    add_cli_flags(config)
+    config.set_defaults(func=cmd_config)
+
+    plugins = sub.add_parser("plugins", help="list installed plugins")
+    plugins.set_defaults(func=cmd_plugins)
+
+    console = sub.add_parser("console", help="operator console (Textual)", add_help=False)
+    console.add_argument("console_args", nargs=argparse.REMAINDER)
+    console.set_defaults(func=cmd_console)
+
+    bench = sub.add_parser("bench", help="benchmarks (ds4d bench --help)", add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=cmd_bench)
+
+    tiny = sub.add_parser("make-tiny", help="write a random tiny checkpoint in the official format")
+    tiny.add_argument("--family", default="deepseek_v4")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--layers", default="", help="comma-separated compress ratios, e.g. 0,4,128")
+    tiny.set_defaults(func=cmd_make_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ConfigError, PluginError) as exc:
+        print(f"ds4d: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

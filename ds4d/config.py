@@ -1,0 +1,254 @@
+"""One frozen configuration object, and where each value came from.
+
+Precedence, lowest first: built-in defaults < ``etc/ds4d.toml`` (or ``--config
+FILE``) < ``DS4D_<KNOB>`` environment variables < command-line flags.  Every
+knob is a field of :class:`Config` with its help text in the field metadata;
+``etc/ds4d.toml`` is rendered from the same metadata (a test keeps them equal),
+so a knob cannot exist without documentation.  This module is the only place
+that reads ``DS4D_*`` variables.
+
+Knobs marked ``debug`` change behaviour in ways an operator must notice (they
+are logged loudly at start and shown in red by the console).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+GIB = 1024**3
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG_FILE = REPO_ROOT / "etc" / "ds4d.toml"
+
+
+def knob(default: Any, help: str, *, section: str, debug: bool = False, choices: Sequence[str] = ()):
+    meta = {"help": help, "section": section, "debug": debug, "choices": tuple(choices)}
+    if isinstance(default, (list, tuple)):
+        return field(default=tuple(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Config:
+    # --- server
+    host: str = knob("127.0.0.1", "Address to bind. Keep 127.0.0.1 unless a key is set.", section="server")
+    port: int = knob(8000, "TCP port of the HTTP API.", section="server")
+    api_keys: tuple[str, ...] = knob((), "Accepted Bearer keys; empty = no auth (only sane on 127.0.0.1).", section="server")
+    api_key_file: str = knob("", "File with one accepted key per line (added to api_keys).", section="server")
+    served_model_name: str = knob("", "Model id shown by /v1/models and accepted in requests; empty = derived from the checkpoint.", section="server")
+    max_body_bytes: int = knob(16 * 1024 * 1024, "Largest accepted request body.", section="server")
+    stats_log: str = knob("", "Append one /v1/ds4d/stats snapshot per second to this JSONL file (console --replay).", section="server")
+    # --- model
+    model: str = knob("", "Checkpoint path (GGUF file or DeepSeek-V4 directory); empty = the embedded SmolLM2-135M demo model.", section="model")
+    model_family: str = knob("auto", "Model family plugin; auto = the first family whose can_load() accepts the path.", section="model")
+    device: str = knob("auto", "cpu, cuda, cuda:N; auto = cuda if available else cpu.", section="model")
+    dtype: str = knob("auto", "Activation dtype: float32, bfloat16, float16; auto = float32 on cpu, bfloat16 on cuda.", section="model", choices=("auto", "float32", "bfloat16", "float16"))
+    threads: int = knob(0, "CPU threads for torch; 0 = all cores.", section="model")
+    # --- engine
+    max_context: int = knob(0, "Longest prompt + output in tokens; 0 = the model's own limit.", section="engine")
+    prefill_chunk: int = knob(4096, "Most prompt tokens one request feeds in one engine step.", section="engine")
+    step_tokens: int = knob(8192, "Token budget of one engine step (decode tokens + prefill chunks).", section="engine")
+    max_num_seqs: int = knob(16, "Most requests running at once (state slots).", section="engine")
+    kv_cache_tokens: int = knob(0, "KV pool size in tokens; 0 = enough for max_num_seqs full contexts, capped by memory.", section="engine")
+    kv_cache_gib: float = knob(4.0, "Upper bound on the KV pool in GiB when kv_cache_tokens is 0.", section="engine")
+    prefix_caching: bool = knob(True, "Reuse KV blocks of identical prompt prefixes. Turning it off is a debugging aid.", section="engine", debug=True)
+    # --- plugins
+    chat_encoder: str = knob("auto", "ChatEncoder plugin; auto = the model family's default.", section="plugins")
+    reasoning_parser: str = knob("auto", "ReasoningParser plugin; auto = the model family's default.", section="plugins")
+    tool_parser: str = knob("auto", "ToolCallParser plugin; auto = the model family's default.", section="plugins")
+    scheduler_policy: str = knob("fcfs", "SchedulerPolicy plugin: ordering and preemption victims.", section="plugins")
+    thinking_default: bool = knob(True, "Thinking mode when a request does not set chat_template_kwargs.thinking.", section="plugins")
+    # --- limits
+    max_queued_requests: int = knob(256, "Requests waiting beyond this get 503 with Retry-After.", section="limits")
+    mem_watermark_gib: float = knob(15.0, "Host MemAvailable watermark in GiB (reported; admission guard).", section="limits")
+    mem_floor_gib: float = knob(8.0, "Hard host MemAvailable floor in GiB during long prefills.", section="limits")
+    # --- logging
+    log_level: str = knob("info", "debug, info, warning, error.", section="logging", choices=("debug", "info", "warning", "error"))
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.resolved_device() == "cpu" else "bfloat16"
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """The effective config plus the source of every value (default, file, env, cli)."""
+
+    config: Config
+    sources: Mapping[str, str]
+    file: Path | None
+
+    def non_default(self) -> dict[str, dict[str, Any]]:
+        out = {}
+        for f in fields(Config):
+            value, default = getattr(self.config, f.name), f.default
+            if value != default:
+                out[f.name] = {"value": value, "default": default, "source": self.sources[f.name],
+                               "debug": f.metadata["debug"]}
+        return out
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _field_map() -> dict[str, Any]:
+    return {f.name: f for f in fields(Config)}
+
+
+def _coerce(name: str, raw: Any, *, from_text: bool) -> Any:
+    f = _field_map()[name]
+    default = f.default if f.default is not MISSING else None
+    try:
+        if isinstance(default, bool):
+            if from_text:
+                low = str(raw).strip().lower()
+                if low in ("1", "true", "yes", "on"):
+                    return True
+                if low in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(raw)
+            if not isinstance(raw, bool):
+                raise ValueError(raw)
+            return raw
+        if isinstance(default, int):
+            return int(raw)
+        if isinstance(default, float):
+            return float(raw)
+        if isinstance(default, tuple):
+            if from_text:
+                return tuple(x for x in str(raw).split(",") if x)
+            if isinstance(raw, str):
+                return (raw,)
+            return tuple(str(x) for x in raw)
+        value = str(raw)
+    except (TypeError, ValueError):
+        raise ConfigError(f"config knob {name!r}: cannot use value {raw!r}") from None
+    choices = f.metadata["choices"]
+    if choices and value not in choices:
+        raise ConfigError(f"config knob {name!r}: {value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+def add_cli_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--kebab-name`` flag per knob (repeatable for list knobs, --no-x for booleans)."""
+    parser.add_argument("--config", dest="config_file", default=None, help="TOML config file (default etc/ds4d.toml)")
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata["help"]
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        elif isinstance(f.default, tuple):
+            single = flag[:-1] if flag.endswith("s") else flag
+            parser.add_argument(single, dest=f.name, action="append", default=None, help=help_text)
+        else:
+            parser.add_argument(flag, dest=f.name, default=None, help=help_text)
+
+
+def load_config(
+    cli: Mapping[str, Any] | None = None,
+    *,
+    config_file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> LoadedConfig:
+    """Merge defaults < file < env < cli into one frozen Config."""
+    environ = os.environ if environ is None else environ
+    cli = dict(cli or {})
+    path = Path(config_file) if config_file else Path(environ.get("DS4D_CONFIG", DEFAULT_CONFIG_FILE))
+    values: dict[str, Any] = {}
+    sources = {f.name: "default" for f in fields(Config)}
+    known = _field_map()
+
+    file_used = None
+    if path.exists():
+        file_used = path
+        with path.open("rb") as fh:
+            try:
+                data = tomllib.load(fh)
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"{path}: {exc}") from None
+        for key, raw in data.items():
+            if key not in known:
+                raise ConfigError(f"{path}: unknown knob {key!r}")
+            values[key] = _coerce(key, raw, from_text=False)
+            sources[key] = "file"
+    elif config_file:
+        raise ConfigError(f"config file {path} does not exist")
+
+    for name in known:
+        env_name = "DS4D_" + name.upper()
+        if env_name in environ:
+            values[name] = _coerce(name, environ[env_name], from_text=True)
+            sources[name] = "env"
+
+    for name, raw in cli.items():
+        if raw is None or name not in known:
+            continue
+        values[name] = _coerce(name, raw, from_text=not isinstance(raw, (bool, list, tuple)))
+        sources[name] = "cli"
+
+    config = replace(Config(), **values)
+    _validate(config)
+    return LoadedConfig(config=config, sources=sources, file=file_used)
+
+
+def _validate(config: Config) -> None:
+    positive = ("port", "prefill_chunk", "step_tokens", "max_num_seqs", "max_body_bytes")
+    for name in positive:
+        if getattr(config, name) <= 0:
+            raise ConfigError(f"config knob {name!r} must be positive")
+    if config.step_tokens < config.max_num_seqs:
+        raise ConfigError("step_tokens must be at least max_num_seqs (one decode token each)")
+
+
+def render_default_toml() -> str:
+    """The documented default config file (etc/ds4d.toml is exactly this text)."""
+    lines = ["# ds4d configuration: every knob, commented out at its default; uncomment to change one.",
+             "# Precedence: this file < DS4D_<KNOB> environment variables < command-line flags.",
+             "# `ds4d config` prints the effective values and where each came from.", ""]
+    section = None
+    for f in fields(Config):
+        if f.metadata["section"] != section:
+            section = f.metadata["section"]
+            lines += [f"# ---- {section}", ""]
+        debug = " [debug]" if f.metadata["debug"] else ""
+        lines.append(f"# {f.metadata['help']}{debug}")
+        lines.append(f"# {f.name} = {_toml_value(f.default)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def describe(loaded: LoadedConfig) -> str:
+    """Human table for ``ds4d config``."""
+    rows = []
+    for f in fields(Config):
+        value = getattr(loaded.config, f.name)
+        flag = "  DEBUG" if f.metadata["debug"] and value != f.default else ""
+        if f.name == "api_keys" and value:
+            value = f"<{len(value)} keys>"
+        rows.append(f"{f.name:22} = {value!r:34} ({loaded.sources[f.name]}){flag}")
+    head = f"# config file: {loaded.file or 'none'}"
+    return "\n".join([head, *rows])

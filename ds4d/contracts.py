@@ -1,0 +1,322 @@
+"""Plugin contracts and the small frozen types that cross component boundaries.
+
+Every pluggable component kind is a ``typing.Protocol`` here.  A plugin is a
+class (or factory) registered under a name in an entry-point group
+``ds4d.<kind>`` and constructed once at start as ``Factory(ctx, options)``,
+where ``ctx`` is a :class:`PluginContext` and ``options`` the plugin's table
+from the config file (may be empty).
+
+Kinds and their entry-point groups:
+
+=====================  ==========================  =================================
+kind                   group                       what one instance does
+=====================  ==========================  =================================
+ModelFamily            ``ds4d.model_family``       loads a checkpoint -> :class:`Model`
+ChatEncoder            ``ds4d.chat_encoder``       OpenAI messages -> prompt text + ids
+ReasoningParser        ``ds4d.reasoning_parser``   makes per-request reasoning streams
+ToolCallParser         ``ds4d.tool_parser``        makes per-request tool-call streams
+SchedulerPolicy        ``ds4d.scheduler_policy``   orders waiting work, picks victims
+CacheTier              ``ds4d.cache_tier``         stores prefix-cache blocks off the pool
+=====================  ==========================  =================================
+
+The engine thread is the only caller of :meth:`Model.forward`; everything the
+asyncio side needs from a model goes through the tokenizer and
+:class:`ModelInfo`, which are safe to use from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:  # torch is heavy; the console and the contract docs do not need it
+    import torch
+
+    from ds4d.config import Config
+
+
+# --------------------------------------------------------------------------- context
+
+
+@dataclass(frozen=True)
+class PluginContext:
+    """What every plugin constructor receives besides its own options."""
+
+    config: "Config"
+    log: logging.Logger
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Text <-> token ids.  Thread-safe; owned by the model, shared with the API side."""
+
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: frozenset[int]
+    """Ids that end generation (end-of-turn markers included)."""
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Encode ``text``; special-token strings inside ``text`` map to their ids."""
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Decode ids; incomplete UTF-8 at the end shows as U+FFFD."""
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of one vocabulary entry (e.g. a special token), or None."""
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """The raw vocabulary entry of one id, or None."""
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Static facts about a loaded model that the engine and the API plan with."""
+
+    family: str
+    """Registry name of the family that loaded it (``llama``, ``deepseek_v4``)."""
+    name: str
+    """Human name from the checkpoint metadata (used as the default served name)."""
+    vocab_size: int
+    max_context_tokens: int
+    """Longest sequence (prompt + output) the model supports."""
+    block_size_tokens: int
+    """Tokens per KV block; the engine allocates and hashes whole blocks."""
+    cache_bytes_per_block: int
+    """Bytes one KV block costs (all layers), for sizing the pool."""
+    state_bytes_per_seq: int = 0
+    """Bytes of fixed per-sequence state (sliding window, compressor tails); 0 if none."""
+    default_chat_encoder: str = "jinja"
+    default_reasoning_parser: str = "none"
+    default_tool_parser: str = "none"
+    chat_template: str | None = None
+    """Jinja chat template carried by the checkpoint, if any."""
+    dtype: str = "float32"
+    device: str = "cpu"
+    parameter_bytes: int = 0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's share of a forward step.
+
+    The engine guarantees ``block_ids`` covers positions ``0 .. start_pos +
+    len(token_ids) - 1`` (``ceil(end / block_size)`` blocks, in order) and that
+    positions ``< start_pos`` already hold this sequence's KV (computed earlier or
+    shared through the prefix cache).  ``start_pos == 0`` means a fresh sequence:
+    a model with per-sequence state resets slot ``state_slot``.
+    """
+
+    state_slot: int
+    """Index of this sequence's fixed-size state slot (0 .. max_seqs-1)."""
+    token_ids: tuple[int, ...]
+    """Tokens fed this step (a prefill chunk, or the one last sampled token)."""
+    start_pos: int
+    """Absolute position of ``token_ids[0]``."""
+    block_ids: tuple[int, ...]
+    """Block table of the sequence (ids into the model's KV pool)."""
+    logits_tokens: int = 1
+    """How many trailing positions of this chunk need logits (0, 1 or all)."""
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    """Everything :meth:`Model.forward` needs for one engine step."""
+
+    chunks: tuple[SeqChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@runtime_checkable
+class Model(Protocol):
+    """A loaded model with its own KV/state tensors.  Used only by the engine thread."""
+
+    info: ModelInfo
+    tokenizer: Tokenizer
+
+    def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
+        """Create the KV pool (``num_blocks`` blocks) and ``max_seqs`` state slots."""
+
+    def forward(self, batch: ForwardBatch) -> "torch.Tensor":
+        """Run one step and write the new tokens' KV into the pool.
+
+        Returns float32 logits of shape ``[sum(c.logits_tokens), vocab_size]``,
+        rows in chunk order, and within a chunk in position order.
+        Results for a sequence do not depend on what else is in the batch.
+        """
+
+
+class ModelFamily(Protocol):
+    """Loads checkpoints of one architecture."""
+
+    name: str
+
+    def can_load(self, path: Path) -> bool:
+        """True if ``path`` (file or directory) looks like this family's checkpoint."""
+
+    def load(self, path: Path) -> Model:
+        """Load ``path`` on the device and dtype the config asks for."""
+
+
+# --------------------------------------------------------------------------- chat
+
+
+@dataclass(frozen=True)
+class ChatRenderRequest:
+    """An OpenAI chat request reduced to what rendering needs (plain JSON values)."""
+
+    messages: tuple[Mapping[str, Any], ...]
+    tools: tuple[Mapping[str, Any], ...] = ()
+    thinking: bool | None = None
+    """Thinking mode asked for (``chat_template_kwargs.thinking``); None = encoder default."""
+    drop_thinking: bool | None = None
+    reasoning_effort: str | None = None
+    template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    text: str
+    token_ids: tuple[int, ...]
+    ends_in_reasoning: bool = False
+    """The prompt leaves the model inside a reasoning block (e.g. ends with ``<think>``)."""
+
+
+class ChatEncoder(Protocol):
+    """Renders chat messages into a prompt for one model's chat format.
+
+    Constructed as ``ChatEncoder(ctx, options, tokenizer, model_info)``.
+    """
+
+    name: str
+
+    def render(self, request: ChatRenderRequest) -> RenderedPrompt: ...
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningStream(Protocol):
+    """Per-request streaming split of generated text into reasoning and content."""
+
+    def feed(self, text: str) -> ReasoningDelta: ...
+
+    def finish(self) -> ReasoningDelta: ...
+
+
+class ReasoningParser(Protocol):
+    name: str
+
+    def stream(self, *, prompt_ends_in_reasoning: bool) -> ReasoningStream: ...
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """One OpenAI tool-call delta: the first for an index carries id/name."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str
+    """JSON object text."""
+
+
+@dataclass(frozen=True)
+class ToolParseDelta:
+    content: str = ""
+    calls: tuple[ToolCallDelta, ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolParseResult:
+    content: str
+    """Content text outside tool-call markup (all of it, for non-streaming replies)."""
+    calls: tuple[ToolCall, ...]
+    error: str | None = None
+    """Set when markup was malformed; the raw text is then returned as content."""
+
+
+class ToolCallStream(Protocol):
+    def feed(self, text: str) -> ToolParseDelta: ...
+
+    def finish(self) -> tuple[ToolParseDelta, ToolParseResult]:
+        """Flush what is pending; return the last delta and the whole result."""
+
+
+class ToolCallParser(Protocol):
+    name: str
+
+    def stream(
+        self, *, tools: Sequence[Mapping[str, Any]], parallel_tool_calls: bool = True
+    ) -> ToolCallStream: ...
+
+
+# --------------------------------------------------------------------------- scheduling
+
+
+class SchedulableRequest(Protocol):
+    """The view of a request a scheduler policy may look at."""
+
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    num_computed_tokens: int
+
+
+class SchedulerPolicy(Protocol):
+    """Ordering and victim choice only.  Budgets, chunking and block accounting stay
+    in the engine so every policy inherits the progress guarantee."""
+
+    name: str
+
+    def order_waiting(self, waiting: Sequence[SchedulableRequest]) -> list[SchedulableRequest]:
+        """Admission order for waiting requests (first = admitted first)."""
+
+    def choose_victim(self, running: Sequence[SchedulableRequest]) -> SchedulableRequest:
+        """The running request to preempt when blocks run out."""
+
+
+# --------------------------------------------------------------------------- cache tiers
+
+
+class CacheTier(Protocol):
+    """A store for prefix-cache blocks below the KV pool (host RAM, disk).
+
+    Keys are block hashes (bytes); values are the block's KV payload plus the
+    token ids it covers, so every hit is verified token by token.
+    """
+
+    name: str
+
+    def put(self, key: bytes, token_ids: Sequence[int], payload: bytes) -> bool: ...
+
+    def get(self, key: bytes, token_ids: Sequence[int]) -> bytes | None: ...
+
+    def contains(self, key: bytes) -> bool: ...
+
+    def evict(self, nbytes: int) -> int: ...
+
+    def stats(self) -> Mapping[str, Any]: ...

@@ -1,0 +1,223 @@
+"""The engine thread: the only place that touches model tensors.
+
+``EngineCore.step()`` is three calls — plan, run, publish.  Requests and aborts
+arrive through a thread-safe inbox; outputs leave through the ``publish``
+callback (the asyncio side hops them onto its loop).  If the loop dies, every
+request in flight gets an error output and ``dead_reason`` says why, so
+nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ds4d.engine.request import EngineRequest, FinishReason, Sequence, StepOutput
+from ds4d.engine.runner import ChunkResult, ModelRunner
+from ds4d.engine.scheduler import Scheduler, StepPlan
+from ds4d.engine.stats import EngineStats
+
+log = logging.getLogger("ds4d.engine")
+
+
+@dataclass(frozen=True)
+class _Add:
+    request: EngineRequest
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class EngineCore:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        eos_token_ids: frozenset[int],
+        publish: Callable[[list[StepOutput]], None],
+    ) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.eos_token_ids = eos_token_ids
+        self.publish = publish
+        self.stats = EngineStats()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._seqs: dict[str, Sequence] = {}
+        self._thread: threading.Thread | None = None
+        self.dead_reason: str | None = None
+
+    # ------------------------------------------------------------------ any thread
+
+    def submit(self, request: EngineRequest) -> None:
+        self._inbox.put(_Add(request))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ds4d-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._inbox.put(_Stop())
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self._drain_inbox(block=not self.scheduler.has_work):
+                    break
+                if self.scheduler.has_work:
+                    self.step()
+        except BaseException as exc:  # noqa: BLE001 - the supervisor reports any death
+            self.dead_reason = f"{type(exc).__name__}: {exc}"
+            log.exception("engine thread died")
+            self._fail_all(f"engine stopped: {self.dead_reason}")
+        else:
+            self._fail_all("engine shut down")
+
+    def _drain_inbox(self, *, block: bool) -> bool:
+        """Apply queued adds/aborts; False when asked to stop."""
+        while True:
+            try:
+                item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if isinstance(item, _Stop):
+                return False
+            if isinstance(item, _Add):
+                seq = Sequence(item.request)
+                self._seqs[seq.request_id] = seq
+                self.scheduler.add(seq)
+                self.stats.on_arrival()
+            elif isinstance(item, _Abort):
+                seq = self._seqs.pop(item.request_id, None)
+                if seq is not None:
+                    self._finish(seq, FinishReason.ABORT, publish=False)
+
+    def step(self) -> None:
+        plan = self.scheduler.plan()
+        if plan.empty:
+            time.sleep(0.001)  # every sequence is blocked on memory; aborts will free some
+            return
+        started = time.perf_counter()
+        results = self.runner.run(plan)
+        self.publish(self._postprocess(plan, results, time.perf_counter() - started))
+
+    def _postprocess(self, plan: StepPlan, results: list[ChunkResult], seconds: float) -> list[StepOutput]:
+        outputs = []
+        prefill_tokens = decode_tokens = 0
+        now = time.monotonic()
+        for chunk, result in zip(plan.chunks, results):
+            seq = chunk.seq
+            self.scheduler.committed(chunk)
+            is_decode = chunk.num_tokens == 1 and bool(seq.output_ids)
+            if is_decode:
+                decode_tokens += 1
+            else:
+                prefill_tokens += chunk.num_tokens
+                seq.chunks_done += 1
+                if seq.prefill_started_at is None:
+                    seq.prefill_started_at = now
+            prompt_lp = result.prompt_logprobs
+            if prompt_lp:
+                fresh = prompt_lp[max(0, seq.prompt_logprobs_sent - chunk.start_pos - (chunk.start_pos > 0)):]
+                seq.prompt_logprobs_sent += len(fresh)
+                prompt_lp = fresh
+            if result.token_id is None:
+                if prompt_lp:
+                    outputs.append(StepOutput(seq.request_id, prompt_logprobs=prompt_lp, cached_tokens=seq.cached_tokens))
+                continue
+            first = not seq.output_ids
+            if first:
+                seq.first_token_at = now
+                seq.prefill_ms = (now - (seq.prefill_started_at or now)) * 1000 + seconds * 1000
+            seq.output_ids.append(result.token_id)
+            finish = self._finish_reason(seq, result.token_id)
+            outputs.append(StepOutput(
+                seq.request_id,
+                new_token_ids=(result.token_id,),
+                logprobs=(result.logprob,) if result.logprob else (),
+                prompt_logprobs=prompt_lp,
+                finish_reason=finish,
+                cached_tokens=seq.cached_tokens,
+                first_token=first,
+            ))
+            if finish is not None:
+                self._seqs.pop(seq.request_id, None)
+                self._finish(seq, finish, publish=False)
+        self.stats.on_step(prefill_tokens, decode_tokens, seconds, len(plan.preempted))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.request.params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if len(seq.output_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason, *, publish: bool, error: str | None = None) -> None:
+        self.scheduler.remove(seq)
+        self.runner.sampler.forget(seq.request_id)
+        self.stats.on_finish()
+        if publish:
+            self.publish([StepOutput(seq.request_id, finish_reason=reason, error=error, cached_tokens=seq.cached_tokens)])
+
+    def _fail_all(self, message: str) -> None:
+        seqs = list(self._seqs.values())
+        self._seqs.clear()
+        for seq in seqs:
+            try:
+                self.scheduler.remove(seq)
+            except Exception:  # noqa: BLE001 - bookkeeping may be what broke; still answer
+                pass
+        if seqs:
+            self.publish([StepOutput(s.request_id, finish_reason=FinishReason.ERROR, error=message) for s in seqs])
+
+    # ------------------------------------------------------------------ snapshots
+
+    def snapshot_requests(self) -> list[dict]:
+        """Per-request view for /v1/ds4d/stats (read racily from another thread; fine for display)."""
+        now = time.monotonic()
+        out = []
+        chunk = self.scheduler.prefill_chunk
+        for seq in list(self._seqs.values()):
+            uncomputed_prompt = max(0, seq.num_prompt_tokens - max(seq.num_computed_tokens, seq.cached_tokens))
+            if seq.state_slot is None:
+                phase = "queued"
+            elif not seq.output_ids:
+                phase = "prefill"
+            else:
+                phase = "decode"
+            total_chunks = seq.chunks_done + -(-uncomputed_prompt // chunk)
+            decode_s = now - seq.first_token_at if seq.first_token_at else 0.0
+            out.append({
+                "id": seq.request_id, "phase": phase,
+                "prefill_chunk": seq.chunks_done, "prefill_chunks": max(total_chunks, seq.chunks_done),
+                "prompt_tokens": seq.num_prompt_tokens, "cached_tokens": seq.cached_tokens,
+                "generated_tokens": len(seq.output_ids),
+                "tok_s": round(len(seq.output_ids) / decode_s, 2) if decode_s > 0 else 0.0,
+                "age_s": round(now - seq.arrival_time, 3),
+            })
+        return out

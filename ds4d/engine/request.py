@@ -1,0 +1,119 @@
+"""Request state as the engine thread sees it, and the messages it publishes.
+
+A request is created on the asyncio side (``EngineRequest``: prompt ids and
+sampling parameters, immutable) and owned by the engine thread afterwards
+(``Sequence``: mutable progress).  Outputs travel back as ``StepOutput``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = no top-k cut."""
+    seed: int | None = None
+    max_tokens: int = 256
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Return the sampled token's logprob plus this many top alternatives."""
+    prompt_logprobs: int | None = None
+    """Return a logprob entry for every prompt token (echo), with this many alternatives."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    cache_salt: str = ""
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] = ()
+    """Entries for prompt positions computed this step (None for position 0)."""
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (final once prefill starts)."""
+    first_token: bool = False
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Mutable progress of one request inside the engine thread."""
+
+    def __init__(self, request: EngineRequest) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.arrival_time = request.arrival_time
+        self.status = SeqStatus.WAITING
+        self.output_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.cached_tokens = 0
+        self.block_ids: list[int] = []
+        self.state_slot: int | None = None
+        self.preemptions = 0
+        self.prompt_logprobs_sent = 0
+        self.prefill_started_at: float | None = None
+        self.prefill_ms = 0.0
+        self.first_token_at: float | None = None
+        self.chunks_done = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return [*self.request.prompt_ids, *self.output_ids]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.request.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not in the cache yet (the last sampled token included)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.num_prompt_tokens + self.request.params.max_tokens

@@ -1,0 +1,76 @@
+"""Turns a StepPlan into one model forward and the sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ds4d.contracts import ForwardBatch, Model, SeqChunk
+from ds4d.engine.request import TokenLogprob
+from ds4d.engine.sampler import Sampler, make_logprob
+from ds4d.engine.scheduler import StepPlan
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    token_id: int | None
+    """The sampled next token, when the chunk reached the end of the sequence."""
+    logprob: TokenLogprob | None
+    prompt_logprobs: tuple[TokenLogprob | None, ...]
+
+
+class ModelRunner:
+    def __init__(self, model: Model, sampler: Sampler) -> None:
+        self.model = model
+        self.sampler = sampler
+
+    @torch.inference_mode()
+    def run(self, plan: StepPlan) -> list[ChunkResult]:
+        chunks = []
+        for c in plan.chunks:
+            seq = c.seq
+            tokens = seq.all_token_ids[c.start_pos:c.start_pos + c.num_tokens]
+            chunks.append(SeqChunk(seq.state_slot, tuple(tokens), c.start_pos, tuple(seq.block_ids), c.logits_tokens))
+        logits = self.model.forward(ForwardBatch(tuple(chunks)))
+
+        sample_rows, sample_meta, row = [], [], 0
+        prompt_lp: list[tuple[TokenLogprob | None, ...]] = []
+        for c in plan.chunks:
+            rows = logits[row:row + c.logits_tokens]
+            row += c.logits_tokens
+            wants_prompt = c.seq.request.params.prompt_logprobs is not None and c.start_pos < c.seq.num_prompt_tokens
+            prompt_lp.append(self._prompt_logprobs(c, rows) if wants_prompt else ())
+            if c.sample:
+                sample_rows.append(rows[-1])
+                sample_meta.append((c.seq.request_id, c.seq.request.params))
+        sampled: list[int] = []
+        sampled_lp: list[TokenLogprob | None] = []
+        if sample_rows:
+            sampled, sampled_lp = self.sampler.sample(torch.stack(sample_rows).float(), sample_meta)
+        out, k = [], 0
+        for c, plp in zip(plan.chunks, prompt_lp):
+            if c.sample:
+                out.append(ChunkResult(sampled[k], sampled_lp[k], plp))
+                k += 1
+            else:
+                out.append(ChunkResult(None, None, plp))
+        return out
+
+    @staticmethod
+    def _prompt_logprobs(c, rows: torch.Tensor) -> tuple[TokenLogprob | None, ...]:
+        """Entries for prompt tokens start_pos .. end-1 (logits at p-1 score token p)."""
+        seq = c.seq
+        prompt = seq.request.prompt_ids
+        top_n = seq.request.params.prompt_logprobs or 0
+        lp = torch.log_softmax(rows.float(), dim=-1)
+        entries: list[TokenLogprob | None] = []
+        if c.start_pos == 0:
+            entries.append(None)
+        # row j holds logits at position start_pos + j, which score token start_pos + j + 1
+        for j in range(rows.shape[0]):
+            pos = c.start_pos + j + 1
+            if pos >= len(prompt):
+                break
+            entries.append(make_logprob(lp[j], prompt[pos], top_n))
+        return tuple(entries)

@@ -1,0 +1,73 @@
+"""Token sampling from logits rows.
+
+Greedy rows are one batched argmax.  Sampled rows apply temperature, top-k and
+top-p, then draw with the request's own generator, so a seeded request gives
+the same tokens whatever else shares the batch.  Logprobs are taken from the
+model's distribution (before temperature), as OpenAI reports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ds4d.engine.request import SamplingParams, TokenLogprob
+
+
+class Sampler:
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+        self._generators: dict[str, torch.Generator] = {}
+
+    def generator_for(self, request_id: str, seed: int | None) -> torch.Generator:
+        gen = self._generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            if seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(seed)
+            self._generators[request_id] = gen
+        return gen
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def sample(
+        self, logits: torch.Tensor, rows: Sequence[tuple[str, SamplingParams]]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """One token per row of ``logits`` ([R, V] float32)."""
+        tokens = torch.argmax(logits, dim=-1)
+        for i, (request_id, params) in enumerate(rows):
+            if params.greedy:
+                continue
+            row = logits[i] / params.temperature
+            if params.top_k > 0 and params.top_k < row.shape[-1]:
+                kth = torch.topk(row, params.top_k).values[-1]
+                row = row.masked_fill(row < kth, float("-inf"))
+            probs = torch.softmax(row, dim=-1)
+            if params.top_p < 1.0:
+                sorted_probs, order = torch.sort(probs, descending=True)
+                cumulative = torch.cumsum(sorted_probs, dim=-1)
+                drop = cumulative - sorted_probs > params.top_p
+                sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+                probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+            gen = self.generator_for(request_id, params.seed)
+            tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
+        token_list = tokens.tolist()
+        logprobs: list[TokenLogprob | None] = [None] * len(rows)
+        want = [i for i, (_, p) in enumerate(rows) if p.logprobs is not None]
+        if want:
+            lp = torch.log_softmax(logits[want], dim=-1)
+            for j, i in enumerate(want):
+                logprobs[i] = make_logprob(lp[j], token_list[i], rows[i][1].logprobs or 0)
+        return token_list, logprobs
+
+
+def make_logprob(logprob_row: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:
+    top: tuple[tuple[int, float], ...] = ()
+    if top_n > 0:
+        values, ids = torch.topk(logprob_row, min(top_n, logprob_row.shape[-1]))
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id, float(logprob_row[token_id]), top)

@@ -1,0 +1,229 @@
+"""Scheduler mechanics: budgets, chunking, block accounting, preemption.
+
+The policy plugin only orders waiting requests and picks preemption victims;
+everything that guarantees progress lives here:
+
+* Running sequences are served before new ones are admitted, decodes first,
+  then prefill chunks, oldest first.  Each gets ``min(uncomputed,
+  prefill_chunk, remaining budget)`` tokens, so a long prompt with a tiny
+  budget still advances every step it is scheduled.
+* When blocks run out the policy's victim is preempted (its blocks released,
+  its progress dropped, recomputed later).  The oldest running sequence is
+  never a victim while a younger one exists, so it always finishes: no
+  preempt/restart loop can starve everyone.
+* A request that could never fit (more tokens than the whole pool) is refused
+  by :meth:`Scheduler.check_fits` before it is queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ds4d.cache.blocks import BlockPool, block_keys
+from ds4d.contracts import SchedulerPolicy
+from ds4d.engine.request import Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    seq: Sequence
+    """The sequence (engine-thread object; the plan is consumed within the step)."""
+    start_pos: int
+    """First position fed this step (== seq.num_computed_tokens at plan time)."""
+    num_tokens: int
+    sample: bool
+    """This chunk reaches the end of the known tokens: sample the next one."""
+    logits_tokens: int
+    """Trailing positions that need logits (prompt logprobs need them all)."""
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The scheduler's single hand-off to the runner for one engine step."""
+
+    chunks: tuple[ScheduledChunk, ...]
+    preempted: tuple[str, ...] = ()
+    """Request ids preempted while planning (they return to the waiting queue)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: BlockPool,
+        policy: SchedulerPolicy,
+        *,
+        max_num_seqs: int,
+        step_tokens: int,
+        prefill_chunk: int,
+        namespace: bytes,
+        prefix_reuse: bool = True,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.max_num_seqs = max_num_seqs
+        self.step_tokens = step_tokens
+        self.prefill_chunk = prefill_chunk
+        self.namespace = namespace
+        self.prefix_reuse = prefix_reuse and pool.prefix_caching
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.preemptions_total = 0
+
+    # ------------------------------------------------------------------ queue
+
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.pool.block_size
+
+    def check_fits(self, total_tokens: int) -> bool:
+        return total_tokens <= self.capacity_tokens()
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Finish or abort: release everything the sequence holds."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SeqStatus.FINISHED
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ planning
+
+    def plan(self) -> StepPlan:
+        budget = self.step_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        order = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival_time))
+        for seq in order:
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            if budget == 0:
+                break
+            n = min(seq.num_uncomputed_tokens, self.prefill_chunk, budget)
+            if not self._grow(seq, seq.num_computed_tokens + n, preempted):
+                continue
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+
+        if not preempted:
+            for seq in self.policy.order_waiting(self.waiting):
+                if budget == 0 or len(self.running) >= self.max_num_seqs:
+                    break
+                if not self._admit(seq):
+                    break
+                n = min(seq.num_uncomputed_tokens, self.prefill_chunk, budget)
+                if not self._grow(seq, seq.num_computed_tokens + n, None):
+                    self._release(seq)
+                    self.running.remove(seq)
+                    self.waiting.insert(0, seq)
+                    seq.status = SeqStatus.WAITING
+                    break
+                chunks.append(self._chunk(seq, n))
+                budget -= n
+        return StepPlan(tuple(chunks), tuple(preempted))
+
+    def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        sample = start + n == seq.num_tokens
+        wants_prompt = seq.request.params.prompt_logprobs is not None and start < seq.num_prompt_tokens
+        logits_tokens = n if wants_prompt else (1 if sample else 0)
+        return ScheduledChunk(seq, start, n, sample, logits_tokens)
+
+    def _admit(self, seq: Sequence) -> bool:
+        """Move from waiting to running: state slot plus any prefix-cache hit."""
+        tokens = seq.all_token_ids
+        bs = self.pool.block_size
+        reuse = self.prefix_reuse and seq.request.params.prompt_logprobs is None
+        keys = block_keys(tokens, bs, self.namespace + seq.request.cache_salt.encode()) if reuse else []
+        match = self.pool.match(tokens, keys)
+        # keep at least one token to compute: its logits give the next token
+        while match.num_blocks and match.num_blocks * bs >= len(tokens):
+            match.block_ids.pop()
+            match.keys.pop()
+        self.pool.acquire(match)
+        if keys:
+            if match.num_blocks:
+                self.pool.hits += 1
+            else:
+                self.pool.misses += 1
+        seq.block_ids = list(match.block_ids)
+        seq.num_computed_tokens = match.num_blocks * bs
+        if not seq.output_ids:
+            seq.cached_tokens = seq.num_computed_tokens
+        seq.state_slot = self._free_slots.pop()
+        seq.status = SeqStatus.RUNNING
+        self.waiting.remove(seq)
+        self.running.append(seq)
+        return True
+
+    def _grow(self, seq: Sequence, end: int, preempted: list[str] | None) -> bool:
+        """Make seq's block table cover ``end`` tokens, preempting others if allowed."""
+        need = -(-end // self.pool.block_size) - len(seq.block_ids)
+        while need > 0:
+            got = self.pool.allocate(need)
+            if got is not None:
+                seq.block_ids.extend(got)
+                return True
+            if preempted is None:
+                return False
+            victim = self.policy.choose_victim(self.running)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.preemptions_total += 1
+        self.waiting.insert(0, seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_ids:
+            self._register_full_blocks(seq)
+            self.pool.release(seq.block_ids)
+            seq.block_ids = []
+        if seq.state_slot is not None:
+            self._free_slots.append(seq.state_slot)
+            seq.state_slot = None
+
+    # ------------------------------------------------------------------ after a step
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        if not self.prefix_reuse:
+            return
+        bs = self.pool.block_size
+        full = seq.num_computed_tokens // bs
+        tokens = seq.all_token_ids[: full * bs]
+        keys = block_keys(tokens, bs, self.namespace + seq.request.cache_salt.encode())
+        for i, key in enumerate(keys):
+            self.pool.register(seq.block_ids[i], key, tokens[i * bs:(i + 1) * bs])
+
+    def committed(self, chunk: ScheduledChunk) -> None:
+        """The chunk's KV is now in the pool: advance and index newly full blocks."""
+        seq = chunk.seq
+        before = seq.num_computed_tokens // self.pool.block_size
+        seq.num_computed_tokens = chunk.start_pos + chunk.num_tokens
+        if seq.num_computed_tokens // self.pool.block_size > before:
+            self._register_full_blocks(seq)

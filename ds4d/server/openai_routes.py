@@ -1,0 +1,307 @@
+"""OpenAI endpoints: /v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from ds4d.contracts import ChatRenderRequest, RenderedPrompt, Tokenizer
+from ds4d.engine.client import EngineDead
+from ds4d.engine.request import EngineRequest, SamplingParams, TokenLogprob
+from ds4d.server.errors import ApiError, parse_json
+from ds4d.server.generation import Generation
+from ds4d.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                 _Sampling)
+from ds4d.server.sse import SseWriter
+from ds4d.server.state import ServingState
+
+routes = web.RouteTableDef()
+
+
+def _state(request: web.Request) -> ServingState:
+    return request.app["state"]
+
+
+def _sampling(body: _Sampling, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k in (None, -1) else body.top_k,
+        seed=body.seed,
+        max_tokens=max_tokens,
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def _render(state: ServingState, messages: list, tools: list | None, kwargs: dict | None,
+            effort: str | None) -> RenderedPrompt:
+    kwargs = dict(kwargs or {})
+    thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
+    drop = kwargs.get("drop_thinking")
+    for key, value in (("thinking", thinking), ("drop_thinking", drop)):
+        if value is not None and not isinstance(value, bool):
+            raise ApiError(400, f"chat_template_kwargs.{key} must be a boolean", param=f"chat_template_kwargs.{key}")
+    req = ChatRenderRequest(
+        messages=tuple(m.model_dump(exclude_none=True) for m in messages),
+        tools=tuple(tools or ()),
+        thinking=thinking, drop_thinking=drop, reasoning_effort=effort, template_kwargs=kwargs,
+    )
+    try:
+        return state.encoder.render(req)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ApiError(400, f"cannot render the messages: {exc}", param="messages", code="invalid_messages") from None
+    except Exception as exc:  # jinja2 errors raised by templates (raise_exception) land here
+        if type(exc).__module__.startswith("jinja2"):
+            raise ApiError(400, f"chat template error: {exc}", param="messages", code="invalid_messages") from None
+        raise
+
+
+def _logprob_entry(state: ServingState, lp: TokenLogprob) -> dict:
+    def tok(i: int) -> str:
+        return state.tokenizer.decode([i])
+
+    text = tok(lp.token_id)
+    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode()),
+            "top_logprobs": [{"token": tok(i), "logprob": v, "bytes": list(tok(i).encode())} for i, v in lp.top]}
+
+
+def _open(state: ServingState, request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams, salt: str):
+    try:
+        return state.client.open(EngineRequest(request_id, prompt_ids, params, cache_salt=salt))
+    except EngineDead as exc:
+        raise ApiError(503, f"the engine is not running: {exc}", type="server_error", code="engine_dead") from None
+
+
+# --------------------------------------------------------------------------- chat
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = _state(request)
+    body = ChatCompletionRequest.model_validate(await parse_json(request))
+    state.check_model(body.model)
+    state.check_alive()
+    rendered = _render(state, body.messages, body.tools, body.chat_template_kwargs, body.reasoning_effort)
+    prompt_ids = rendered.token_ids
+    max_tokens = state.output_budget(len(prompt_ids), body.output_limit())
+    top = body.top_logprobs or 0
+    params = _sampling(body, max_tokens, logprobs=top if body.logprobs else None, prompt_logprobs=None)
+    request_id = state.new_id("chatcmpl")
+    tools_stream = state.tools.stream(tools=body.tools or (), parallel_tool_calls=body.parallel_tool_calls) \
+        if body.tools and body.tool_choice != "none" else None
+    reasoning_stream = state.reasoning.stream(prompt_ends_in_reasoning=rendered.ends_in_reasoning)
+    gen = Generation(_open(state, request_id, prompt_ids, params, _salt(request, body)), state.tokenizer,
+                     prompt_tokens=len(prompt_ids), stops=body.stop_list(),
+                     reasoning=reasoning_stream, tools=tools_stream)
+    created = int(time.time())
+    base = {"id": request_id, "created": created, "model": state.served_model_name}
+    if body.stream:
+        return await _chat_stream(request, state, body, gen, base)
+    return await _chat_full(state, body, gen, base)
+
+
+async def _chat_full(state: ServingState, body: ChatCompletionRequest, gen: Generation, base: dict) -> web.Response:
+    reasoning, content, logprobs = [], [], []
+    async for d in gen.deltas():
+        reasoning.append(d.reasoning)
+        content.append(d.content)
+        logprobs.extend(d.logprobs)
+    if gen.error:
+        raise ApiError(500, gen.error, type="server_error", code="generation_failed")
+    message: dict = {"role": "assistant", "content": "".join(content)}
+    if "".join(reasoning):
+        message["reasoning_content"] = "".join(reasoning)
+    if gen.calls:
+        message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                 for c in gen.calls]
+    choice = {"index": 0, "message": message, "finish_reason": gen.finish_reason,
+              "logprobs": {"content": [_logprob_entry(state, lp) for lp in logprobs]} if body.logprobs else None}
+    return web.json_response({**base, "object": "chat.completion", "choices": [choice], "usage": gen.usage.as_dict()})
+
+
+async def _chat_stream(request: web.Request, state: ServingState, body: ChatCompletionRequest, gen: Generation,
+                       base: dict) -> web.StreamResponse:
+    sse = await SseWriter.start(request)
+    chunk = {**base, "object": "chat.completion.chunk"}
+
+    def choice(delta: dict, finish: str | None = None, logprobs: list | None = None) -> dict:
+        c: dict = {"index": 0, "delta": delta, "finish_reason": finish}
+        if body.logprobs:
+            c["logprobs"] = {"content": [_logprob_entry(state, lp) for lp in logprobs or []]}
+        return {**chunk, "choices": [c]}
+
+    try:
+        await sse.send(choice({"role": "assistant", "content": ""}))
+        async for d in gen.deltas():
+            if d.keepalive:
+                await sse.comment("keepalive")
+                continue
+            delta: dict = {}
+            if d.reasoning:
+                delta["reasoning_content"] = d.reasoning
+            if d.content:
+                delta["content"] = d.content
+            if d.tool_calls:
+                delta["tool_calls"] = [_tool_delta(t) for t in d.tool_calls]
+            if delta or d.logprobs:
+                await sse.send(choice(delta, logprobs=d.logprobs))
+        if gen.error:
+            await sse.send({"error": {"message": gen.error, "type": "server_error", "param": None,
+                                      "code": "generation_failed"}})
+        else:
+            await sse.send(choice({}, gen.finish_reason))
+            if body.stream_options and body.stream_options.include_usage:
+                await sse.send({**chunk, "choices": [], "usage": gen.usage.as_dict()})
+        await sse.done()
+    except ConnectionResetError:
+        pass  # client went away; leaving the generator aborted the request
+    return sse.response
+
+
+def _tool_delta(t) -> dict:
+    d: dict = {"index": t.index}
+    if t.id is not None:
+        d["id"] = t.id
+        d["type"] = "function"
+    fn: dict = {}
+    if t.name is not None:
+        fn["name"] = t.name
+    fn["arguments"] = t.arguments
+    d["function"] = fn
+    return d
+
+
+def _salt(request: web.Request, body: _Sampling) -> str:
+    key = request.get("api_key") or ""
+    return f"{key}\x00{body.cache_salt or ''}" if (key or body.cache_salt) else ""
+
+
+# --------------------------------------------------------------------------- completions
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = _state(request)
+    body = CompletionRequest.model_validate(await parse_json(request))
+    state.check_model(body.model)
+    state.check_alive()
+    prompt = body.prompt
+    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        prompt_ids = tuple(state.tokenizer.encode(prompt, add_special_tokens=True))
+        prompt_text = prompt
+    else:
+        bad = [t for t in prompt if not 0 <= t < state.info.vocab_size]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary", param="prompt", code="invalid_token")
+        prompt_ids = tuple(prompt)
+        prompt_text = state.tokenizer.decode(prompt_ids)
+    if not prompt_ids:
+        raise ApiError(400, "prompt is empty after tokenisation", param="prompt")
+    scoring_only = body.max_tokens == 0
+    max_tokens = state.output_budget(len(prompt_ids), 1 if scoring_only else body.max_tokens)
+    want_prompt_lp = body.echo and body.logprobs is not None
+    params = _sampling(body, max_tokens, logprobs=body.logprobs,
+                       prompt_logprobs=(body.logprobs or 0) if want_prompt_lp else None)
+    request_id = state.new_id("cmpl")
+    gen = Generation(_open(state, request_id, prompt_ids, params, _salt(request, body)), state.tokenizer,
+                     prompt_tokens=len(prompt_ids), stops=body.stop_list(), drop_output_tokens=scoring_only)
+    base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": state.served_model_name}
+    if body.stream:
+        return await _completion_stream(request, body, gen, base, prompt_text)
+    text, lps, prompt_lps = [], [], []
+    async for d in gen.deltas():
+        text.append(d.content)
+        lps.extend(d.logprobs)
+        prompt_lps.extend(d.prompt_logprobs)
+    if gen.error:
+        raise ApiError(500, gen.error, type="server_error", code="generation_failed")
+    out_text = "".join(text)
+    logprobs = None
+    if body.logprobs is not None:
+        entries = (list(zip(prompt_ids, prompt_lps)) if body.echo else []) + [(lp.token_id, lp) for lp in lps]
+        logprobs = _completion_logprobs(state.tokenizer, entries)
+    choice = {"index": 0, "text": (prompt_text if body.echo else "") + out_text,
+              "finish_reason": gen.finish_reason, "logprobs": logprobs}
+    if scoring_only:
+        gen.usage.completion_tokens = 0
+    return web.json_response({**base, "choices": [choice], "usage": gen.usage.as_dict()})
+
+
+def _completion_logprobs(tokenizer: Tokenizer, entries: list[tuple[int, TokenLogprob | None]]) -> dict:
+    tokens, token_lps, tops, offsets, pos = [], [], [], [], 0
+    for token_id, lp in entries:
+        text = tokenizer.decode([token_id])
+        tokens.append(text)
+        offsets.append(pos)
+        pos += len(text)
+        token_lps.append(None if lp is None else lp.logprob)
+        tops.append(None if lp is None else {tokenizer.decode([i]): v for i, v in lp.top})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+async def _completion_stream(request: web.Request, body: CompletionRequest, gen: Generation, base: dict,
+                             prompt_text: str) -> web.StreamResponse:
+    sse = await SseWriter.start(request)
+    try:
+        if body.echo:
+            await sse.send({**base, "choices": [{"index": 0, "text": prompt_text, "finish_reason": None,
+                                                 "logprobs": None}]})
+        async for d in gen.deltas():
+            if d.keepalive:
+                await sse.comment("keepalive")
+            elif d.content:
+                await sse.send({**base, "choices": [{"index": 0, "text": d.content, "finish_reason": None,
+                                                     "logprobs": None}]})
+        await sse.send({**base, "choices": [{"index": 0, "text": "", "finish_reason": gen.finish_reason,
+                                             "logprobs": None}]})
+        if body.stream_options and body.stream_options.include_usage:
+            await sse.send({**base, "choices": [], "usage": gen.usage.as_dict()})
+        await sse.done()
+    except ConnectionResetError:
+        pass
+    return sse.response
+
+
+# --------------------------------------------------------------------------- models, tokenize
+
+
+@routes.get("/v1/models")
+async def models(request: web.Request) -> web.Response:
+    state = _state(request)
+    return web.json_response({"object": "list", "data": [{
+        "id": state.served_model_name, "object": "model", "created": int(state.started_at), "owned_by": "ds4d",
+        "max_model_len": state.max_context_tokens}]})
+
+
+@routes.post("/tokenize")
+async def tokenize(request: web.Request) -> web.Response:
+    state = _state(request)
+    body = TokenizeRequest.model_validate(await parse_json(request))
+    state.check_model(body.model)
+    if body.messages is not None:
+        rendered = _render(state, body.messages, body.tools, body.chat_template_kwargs, body.reasoning_effort)
+        ids, text = list(rendered.token_ids), rendered.text
+    elif body.prompt is not None:
+        ids, text = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens), body.prompt
+    else:
+        raise ApiError(400, "give either prompt or messages", param="prompt")
+    return web.json_response({"tokens": ids, "count": len(ids), "prompt": text,
+                              "max_model_len": state.max_context_tokens})
+
+
+@routes.post("/detokenize")
+async def detokenize(request: web.Request) -> web.Response:
+    state = _state(request)
+    body = DetokenizeRequest.model_validate(await parse_json(request))
+    state.check_model(body.model)
+    bad = [t for t in body.tokens if not 0 <= t < state.info.vocab_size]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is outside the vocabulary", param="tokens", code="invalid_token")
+    return web.json_response({"prompt": state.tokenizer.decode(body.tokens)})
+

@@ -1,0 +1,177 @@
+"""Engine mechanics on the toy model: batching, chunking, prefix reuse, preemption, progress."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import pytest
+
+from ds4d.cache.blocks import BlockPool
+from ds4d.contracts import PluginContext
+from ds4d.engine.core import EngineCore
+from ds4d.engine.request import EngineRequest, FinishReason, SamplingParams
+from ds4d.engine.runner import ModelRunner
+from ds4d.engine.sampler import Sampler
+from ds4d.engine.scheduler import Scheduler
+from ds4d.plugins.scheduler_fcfs import FcfsPolicy
+from tests.toy_model import ToyModel, reference_tokens
+
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def make_engine(num_blocks=64, block_size=4, max_num_seqs=8, step_tokens=64, prefill_chunk=16, prefix=True):
+    model = ToyModel(block_size)
+    model.allocate_cache(num_blocks, max_num_seqs)
+    pool = BlockPool(num_blocks, block_size, prefix_caching=prefix)
+    policy = FcfsPolicy(PluginContext(types.SimpleNamespace(), logging.getLogger("t")), {})
+    sched = Scheduler(pool, policy, max_num_seqs=max_num_seqs, step_tokens=step_tokens,
+                      prefill_chunk=prefill_chunk, namespace=b"toy")
+    outputs = []
+    core = EngineCore(sched, ModelRunner(model, Sampler()), frozenset({0}), publish=outputs.extend)
+    return core, outputs, model
+
+
+def run(core, outputs, requests, max_steps=10_000):
+    for r in requests:
+        core.submit(r)
+    core._drain_inbox(block=False)
+    steps = 0
+    while core.scheduler.has_work:
+        core.step()
+        steps += 1
+        assert steps < max_steps, "no progress"
+    tokens = {}
+    finish = {}
+    for o in outputs:
+        tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if o.finish_reason:
+            finish[o.request_id] = o.finish_reason
+    return tokens, finish, steps
+
+
+def req(rid, prompt, n, **kw):
+    return EngineRequest(rid, tuple(prompt), SamplingParams(max_tokens=n, **{**GREEDY, **kw}))
+
+
+def test_single_request_matches_reference():
+    core, outputs, _ = make_engine()
+    prompt = list(range(1, 30))
+    tokens, finish, _ = run(core, outputs, [req("a", prompt, 10)])
+    assert tokens["a"] == reference_tokens(prompt, 10)
+    assert finish["a"] is FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 16, 1000])
+def test_chunk_size_does_not_change_output(chunk):
+    core, outputs, _ = make_engine(prefill_chunk=chunk)
+    prompt = [5, 9, 2, 7] * 9
+    tokens, _, _ = run(core, outputs, [req("a", prompt, 6)])
+    assert tokens["a"] == reference_tokens(prompt, 6)
+
+
+def test_batch_equals_solo_and_all_finish():
+    core, outputs, _ = make_engine()
+    prompts = {f"r{i}": [i + 1] * (3 + 5 * i) for i in range(6)}
+    tokens, finish, _ = run(core, outputs, [req(k, p, 8) for k, p in prompts.items()])
+    for k, p in prompts.items():
+        assert tokens[k] == reference_tokens(p, 8)
+        assert finish[k] is FinishReason.LENGTH
+    assert core.scheduler.pool.num_free == core.scheduler.pool.num_blocks
+
+
+def test_prefix_reuse_is_counted_and_exact():
+    core, outputs, model = make_engine()
+    prompt = list(range(1, 23))  # 5 full blocks of 4 + 2
+    run(core, outputs, [req("a", prompt, 3)])
+    outputs.clear()
+    tokens, _, _ = run(core, outputs, [req("b", prompt, 3)])
+    assert tokens["b"] == reference_tokens(prompt, 3)
+    cached = max(o.cached_tokens for o in outputs)
+    assert cached == 20
+    first_b = model.forward_calls[-3].chunks[0]
+    assert first_b.start_pos == 20 and len(first_b.token_ids) == 2
+
+
+def test_cache_salt_isolates_prefixes():
+    core, outputs, _ = make_engine()
+    prompt = list(range(1, 23))
+    run(core, outputs, [EngineRequest("a", tuple(prompt), SamplingParams(max_tokens=2, **GREEDY), cache_salt="x")])
+    outputs.clear()
+    run(core, outputs, [EngineRequest("b", tuple(prompt), SamplingParams(max_tokens=2, **GREEDY), cache_salt="y")])
+    assert max(o.cached_tokens for o in outputs) == 0
+
+
+def test_full_prompt_hit_still_computes_last_token():
+    core, outputs, _ = make_engine()
+    prompt = list(range(1, 17))  # exactly 4 blocks
+    run(core, outputs, [req("a", prompt, 2)])
+    outputs.clear()
+    tokens, _, _ = run(core, outputs, [req("b", prompt, 2)])
+    assert tokens["b"] == reference_tokens(prompt, 2)
+    assert max(o.cached_tokens for o in outputs) == 12
+
+
+def test_preemption_under_memory_pressure_keeps_outputs_exact():
+    # 12 blocks of 4 = 48 tokens; three requests that each end at 8 + 20 = 28 tokens cannot all fit
+    core, outputs, _ = make_engine(num_blocks=12, prefix=False)
+    prompts = {k: [j + 3] * 8 for j, k in enumerate("abc")}
+    tokens, finish, _ = run(core, outputs, [req(k, p, 20) for k, p in prompts.items()])
+    assert core.scheduler.preemptions_total > 0
+    for k, p in prompts.items():
+        assert tokens[k] == reference_tokens(p, 20), k
+        assert finish[k] is FinishReason.LENGTH
+
+
+def test_long_prompt_with_tiny_budget_finishes():
+    core, outputs, _ = make_engine(step_tokens=8, prefill_chunk=2, max_num_seqs=4)
+    prompt = [3] * 200
+    other = [req(f"o{i}", [i + 1] * 5, 30) for i in range(3)]
+    tokens, finish, steps = run(core, outputs, [req("long", prompt, 4), *other])
+    assert tokens["long"] == reference_tokens(prompt, 4)
+    assert len(finish) == 4
+
+
+def test_eos_and_stop_token_ids_finish():
+    core, outputs, _ = make_engine()
+    prompt = [1, 2, 3]
+    first = reference_tokens(prompt, 1)[0]
+    r = EngineRequest("a", tuple(prompt), SamplingParams(max_tokens=50, temperature=0.0,
+                                                         stop_token_ids=frozenset({first})))
+    tokens, finish, _ = run(core, outputs, [r])
+    assert tokens["a"] == [first] and finish["a"] is FinishReason.STOP
+
+
+def test_prompt_logprobs_one_entry_per_prompt_token_across_chunks():
+    core, outputs, _ = make_engine(prefill_chunk=5)
+    prompt = list(range(1, 18))
+    r = EngineRequest("a", tuple(prompt), SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))
+    run(core, outputs, [r])
+    entries = [e for o in outputs for e in o.prompt_logprobs]
+    assert len(entries) == len(prompt)
+    assert entries[0] is None
+    assert [e.token_id for e in entries[1:]] == prompt[1:]
+    assert all(len(e.top) == 2 for e in entries[1:])
+
+
+def test_abort_frees_blocks():
+    core, outputs, _ = make_engine()
+    core.submit(req("a", [1] * 30, 1000))
+    core._drain_inbox(block=False)
+    for _ in range(5):
+        core.step()
+    assert core.scheduler.pool.num_used > 0
+    core.abort("a")
+    core._drain_inbox(block=False)
+    assert not core.scheduler.has_work
+    assert core.scheduler.pool.num_used == 0
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent():
+    def sample(extra):
+        core, outputs, _ = make_engine()
+        r = EngineRequest("s", (1, 2, 3), SamplingParams(max_tokens=12, temperature=1.5, seed=7, ignore_eos=True))
+        tokens, _, _ = run(core, outputs, [r, *extra])
+        return tokens["s"]
+
+    assert sample([]) == sample([req("x", [4, 5], 12)])
