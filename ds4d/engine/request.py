@@ -10,6 +10,23 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TokenConstraint(Protocol):
+    """Per-request constrained decoding (e.g. a forced tool call).
+
+    Stateful: the sampler asks for the allowed set before each sampled token and
+    reports the token it chose.  Used only by the engine thread."""
+
+    def allowed_mask(self, vocab_size: int) -> "torch.Tensor | None":
+        """Bool mask [vocab_size] of tokens allowed next; None = no restriction."""
+
+    def accept(self, token_id: int) -> None:
+        """The token that was sampled."""
 
 
 @dataclass(frozen=True)
@@ -26,6 +43,8 @@ class SamplingParams:
     """Return the sampled token's logprob plus this many top alternatives."""
     prompt_logprobs: int | None = None
     """Return a logprob entry for every prompt token (echo), with this many alternatives."""
+    constraint: TokenConstraint | None = field(default=None, compare=False)
+    """Restricts which tokens may be sampled (applied before greedy/temperature sampling)."""
 
     @property
     def greedy(self) -> bool:

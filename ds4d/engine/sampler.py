@@ -38,6 +38,14 @@ class Sampler:
         self, logits: torch.Tensor, rows: Sequence[tuple[str, SamplingParams]]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """One token per row of ``logits`` ([R, V] float32)."""
+        raw = logits
+        constrained = [i for i, (_, p) in enumerate(rows) if p.constraint is not None]
+        if constrained:
+            logits = logits.clone()
+            for i in constrained:
+                mask = rows[i][1].constraint.allowed_mask(logits.shape[-1])
+                if mask is not None:
+                    logits[i].masked_fill_(~mask.to(logits.device), float("-inf"))
         tokens = torch.argmax(logits, dim=-1)
         for i, (request_id, params) in enumerate(rows):
             if params.greedy:
@@ -56,10 +64,12 @@ class Sampler:
             gen = self.generator_for(request_id, params.seed)
             tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
         token_list = tokens.tolist()
+        for i in constrained:
+            rows[i][1].constraint.accept(token_list[i])
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         want = [i for i, (_, p) in enumerate(rows) if p.logprobs is not None]
         if want:
-            lp = torch.log_softmax(logits[want], dim=-1)
+            lp = torch.log_softmax(raw[want], dim=-1)
             for j, i in enumerate(want):
                 logprobs[i] = make_logprob(lp[j], token_list[i], rows[i][1].logprobs or 0)
         return token_list, logprobs

@@ -11,13 +11,13 @@ from aiohttp import web
 from ds4d import __version__
 from ds4d.config import GIB
 from ds4d.cuda.devices import gpu_memory
-from ds4d.server.state import ServingState
+from ds4d.server.state import STATE, ServingState
 
 routes = web.RouteTableDef()
 
 
 def _state(request: web.Request) -> ServingState:
-    return request.app["state"]
+    return request.app[STATE]
 
 
 @routes.get("/health")

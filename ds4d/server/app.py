@@ -8,7 +8,7 @@ from aiohttp import web
 
 from ds4d.server import admin, openai_routes
 from ds4d.server.errors import ApiError, error_middleware, error_response
-from ds4d.server.state import ServingState
+from ds4d.server.state import STATE, ServingState
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -41,7 +41,7 @@ def build_app(state: ServingState) -> web.Application:
         client_max_size=state.config.max_body_bytes,
         handler_args={"max_field_size": 16384, "max_line_size": 16384},
     )
-    app["state"] = state
+    app[STATE] = state
     app.add_routes(openai_routes.routes)
     app.add_routes(admin.routes)
     return app

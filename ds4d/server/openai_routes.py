@@ -14,13 +14,13 @@ from ds4d.server.generation import Generation
 from ds4d.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                  _Sampling)
 from ds4d.server.sse import SseWriter
-from ds4d.server.state import ServingState
+from ds4d.server.state import STATE, ServingState
 
 routes = web.RouteTableDef()
 
 
 def _state(request: web.Request) -> ServingState:
-    return request.app["state"]
+    return request.app[STATE]
 
 
 def _sampling(body: _Sampling, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiohttp import web
+
 from ds4d.config import LoadedConfig
 from ds4d.contracts import ChatEncoder, ModelInfo, ReasoningParser, Tokenizer, ToolCallParser
 from ds4d.engine.client import EngineClient
@@ -65,3 +67,6 @@ class ServingState:
                 param="messages", code="context_length_exceeded")
         room = limit - prompt_tokens
         return room if requested is None else min(requested, room)
+
+
+STATE = web.AppKey("state", ServingState)

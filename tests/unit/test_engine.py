@@ -175,3 +175,56 @@ def test_seeded_sampling_is_reproducible_and_batch_independent():
         return tokens["s"]
 
     assert sample([]) == sample([req("x", [4, 5], 12)])
+
+
+class ExplodingModel(ToyModel):
+    def forward(self, batch):
+        raise RuntimeError("device lost")
+
+
+def test_engine_death_fails_requests_and_reports_reason():
+    core, outputs, _ = make_engine()
+    model = ExplodingModel()
+    model.allocate_cache(64, 8)
+    core.runner.model = model
+    core.start()
+    core.submit(req("a", [1, 2, 3], 5))
+    core._thread.join(10)
+    assert not core.alive
+    assert "device lost" in core.dead_reason
+    assert [o.finish_reason for o in outputs if o.request_id == "a"] == [FinishReason.ERROR]
+    assert "device lost" in outputs[-1].error
+
+
+class OnlyToken:
+    """Allows one token id, then anything."""
+
+    def __init__(self, token_id):
+        self.token_id = token_id
+        self.accepted = []
+
+    def allowed_mask(self, vocab_size):
+        import torch
+
+        if self.accepted:
+            return None
+        mask = torch.zeros(vocab_size, dtype=torch.bool)
+        mask[self.token_id] = True
+        return mask
+
+    def accept(self, token_id):
+        self.accepted.append(token_id)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_token_constraint_is_applied_then_released(temperature):
+    core, outputs, _ = make_engine()
+    constraint = OnlyToken(42)
+    prompt = [1, 2, 3]
+    r = EngineRequest("c", tuple(prompt), SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True,
+                                                         constraint=constraint, seed=3))
+    tokens, _, _ = run(core, outputs, [r])
+    assert tokens["c"][0] == 42
+    assert constraint.accepted == tokens["c"]
+    if temperature == 0.0:
+        assert tokens["c"][1:] == reference_tokens(prompt + [42], 2)
