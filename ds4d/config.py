@@ -65,6 +65,10 @@ class Config:
     thinking_default: bool = knob(True, "Thinking mode when a request does not set chat_template_kwargs.thinking.", section="plugins")
     # --- limits
     max_queued_requests: int = knob(256, "Requests waiting beyond this get 503 with Retry-After.", section="limits")
+    queue_timeout_s: float = knob(600.0, "A request still queued after this many seconds ends with a timeout error; 0 = never.", section="limits")
+    request_timeout_s: float = knob(0.0, "A request running longer than this many seconds ends with a timeout error; 0 = never.", section="limits")
+    drain_timeout_s: float = knob(30.0, "On SIGTERM, wait this long for requests in flight before exiting (a second SIGTERM exits at once).", section="limits")
+    stall_timeout_s: float = knob(120.0, "/ready turns false when work is queued but no token was produced for this many seconds.", section="limits")
     mem_watermark_gib: float = knob(15.0, "Host MemAvailable watermark in GiB (reported; admission guard).", section="limits")
     mem_floor_gib: float = knob(8.0, "Hard host MemAvailable floor in GiB during long prefills.", section="limits")
     # --- logging

@@ -124,7 +124,8 @@ class Kernel:
         scheduler = Scheduler(pool, policy, max_num_seqs=cfg.max_num_seqs, step_tokens=cfg.step_tokens,
                               prefill_chunk=cfg.prefill_chunk, namespace=namespace, prefix_reuse=prefix_reuse)
         core = EngineCore(scheduler, ModelRunner(model, Sampler(info.device)), model.tokenizer.eos_token_ids,
-                          publish=lambda outputs: None)
+                          publish=lambda outputs: None, queue_timeout_s=cfg.queue_timeout_s,
+                          request_timeout_s=cfg.request_timeout_s)
         client = EngineClient(core, loop)
         core.start()
         served = cfg.served_model_name or _served_name(info.name, loaded_model.path)
@@ -155,7 +156,8 @@ class Kernel:
                 log.warning("DEBUG KNOB SET: %s = %r (default %r, from %s)", name, item["value"], item["default"],
                             item["source"])
         app = build_app(state)
-        self._runner = web.AppRunner(app, access_log=None)
+        # a client that disconnects cancels its handler, which aborts its request in the engine
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()
@@ -166,20 +168,29 @@ class Kernel:
         if self.config.stats_log:
             self._stats_task = asyncio.create_task(self._record_stats(Path(self.config.stats_log)))
         stop = asyncio.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await self.shutdown()
+        hurry = asyncio.Event()
 
-    async def shutdown(self) -> None:
+        def on_signal() -> None:
+            (hurry if stop.is_set() else stop).set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        await stop.wait()
+        await self.shutdown(hurry)
+
+    async def shutdown(self, hurry: asyncio.Event | None = None) -> None:
+        """Stop admitting (503, /ready false), let requests in flight finish up to the drain
+        time (a second signal cuts it short), then stop the server and the engine."""
         state = self.state
         if state is not None:
             state.draining = True
-            log.info("shutting down: %d requests in flight", state.client.num_open)
-            for _ in range(100):
-                if state.client.num_open == 0:
-                    break
-                await asyncio.sleep(0.1)
+            log.info("shutting down: draining %d requests in flight (up to %.0f s)", state.client.num_open,
+                     self.config.drain_timeout_s)
+            deadline = loop_time() + self.config.drain_timeout_s
+            while state.client.num_open and loop_time() < deadline and not (hurry and hurry.is_set()):
+                await asyncio.sleep(0.05)
+            if state.client.num_open:
+                log.warning("exiting with %d requests unfinished", state.client.num_open)
         for task in (self._stats_task, self._watchdog_task):
             if task is not None:
                 task.cancel()
@@ -207,6 +218,10 @@ class Kernel:
                 fh.write(json.dumps(snapshot(self.state)) + "\n")
                 fh.flush()
                 await asyncio.sleep(1.0)
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
 
 
 def _served_name(model_name: str, path: Path) -> str:

@@ -45,12 +45,18 @@ class EngineCore:
         runner: ModelRunner,
         eos_token_ids: frozenset[int],
         publish: Callable[[list[StepOutput]], None],
+        *,
+        queue_timeout_s: float = 0.0,
+        request_timeout_s: float = 0.0,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.eos_token_ids = eos_token_ids
         self.publish = publish
+        self.queue_timeout_s = queue_timeout_s
+        self.request_timeout_s = request_timeout_s
         self.stats = EngineStats()
+        self.last_progress = time.monotonic()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._seqs: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
@@ -72,6 +78,12 @@ class EngineCore:
         self._inbox.put(_Stop())
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def stalled_for(self) -> float:
+        """Seconds work has waited without any step finishing (0 when idle)."""
+        if not self.scheduler.has_work:
+            return 0.0
+        return time.monotonic() - self.last_progress
 
     @property
     def alive(self) -> bool:
@@ -104,6 +116,8 @@ class EngineCore:
             if isinstance(item, _Stop):
                 return False
             if isinstance(item, _Add):
+                if not self.scheduler.has_work:
+                    self.last_progress = time.monotonic()  # the stall clock starts with the work
                 seq = Sequence(item.request)
                 self._seqs[seq.request_id] = seq
                 self.scheduler.add(seq)
@@ -114,13 +128,30 @@ class EngineCore:
                     self._finish(seq, FinishReason.ABORT, publish=False)
 
     def step(self) -> None:
+        self._expire(time.monotonic())
         plan = self.scheduler.plan()
         if plan.empty:
             time.sleep(0.001)  # every sequence is blocked on memory; aborts will free some
             return
         started = time.perf_counter()
         results = self.runner.run(plan)
+        self.last_progress = time.monotonic()
         self.publish(self._postprocess(plan, results, time.perf_counter() - started))
+
+    def _expire(self, now: float) -> None:
+        """End requests past their queue-wait or total-time limit."""
+        expired = []
+        if self.queue_timeout_s > 0:
+            expired += [(s, "queued", self.queue_timeout_s) for s in self.scheduler.waiting
+                        if s.state_slot is None and s.num_computed_tokens == 0 and not s.output_ids
+                        and now - s.arrival_time > self.queue_timeout_s]
+        if self.request_timeout_s > 0:
+            expired += [(s, "running", self.request_timeout_s) for s in self.scheduler.running
+                        if now - s.arrival_time > self.request_timeout_s]
+        for seq, where, limit in expired:
+            self._seqs.pop(seq.request_id, None)
+            self._finish(seq, FinishReason.TIMEOUT, publish=True,
+                         error=f"request {where} longer than the {limit:g} s limit")
 
     def _postprocess(self, plan: StepPlan, results: list[ChunkResult], seconds: float) -> list[StepOutput]:
         outputs = []

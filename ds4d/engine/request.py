@@ -72,6 +72,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    TIMEOUT = "timeout"
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,9 @@ async def ready(request: web.Request) -> web.Response:
         reasons.append("engine not running")
     if state.draining:
         reasons.append("draining")
+    stalled = state.core.stalled_for()
+    if stalled > state.config.stall_timeout_s:
+        reasons.append(f"stalled: work queued and no step finished for {stalled:.0f} s")
     ok = not reasons
     return web.json_response({"ready": ok, "reasons": reasons}, status=200 if ok else 503)
 

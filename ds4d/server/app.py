@@ -34,8 +34,17 @@ def _auth_middleware(keys: tuple[str, ...]):
     return auth
 
 
+def load_api_keys(api_keys: tuple[str, ...], api_key_file: str) -> tuple[str, ...]:
+    """Keys from the config plus one per non-empty, non-comment line of the key file."""
+    keys = [k for k in api_keys if k]
+    if api_key_file:
+        with open(api_key_file, encoding="utf-8") as fh:
+            keys += [line.strip() for line in fh if line.strip() and not line.lstrip().startswith("#")]
+    return tuple(keys)
+
+
 def build_app(state: ServingState) -> web.Application:
-    keys = tuple(state.config.api_keys)
+    keys = load_api_keys(state.config.api_keys, state.config.api_key_file)
     app = web.Application(
         middlewares=[error_middleware, _auth_middleware(keys)],
         client_max_size=state.config.max_body_bytes,

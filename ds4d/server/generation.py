@@ -75,6 +75,7 @@ class Generation:
         self.usage = Usage(prompt_tokens)
         self.finish_reason: str | None = None
         self.error: str | None = None
+        self.error_code = "generation_failed"
         self.calls: tuple[ToolCall, ...] = ()
         self.tool_error: str | None = None
         self.drop_output_tokens = drop_output_tokens
@@ -109,8 +110,10 @@ class Generation:
                     self.finish_reason = "stop"
                 elif out.finish_reason is not None:
                     self.finish_reason = "stop" if out.finish_reason is FinishReason.STOP else out.finish_reason.value
-                    if out.finish_reason is FinishReason.ERROR:
+                    if out.finish_reason in (FinishReason.ERROR, FinishReason.TIMEOUT):
                         self.error = out.error or "generation failed"
+                        if out.finish_reason is FinishReason.TIMEOUT:
+                            self.error_code = "timeout"
                 if delta.reasoning and not delta.content:
                     self.usage.reasoning_tokens += len(ids)
                 if not delta.empty():

@@ -109,8 +109,7 @@ async def _chat_full(state: ServingState, body: ChatCompletionRequest, gen: Gene
         reasoning.append(d.reasoning)
         content.append(d.content)
         logprobs.extend(d.logprobs)
-    if gen.error:
-        raise ApiError(500, gen.error, type="server_error", code="generation_failed")
+    _raise_if_failed(gen)
     message: dict = {"role": "assistant", "content": "".join(content)}
     if "".join(reasoning):
         message["reasoning_content"] = "".join(reasoning)
@@ -150,7 +149,7 @@ async def _chat_stream(request: web.Request, state: ServingState, body: ChatComp
                 await sse.send(choice(delta, logprobs=d.logprobs))
         if gen.error:
             await sse.send({"error": {"message": gen.error, "type": "server_error", "param": None,
-                                      "code": "generation_failed"}})
+                                      "code": gen.error_code}})
         else:
             await sse.send(choice({}, gen.finish_reason))
             if body.stream_options and body.stream_options.include_usage:
@@ -159,6 +158,12 @@ async def _chat_stream(request: web.Request, state: ServingState, body: ChatComp
     except ConnectionResetError:
         pass  # client went away; leaving the generator aborted the request
     return sse.response
+
+
+def _raise_if_failed(gen: Generation) -> None:
+    if gen.error:
+        status = 504 if gen.error_code == "timeout" else 500
+        raise ApiError(status, gen.error, type="server_error", code=gen.error_code)
 
 
 def _tool_delta(t) -> dict:
@@ -219,8 +224,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         text.append(d.content)
         lps.extend(d.logprobs)
         prompt_lps.extend(d.prompt_logprobs)
-    if gen.error:
-        raise ApiError(500, gen.error, type="server_error", code="generation_failed")
+    _raise_if_failed(gen)
     out_text = "".join(text)
     logprobs = None
     if body.logprobs is not None:
