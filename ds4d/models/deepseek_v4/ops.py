@@ -1,0 +1,89 @@
+"""Small numeric building blocks: RMS norms and V4's partial interleaved RoPE.
+
+RoPE touches only the trailing ``qk_rope_head_dim`` channels of a head (the
+"nope" channels stay position-free) and rotates consecutive channel pairs.
+Two frequency tables exist: plain RoPE with ``rope_theta`` for sliding-window
+layers, and YaRN-scaled RoPE with ``compress_rope_theta`` for compressed
+layers (their queries, keys, compressed entries and indexer all share it).
+YaRN here changes the frequencies only; cos/sin are not rescaled.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ds4d.models.deepseek_v4.config import DeepseekV4Config, YarnScaling
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * x).to(dtype)
+
+
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def plain_inv_freq(rope_dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, rope_dim, 2, dtype=torch.float) / rope_dim))
+
+
+def yarn_inv_freq(rope_dim: int, base: float, yarn: YarnScaling) -> torch.Tensor:
+    """Frequencies interpolated by ``factor`` below the ``beta_slow`` rotation count,
+    kept above ``beta_fast``, with a linear ramp between (correction range rounded out)."""
+
+    def correction_dim(rotations: float) -> float:
+        original = yarn.original_max_position_embeddings
+        return rope_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(correction_dim(yarn.beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, rope_dim, 2, dtype=torch.float) / rope_dim)
+    extrapolated = 1.0 / pos_freqs
+    interpolated = 1.0 / (yarn.factor * pos_freqs)
+    return interpolated * (1 - keep) + extrapolated * keep
+
+
+class Rope:
+    """cos/sin tables for one frequency set, computed per call from positions."""
+
+    def __init__(self, inv_freq: torch.Tensor, device: torch.device) -> None:
+        self.inv_freq = inv_freq.to(device)
+
+    @classmethod
+    def for_layers(cls, cfg: DeepseekV4Config, device: torch.device) -> tuple[Rope, Rope]:
+        """(sliding-window rope, compressed-layer rope)."""
+        main = plain_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta)
+        if cfg.yarn is not None:
+            compress = yarn_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.yarn)
+        else:
+            compress = plain_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta)
+        return cls(main, device), cls(compress, device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[n]`` positions -> cos, sin of shape ``[n, rope_dim / 2]`` (float32)."""
+        freqs = positions[:, None].float() * self.inv_freq
+        return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the trailing ``2 * cos.shape[-1]`` channels of ``x`` pairwise.
+
+    ``x``: ``[n, ..., d]``; ``cos``/``sin``: ``[n, r/2]`` (broadcast over middle dims).
+    Pass ``-sin`` for the inverse rotation.
+    """
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    rope_dim = 2 * cos.shape[-1]
+    nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
+    even, odd = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)

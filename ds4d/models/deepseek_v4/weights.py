@@ -1,0 +1,241 @@
+"""The model's parameters as plain tensors, grouped the way the forward pass uses them.
+
+The forward pass is written as functions over these records rather than as
+``nn.Module`` trees: the serving path owns its caches explicitly, and a flat
+record per sub-layer keeps the weight layout (and its memory) obvious.  Routed
+experts are stacked per layer (``w1``/``w3``: ``[E, I, D]``, ``w2``: ``[E, D, I]``);
+each expert is decoded straight into its slot, so a layer never exists twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ds4d.models.deepseek_v4.config import CSA_RATIO, DeepseekV4Config
+from ds4d.models.deepseek_v4.loader import CheckpointError, WeightReader
+from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4
+
+
+@dataclass
+class HyperWeights:
+    fn: torch.Tensor  # [(2 + m) * m, m * D]
+    base: torch.Tensor  # [(2 + m) * m]
+    scale: torch.Tensor  # [3]
+
+
+@dataclass
+class CompressorWeights:
+    wkv: torch.Tensor  # [c * d, D] float32, c = 2 when windows overlap
+    wgate: torch.Tensor  # [c * d, D] float32
+    ape: torch.Tensor  # [ratio, c * d]
+    norm: torch.Tensor  # [d]
+    ratio: int
+    head_dim: int
+
+    @property
+    def overlap(self) -> bool:
+        return self.ratio == CSA_RATIO
+
+
+@dataclass
+class IndexerWeights:
+    wq_b: torch.Tensor  # [IH * ID, q_lora_rank]
+    weights_proj: torch.Tensor  # [IH, D]
+    compressor: CompressorWeights
+
+
+@dataclass
+class AttentionWeights:
+    wq_a: torch.Tensor
+    q_norm: torch.Tensor
+    wq_b: torch.Tensor
+    wkv: torch.Tensor
+    kv_norm: torch.Tensor
+    wo_a: torch.Tensor  # [G * o_lora_rank, H * hd / G]
+    wo_b: torch.Tensor
+    sink: torch.Tensor  # [H], float32
+    ratio: int
+    compressor: CompressorWeights | None = None
+    indexer: IndexerWeights | None = None
+
+
+@dataclass
+class ExpertBank:
+    """One layer's routed experts as stored: ``kind`` is ``mxfp4``, ``fp8`` or ``float``.
+
+    ``weights[w]`` stacks expert matrices ``w`` in (w1, w2, w3) over experts
+    (packed bytes for mxfp4 / fp8, model-dtype values for float) and
+    ``scales[w]`` their ue8m0 scale bytes."""
+
+    kind: str
+    weights: dict[str, torch.Tensor]
+    scales: dict[str, torch.Tensor]
+    dtype: torch.dtype
+    block: tuple[int, int]
+
+    def weight(self, which: str, expert: int) -> torch.Tensor:
+        """Expert ``expert``'s matrix ``which`` as ``[out, in]`` in the model dtype."""
+        stored = self.weights[which][expert]
+        if self.kind == "mxfp4":
+            return dequant_mxfp4(stored, self.scales[which][expert]).to(self.dtype)
+        if self.kind == "fp8":
+            return dequant_fp8_block(stored, self.scales[which][expert], self.block).to(self.dtype)
+        return stored
+
+
+@dataclass
+class MoEWeights:
+    gate: torch.Tensor  # [E, D]
+    bias: torch.Tensor | None  # [E] on score-routed layers
+    tid2eid: torch.Tensor | None  # [V, k] on hash-routed layers
+    experts: ExpertBank
+    shared_w1: torch.Tensor
+    shared_w2: torch.Tensor
+    shared_w3: torch.Tensor
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    ffn_norm: torch.Tensor
+    attn_hc: HyperWeights
+    ffn_hc: HyperWeights
+    attn: AttentionWeights
+    ffn: MoEWeights
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, D]
+    norm: torch.Tensor
+    head: torch.Tensor  # [V, D], float32
+    head_hc: HyperWeights  # fn [m, m * D], base [m], scale [1]
+    layers: list[LayerWeights]
+
+    def parameter_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for tensor in _walk(self):
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                total += tensor.numel() * tensor.element_size()
+        return total
+
+
+def _walk(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, list):
+        for item in obj:
+            yield from _walk(item)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from _walk(getattr(obj, name))
+
+
+F32 = torch.float32
+
+
+def _hyper(reader: WeightReader, prefix: str) -> HyperWeights:
+    return HyperWeights(
+        fn=reader.tensor(prefix + "fn", F32),
+        base=reader.tensor(prefix + "base", F32),
+        scale=reader.tensor(prefix + "scale", F32),
+    )
+
+
+def _compressor(reader: WeightReader, prefix: str, ratio: int, head_dim: int) -> CompressorWeights:
+    return CompressorWeights(
+        wkv=reader.tensor(prefix + "wkv.weight", F32),
+        wgate=reader.tensor(prefix + "wgate.weight", F32),
+        ape=reader.tensor(prefix + "ape", F32),
+        norm=reader.tensor(prefix + "norm.weight", F32),
+        ratio=ratio,
+        head_dim=head_dim,
+    )
+
+
+def _attention(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> AttentionWeights:
+    p = f"layers.{layer}.attn."
+    ratio = cfg.compress_ratios[layer]
+    weights = AttentionWeights(
+        wq_a=reader.tensor(p + "wq_a.weight"),
+        q_norm=reader.tensor(p + "q_norm.weight", F32),
+        wq_b=reader.tensor(p + "wq_b.weight"),
+        wkv=reader.tensor(p + "wkv.weight"),
+        kv_norm=reader.tensor(p + "kv_norm.weight", F32),
+        wo_a=reader.tensor(p + "wo_a.weight"),
+        wo_b=reader.tensor(p + "wo_b.weight"),
+        sink=reader.tensor(p + "attn_sink", F32),
+        ratio=ratio,
+    )
+    if ratio:
+        weights.compressor = _compressor(reader, p + "compressor.", ratio, cfg.head_dim)
+    if ratio == CSA_RATIO:
+        weights.indexer = IndexerWeights(
+            wq_b=reader.tensor(p + "indexer.wq_b.weight"),
+            weights_proj=reader.tensor(p + "indexer.weights_proj.weight"),
+            compressor=_compressor(reader, p + "indexer.compressor.", ratio, cfg.index_head_dim),
+        )
+    return weights
+
+
+def _experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> ExpertBank:
+    kind = None
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for which in ("w1", "w2", "w3"):
+        for expert in range(cfg.n_routed_experts):
+            this_kind, weight, scale = reader.expert_stored(layer, expert, which)
+            if kind is None:
+                kind = this_kind
+            if this_kind != kind:
+                raise CheckpointError(f"layer {layer}: routed experts mix {kind} and {this_kind} storage")
+            if which not in weights:  # stacked storage, filled one expert at a time
+                weights[which] = weight.new_empty((cfg.n_routed_experts, *weight.shape))
+                if scale is not None:
+                    scales[which] = scale.new_empty((cfg.n_routed_experts, *scale.shape))
+            weights[which][expert] = weight
+            if scale is not None:
+                scales[which][expert] = scale
+    return ExpertBank(kind=kind or "float", weights=weights, scales=scales, dtype=reader.dtype, block=reader.block)
+
+
+def _moe(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> MoEWeights:
+    p = f"layers.{layer}.ffn."
+    hashed = cfg.is_hash_layer(layer)
+    return MoEWeights(
+        gate=reader.tensor(p + "gate.weight", F32),
+        bias=None if hashed else reader.tensor(p + "gate.bias", F32),
+        tid2eid=reader.index(p + "gate.tid2eid") if hashed else None,
+        experts=_experts(reader, cfg, layer),
+        shared_w1=reader.tensor(p + "shared_experts.w1.weight"),
+        shared_w2=reader.tensor(p + "shared_experts.w2.weight"),
+        shared_w3=reader.tensor(p + "shared_experts.w3.weight"),
+    )
+
+
+def read_weights(reader: WeightReader) -> ModelWeights:
+    cfg = reader.cfg
+    layers = []
+    for layer in range(cfg.num_hidden_layers):
+        p = f"layers.{layer}."
+        layers.append(
+            LayerWeights(
+                attn_norm=reader.tensor(p + "attn_norm.weight", F32),
+                ffn_norm=reader.tensor(p + "ffn_norm.weight", F32),
+                attn_hc=_hyper(reader, p + "hc_attn_"),
+                ffn_hc=_hyper(reader, p + "hc_ffn_"),
+                attn=_attention(reader, cfg, layer),
+                ffn=_moe(reader, cfg, layer),
+            )
+        )
+    return ModelWeights(
+        embed=reader.tensor("embed.weight"),
+        norm=reader.tensor("norm.weight", F32),
+        head=reader.tensor("head.weight", F32),
+        head_hc=_hyper(reader, "hc_head_"),
+        layers=layers,
+    )
