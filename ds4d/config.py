@@ -37,7 +37,7 @@ def knob(default: Any, help: str, *, section: str, debug: bool = False, choices:
 class Config:
     # --- server
     host: str = knob("127.0.0.1", "Address to bind. Keep 127.0.0.1 unless a key is set.", section="server")
-    port: int = knob(8000, "TCP port of the HTTP API.", section="server")
+    port: int = knob(8000, "TCP port of the HTTP API; 0 = any free port (printed at start).", section="server")
     api_keys: tuple[str, ...] = knob((), "Accepted Bearer keys; empty = no auth (only sane on 127.0.0.1).", section="server")
     api_key_file: str = knob("", "File with one accepted key per line (added to api_keys).", section="server")
     served_model_name: str = knob("", "Model id shown by /v1/models and accepted in requests; empty = derived from the checkpoint.", section="server")
@@ -210,7 +210,9 @@ def load_config(
 
 
 def _validate(config: Config) -> None:
-    positive = ("port", "prefill_chunk", "step_tokens", "max_num_seqs", "max_body_bytes")
+    if not 0 <= config.port <= 65535:
+        raise ConfigError("config knob 'port' must be 0..65535 (0 = any free port)")
+    positive = ("prefill_chunk", "step_tokens", "max_num_seqs", "max_body_bytes")
     for name in positive:
         if getattr(config, name) <= 0:
             raise ConfigError(f"config knob {name!r} must be positive")
