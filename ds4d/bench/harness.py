@@ -1,0 +1,75 @@
+"""Drive an engine in-process, step by step, and time prefill and decode separately.
+
+No HTTP, no thread: the benchmark calls ``EngineCore.step()`` itself and books each
+step's wall time as prefill (the step computed prompt tokens) or decode (it
+computed only one token per running sequence).  Mixed steps count as prefill.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import types
+from dataclasses import dataclass
+
+from ds4d.cache.blocks import BlockPool
+from ds4d.contracts import Model, PluginContext
+from ds4d.engine.core import EngineCore
+from ds4d.engine.request import EngineRequest, SamplingParams
+from ds4d.engine.runner import ModelRunner
+from ds4d.engine.sampler import Sampler
+from ds4d.engine.scheduler import Scheduler
+from ds4d.plugins.scheduler_fcfs import FcfsPolicy
+
+
+@dataclass(frozen=True)
+class RunTiming:
+    prefill_tokens: int
+    prefill_s: float
+    decode_tokens: int
+    decode_s: float
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+
+def make_engine(model: Model, *, max_num_seqs: int, context_tokens: int, prefill_chunk: int) -> EngineCore:
+    info = model.info
+    num_blocks = max_num_seqs * (-(-context_tokens // info.block_size_tokens) + 1)
+    model.allocate_cache(num_blocks, max_num_seqs)
+    ctx = PluginContext(types.SimpleNamespace(), logging.getLogger("ds4d.bench"))
+    pool = BlockPool(num_blocks, info.block_size_tokens, prefix_caching=False)
+    scheduler = Scheduler(pool, FcfsPolicy(ctx, {}), max_num_seqs=max_num_seqs,
+                          step_tokens=max(prefill_chunk * max_num_seqs, max_num_seqs),
+                          prefill_chunk=prefill_chunk, namespace=b"bench", prefix_reuse=False)
+    return EngineCore(scheduler, ModelRunner(model, Sampler(info.device)), frozenset(), publish=lambda _: None)
+
+
+def run_batch(core: EngineCore, prompts: list[list[int]], max_tokens: int, sync=lambda: None) -> RunTiming:
+    """Greedy-generate ``max_tokens`` for every prompt at once; time prefill and decode steps."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        core.submit(EngineRequest(f"bench-{time.monotonic_ns()}-{i}", tuple(p), params))
+    core._drain_inbox(block=False)
+    stats = core.stats
+    prefill_s = decode_s = 0.0
+    prefill_tokens = decode_tokens = 0
+    while core.scheduler.has_work:
+        p0, d0 = stats.prefill_tokens_total, stats.decode_tokens_total
+        t0 = time.perf_counter()
+        core.step()
+        sync()
+        dt = time.perf_counter() - t0
+        dp, dd = stats.prefill_tokens_total - p0, stats.decode_tokens_total - d0
+        if dp:
+            prefill_s += dt
+            prefill_tokens += dp
+        else:
+            decode_s += dt
+            decode_tokens += dd
+    return RunTiming(prefill_tokens, prefill_s, decode_tokens, decode_s)
