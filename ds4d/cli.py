@@ -54,7 +54,6 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     main_make_tiny(Path(args.out), args.seed, layers)
-    print(f"wrote a tiny deepseek_v4 checkpoint to {args.out}")
     return 0
 
 
