@@ -24,6 +24,7 @@ BUILTINS: dict[str, dict[str, str]] = {
     "chat_encoder": {
         "jinja": "ds4d.plugins.jinja_encoder:JinjaChatEncoder",
         "deepseek_v4": "ds4d.plugins.dsv4_encoder:DeepseekV4ChatEncoder",
+        "chatml": "ds4d.plugins.chatml_encoder:ChatMLEncoder",
     },
     "reasoning_parser": {
         "none": "ds4d.plugins.passthrough:NoReasoningParser",

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 
 from aiohttp import web
 
 from ds4d.contracts import ChatRenderRequest, RenderedPrompt, Tokenizer
 from ds4d.engine.client import EngineDead
-from ds4d.engine.request import EngineRequest, SamplingParams, TokenLogprob
+from ds4d.engine.request import EngineRequest, SamplingParams, TokenConstraint, TokenLogprob
+from ds4d.plugins.dsml_constraint import build_tool_constraint
 from ds4d.server.errors import ApiError, parse_json
 from ds4d.server.generation import Generation
 from ds4d.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -89,12 +92,15 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     max_tokens = state.output_budget(len(prompt_ids), body.output_limit())
     top = body.top_logprobs or 0
     params = _sampling(body, max_tokens, logprobs=top if body.logprobs else None, prompt_logprobs=None)
+    constraint = await _tool_constraint(state, body, rendered, max_tokens)
+    if constraint is not None:
+        params = dataclasses.replace(params, constraint=constraint)
     request_id = state.new_id("chatcmpl")
     tools_stream = state.tools.stream(tools=body.tools or (), parallel_tool_calls=body.parallel_tool_calls) \
         if body.tools and body.tool_choice != "none" else None
     reasoning_stream = state.reasoning.stream(prompt_ends_in_reasoning=rendered.ends_in_reasoning)
     gen = Generation(_open(state, request_id, prompt_ids, params, _salt(request, body)), state.tokenizer,
-                     prompt_tokens=len(prompt_ids), stops=body.stop_list(),
+                     prompt_tokens=len(prompt_ids), stops=[] if constraint is not None else body.stop_list(),
                      reasoning=reasoning_stream, tools=tools_stream)
     created = int(time.time())
     base = {"id": request_id, "created": created, "model": state.served_model_name}
@@ -158,6 +164,21 @@ async def _chat_stream(request: web.Request, state: ServingState, body: ChatComp
     except ConnectionResetError:
         pass  # client went away; leaving the generator aborted the request
     return sse.response
+
+
+async def _tool_constraint(state: ServingState, body: ChatCompletionRequest, rendered: RenderedPrompt,
+                           max_tokens: int) -> TokenConstraint | None:
+    """``tool_choice`` "required" or a named function: constrained decoding forces one valid call."""
+    if body.tool_choice in (None, "auto", "none"):
+        return None
+    if state.plugins.get("tool_parser") != "dsml":
+        raise ApiError(400, f"tool_choice {body.tool_choice!r} needs a model with DSML tool calls (DeepSeek-V4)",
+                       param="tool_choice", code="unsupported_tool_choice")
+    try:  # the first call builds the tokenizer's byte table (about a second): keep it off the event loop
+        return await asyncio.to_thread(build_tool_constraint, state.tokenizer, body.tools or (), body.tool_choice,
+                                       prompt_ends_in_reasoning=rendered.ends_in_reasoning, max_tokens=max_tokens)
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="tool_choice", code="invalid_tool_choice") from None
 
 
 def _raise_if_failed(gen: Generation) -> None:
