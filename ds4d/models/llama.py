@@ -1,0 +1,509 @@
+"""The ``llama`` family: Llama-architecture GGUF checkpoints (SmolLM2, Llama 2/3, ...).
+
+This is the embedded demo model: small enough to run on the CPU in CI, and a second
+implementation of the ``Model`` contract next to DeepSeek-V4.  Weights are dequantised
+once at load into dense tensors of the configured dtype (``float32`` or ``bfloat16``).
+
+Layout and numerics
+-------------------
+* GGUF stores the Q and K projections with each head's rows interleaved for
+  llama.cpp's pairwise rotary embedding.  Loading undoes that permutation so rotary
+  embedding is the rotate-half form; the attention scale ``1/sqrt(head_dim)`` is
+  folded into the Q rows (exact for power-of-two head sizes).
+* Q/K/V and gate/up are fused into one weight each; float32 weights are kept as
+  ``[in, out]`` row-major matrices and applied as ``x @ W``.
+* The KV pool holds, per layer, K and V tensors ``[num_blocks, 16, n_kv_heads,
+  head_dim]``; a chunk's attention gathers the blocks of its table into
+  ``[n_kv_heads, head_dim, keys]`` and ``[n_kv_heads, keys, head_dim]`` operands.
+
+Invariance
+----------
+A sequence must get the same logits however its prompt is chunked and whatever
+shares the batch (contracts: ``Model.forward``).  On the CPU, MKL's float32 GEMM
+gives bitwise-identical rows for any row count M >= 2 as long as the reduction
+length K stays <= 768 and the weight is a row-major ``[K, N]`` matrix; M == 1 takes
+a GEMV path with a different summation order, and longer K switches blocking with M.
+Hence:
+
+* every GEMM runs on at least two rows (a lone decode token is duplicated);
+* reductions longer than 768 are split into fixed pieces summed in order
+  (the FFN down projection);
+* attention runs per sequence chunk, over whole blocks, in key tiles of 256
+  positions counted from position 0: the weighted sum over values is one GEMM per
+  tile, accumulated tile after tile.  A query's scores, softmax and weighted sum
+  thus see the same operands in the same order whether its chunk is 1 or 500 tokens
+  long and wherever that chunk ends; keys past the query are masked to -inf and add
+  exact zeros.  (Measured: with K a multiple of 16 and at most 256, zero-padding the
+  reduction does not change MKL's result; across 384 it does.)
+
+Elementwise ops (RoPE, SiLU, residual adds) and row-wise reductions (RMSNorm,
+softmax) are row-independent.  bfloat16 matmuls (oneDNN) are row-invariant for any
+M and K; bfloat16 linears use weights pre-packed for oneDNN (see ``_Linear``).
+These are properties of the BLAS kernels measured with torch 2.13 (MKL 2024.2,
+oneDNN 3.12) on 1, 2 and 4 threads; tests/unit/test_llama.py checks the result
+bitwise (chunkings 1/7/16/whole, mixed batches, decode vs recompute, prefix reuse).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ds4d.contracts import ForwardBatch, ModelInfo, PluginContext
+from ds4d.models.gguf_file import GGUFFile, is_gguf_file, peek_string, torch_dtype
+from ds4d.models.gguf_tokenizer import GGUFTokenizer
+
+BLOCK_SIZE_TOKENS = 16
+KEY_TILE_TOKENS = 256
+"""Attention reduction tile (a multiple of the block size, below MKL's K-blocking switch)."""
+MAX_REDUCTION = 768
+"""Longest GEMM reduction run as one call (see module docstring)."""
+SCORES_BUDGET = 1 << 24
+"""Most attention scores held at once; a long chunk attends in slices of queries."""
+
+
+@dataclass(frozen=True)
+class LlamaHParams:
+    n_layers: int
+    hidden: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_base: float
+    rope_scale: float
+    norm_eps: float
+    context_length: int
+
+    @classmethod
+    def from_gguf(cls, gguf_file: GGUFFile) -> LlamaHParams:
+        hidden = int(gguf_file.arch_get("embedding_length"))
+        n_heads = int(gguf_file.arch_get("attention.head_count"))
+        head_dim = int(gguf_file.arch_get("attention.key_length", hidden // n_heads))
+        rope_dims = int(gguf_file.arch_get("rope.dimension_count", head_dim))
+        if rope_dims != head_dim:
+            raise NotImplementedError(f"partial rotary embedding ({rope_dims} of {head_dim} dims)")
+        scaling = gguf_file.arch_get("rope.scaling.type", "none")
+        if scaling not in ("none", "linear"):
+            raise NotImplementedError(f"rope scaling {scaling!r}")
+        factor = float(gguf_file.arch_get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+        return cls(
+            n_layers=int(gguf_file.arch_get("block_count")),
+            hidden=hidden,
+            ffn=int(gguf_file.arch_get("feed_forward_length")),
+            n_heads=n_heads,
+            n_kv_heads=int(gguf_file.arch_get("attention.head_count_kv", n_heads)),
+            head_dim=head_dim,
+            rope_base=float(gguf_file.arch_get("rope.freq_base", 10000.0)),
+            rope_scale=factor or 1.0,
+            norm_eps=float(gguf_file.arch_get("attention.layer_norm_rms_epsilon", 1e-5)),
+            context_length=int(gguf_file.arch_get("context_length", 2048)),
+        )
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    attn_norm: torch.Tensor
+    qkv: _Linear
+    """hidden -> (n_heads + 2 n_kv_heads) head_dim: Q, K, V columns."""
+    out: _Linear
+    ffn_norm: torch.Tensor
+    gate_up: _Linear
+    """hidden -> 2 ffn: gate columns, then up columns."""
+    down: _Linear
+
+
+@dataclass(frozen=True)
+class _ChunkPlan:
+    rows: slice
+    blocks: torch.Tensor
+    """The block ids covering positions 0 .. end-1."""
+    mask: torch.Tensor
+    """[chunk tokens, 16 * blocks] True where a key must not be seen."""
+    n_keys: int
+
+
+def _rope_unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """GGUF's per-head interleaved Q/K rows -> rotate-half order."""
+    rows, cols = weight.shape
+    head_dim = rows // n_heads
+    return weight.reshape(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def _split_rows(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A row-major ``[in, out]`` matrix as near-equal pieces of at most MAX_REDUCTION rows.
+
+    Equal pieces (rather than 768 + remainder) keep every piece a real GEMM; a
+    sliver of a few rows would fall to a different small-matrix kernel.  Row slices
+    of a row-major matrix are contiguous views, so this copies nothing.
+    """
+    n_pieces = -(-weight.shape[0] // MAX_REDUCTION)
+    piece_rows = -(-weight.shape[0] // n_pieces)
+    return tuple(torch.split(weight, piece_rows, dim=0))
+
+
+class _Linear:
+    """``residual + x @ W.T`` for one (possibly fused) weight, in the layout its GEMM wants.
+
+    float32 (and any dtype off the CPU fast path): MKL on row-major ``[in, out]``
+    pieces, accumulated in a fixed order.  bfloat16 on the CPU: one oneDNN matmul on
+    a weight pre-packed at load; oneDNN's bf16 kernel is row-invariant for every M
+    and reduction length, and packing once saves re-laying the weight every call.
+    """
+
+    def __init__(self, parts_out_in: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
+        self.in_features = parts_out_in[0].shape[1]
+        self.out_features = sum(w.shape[0] for w in parts_out_in)
+        self.n_bytes = self.in_features * self.out_features * torch.empty((), dtype=dtype).element_size()
+        self._packed: torch.Tensor | None = None
+        self._pieces: tuple[torch.Tensor, ...] = ()
+        if dtype == torch.bfloat16 and device.type == "cpu" and torch.backends.mkldnn.is_available():
+            weight = torch.cat(parts_out_in, dim=0).to(dtype).contiguous()
+            try:
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 2)
+                return
+            except (AttributeError, RuntimeError):  # a torch build without oneDNN packing
+                self._packed = None
+        fused = torch.empty(self.in_features, self.out_features, dtype=dtype)
+        col = 0
+        for w in parts_out_in:
+            fused[:, col : col + w.shape[0]].copy_(w.t())
+            col += w.shape[0]
+        self._pieces = tuple(p.to(device) for p in _split_rows(fused))
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self._packed is not None:
+            y = torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
+            return y if residual is None else y.add_(residual)
+        pieces = self._pieces
+        if len(pieces) == 1:
+            return x @ pieces[0] if residual is None else torch.addmm(residual, x, pieces[0])
+        acc, row0 = residual, 0
+        for piece in pieces:
+            part = x[:, row0 : row0 + piece.shape[0]]
+            acc = part @ piece if acc is None else torch.addmm(acc, part, piece)
+            row0 += piece.shape[0]
+        return acc
+
+
+class LlamaModel:
+    """A loaded Llama-architecture model with its paged KV pool (``contracts.Model``)."""
+
+    def __init__(
+        self,
+        info: ModelInfo,
+        tokenizer: GGUFTokenizer,
+        hparams: LlamaHParams,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        output_norm: torch.Tensor,
+        head: _Linear,
+        rope_freq_factors: torch.Tensor | None = None,
+    ) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+        self.hp = hparams
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self._embed = embed
+        self._layers = layers
+        self._output_norm = output_norm
+        self._head = head
+        self._group = hparams.n_heads // hparams.n_kv_heads
+        self._qk_cols = (hparams.n_heads + hparams.n_kv_heads) * hparams.head_dim
+        self._k_cache: list[torch.Tensor] = []
+        self._v_cache: list[torch.Tensor] = []
+        self._build_rope_tables(rope_freq_factors)
+
+    def _build_rope_tables(self, freq_factors: torch.Tensor | None) -> None:
+        """cos and [-sin, sin] for every position, so RoPE is ``x * cos + roll(x) * sin``."""
+        hp = self.hp
+        half = hp.head_dim // 2
+        inv_freq = hp.rope_base ** (-torch.arange(0, half, dtype=torch.float64) * 2 / hp.head_dim)
+        if freq_factors is not None:  # Llama 3.1-style long-context scaling, stored per frequency
+            inv_freq = inv_freq / freq_factors.to(torch.float64)
+        positions = torch.arange(hp.context_length, dtype=torch.float64) / hp.rope_scale
+        angles = positions[:, None] * inv_freq[None, :]
+        cos, sin = angles.cos(), angles.sin()
+        self._rope_cos = torch.cat([cos, cos], dim=1).to(self.dtype).to(self.device)
+        self._rope_sin = torch.cat([-sin, sin], dim=1).to(self.dtype).to(self.device)
+
+    # ------------------------------------------------------------------ cache
+
+    def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
+        hp = self.hp
+        shape = (num_blocks, BLOCK_SIZE_TOKENS, hp.n_kv_heads, hp.head_dim)
+        self._k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(hp.n_layers)]
+        self._v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(hp.n_layers)]
+
+    @property
+    def kv_cache(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer K and V pools ``[num_blocks, block_size_tokens, n_kv_heads, head_dim]``."""
+        return self._k_cache, self._v_cache
+
+    def export_blocks(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """``BlockCopyModel``: each block's K and V of every layer as one uint8 CPU tensor."""
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        parts = []
+        for k_pool, v_pool in zip(self._k_cache, self._v_cache):
+            parts += [k_pool.index_select(0, index), v_pool.index_select(0, index)]
+        blocks = torch.stack(parts, dim=1).cpu()  # [blocks, 2 * layers, 16, n_kv_heads, head_dim]
+        return [block.reshape(-1).view(torch.uint8).clone() for block in blocks]
+
+    def import_blocks(self, block_ids: Sequence[int], payloads: Sequence[Any]) -> None:
+        """``BlockCopyModel``: write payloads made by :meth:`export_blocks` back into the pool."""
+        if len(block_ids) != len(payloads):
+            raise ValueError(f"{len(block_ids)} block ids for {len(payloads)} payloads")
+        if not block_ids:
+            return
+        hp = self.hp
+        rows = []
+        for payload in payloads:
+            raw = (
+                payload
+                if isinstance(payload, torch.Tensor)
+                else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            )
+            if raw.numel() != self.info.cache_bytes_per_block:
+                raise ValueError(f"payload of {raw.numel()} bytes, expected {self.info.cache_bytes_per_block}")
+            rows.append(raw.view(self.dtype).view(2 * hp.n_layers, BLOCK_SIZE_TOKENS, hp.n_kv_heads, hp.head_dim))
+        blocks = torch.stack(rows).to(self.device)
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        for layer, (k_pool, v_pool) in enumerate(zip(self._k_cache, self._v_cache)):
+            k_pool.index_copy_(0, index, blocks[:, 2 * layer])
+            v_pool.index_copy_(0, index, blocks[:, 2 * layer + 1])
+
+    # ------------------------------------------------------------------ forward
+
+    def _plan(self, batch: ForwardBatch) -> tuple[list[int], list[int], list[int], list[_ChunkPlan], list[int]]:
+        if not self._k_cache:
+            raise RuntimeError("allocate_cache() must run before forward()")
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        chunks: list[_ChunkPlan] = []
+        logit_rows: list[int] = []
+        for chunk in batch.chunks:
+            length = len(chunk.token_ids)
+            start, end = chunk.start_pos, chunk.start_pos + length
+            if length == 0:
+                continue
+            if end > self.hp.context_length:
+                raise ValueError(f"position {end - 1} is past the context length {self.hp.context_length}")
+            n_blocks = -(-end // BLOCK_SIZE_TOKENS)
+            if len(chunk.block_ids) < n_blocks:
+                raise ValueError(f"chunk ending at {end} needs {n_blocks} blocks, got {len(chunk.block_ids)}")
+            row0 = len(tokens)
+            tokens.extend(chunk.token_ids)
+            positions.extend(range(start, end))
+            table = chunk.block_ids
+            slots.extend(
+                table[p // BLOCK_SIZE_TOKENS] * BLOCK_SIZE_TOKENS + p % BLOCK_SIZE_TOKENS for p in range(start, end)
+            )
+            n_keys = n_blocks * BLOCK_SIZE_TOKENS
+            mask = torch.arange(n_keys)[None, :] > torch.arange(start, end)[:, None]
+            chunks.append(
+                _ChunkPlan(
+                    rows=slice(row0, row0 + length),
+                    blocks=torch.tensor(table[:n_blocks], dtype=torch.long, device=self.device),
+                    mask=mask.to(self.device),
+                    n_keys=n_keys,
+                )
+            )
+            n_logits = min(chunk.logits_tokens, length)
+            logit_rows.extend(range(row0 + length - n_logits, row0 + length))
+        return tokens, positions, slots, chunks, logit_rows
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        tokens, positions, slots, chunks, logit_rows = self._plan(batch)
+        if not tokens:
+            return torch.zeros(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
+        if len(tokens) == 1:  # keep every GEMM at M >= 2 (see module docstring)
+            tokens, positions = tokens * 2, positions * 2
+        hp = self.hp
+        n_rows, n_real = len(tokens), len(slots)
+        dev = self.device
+        token_ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        slot_ids = torch.tensor(slots, dtype=torch.long, device=dev)
+        cos = self._rope_cos.index_select(0, pos)[:, None, :]
+        sin = self._rope_sin.index_select(0, pos)[:, None, :]
+        n_qk_heads = hp.n_heads + hp.n_kv_heads
+        half = hp.head_dim // 2
+        hidden, eps, ffn = hp.hidden, hp.norm_eps, hp.ffn
+
+        x = self._embed.index_select(0, token_ids)
+        attn = torch.zeros(n_rows, hp.n_heads * hp.head_dim, dtype=self.dtype, device=dev)
+        for layer, k_pool, v_pool in zip(self._layers, self._k_cache, self._v_cache):
+            h = F.rms_norm(x, (hidden,), layer.attn_norm, eps)
+            qkv = layer.qkv(h)
+            qk = qkv[:, : self._qk_cols].view(n_rows, n_qk_heads, hp.head_dim)
+            qk = qk * cos + torch.roll(qk, half, dims=-1) * sin
+            k_new = qk[:n_real, hp.n_heads :]
+            v_new = qkv[:n_real, self._qk_cols :].view(n_real, hp.n_kv_heads, hp.head_dim)
+            k_pool.view(-1, hp.n_kv_heads, hp.head_dim).index_copy_(0, slot_ids, k_new)
+            v_pool.view(-1, hp.n_kv_heads, hp.head_dim).index_copy_(0, slot_ids, v_new)
+            q = qk[:, : hp.n_heads]
+            for plan in chunks:
+                self._attend(q[plan.rows], k_pool, v_pool, plan, attn[plan.rows])
+            x = layer.out(attn, residual=x)
+            h = F.rms_norm(x, (hidden,), layer.ffn_norm, eps)
+            gate_up = layer.gate_up(h)
+            act = F.silu(gate_up[:, :ffn]) * gate_up[:, ffn:]
+            x = layer.down(act, residual=x)
+
+        n_logits = len(logit_rows)
+        if n_logits == 0:
+            return torch.zeros(0, self.info.vocab_size, dtype=torch.float32, device=dev)
+        rows = logit_rows if n_logits > 1 else logit_rows * 2
+        h = F.rms_norm(x[rows], (hidden,), self._output_norm, eps)
+        return self._head(h)[:n_logits].float()
+
+    def _attend(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: _ChunkPlan, out: torch.Tensor
+    ) -> None:
+        hp = self.hp
+        n_kv, head_dim, group = hp.n_kv_heads, hp.head_dim, self._group
+        keys_t = k_pool.index_select(0, plan.blocks).permute(2, 3, 0, 1).reshape(n_kv, head_dim, -1)
+        values = v_pool.index_select(0, plan.blocks).permute(2, 0, 1, 3).reshape(n_kv, -1, head_dim)
+        length = q.shape[0]
+        step = max(1, SCORES_BUDGET // (n_kv * group * plan.n_keys))
+        for t0 in range(0, length, step):
+            t1 = min(length, t0 + step)
+            self._attend_rows(q[t0:t1], keys_t, values, plan.mask[t0:t1], out[t0:t1])
+
+    def _attend_rows(
+        self, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """Causal attention of ``n`` query tokens: GEMM rows are (group member, token) per KV head."""
+        n_kv, head_dim, group = self.hp.n_kv_heads, self.hp.head_dim, self._group
+        n, n_keys = q.shape[0], keys_t.shape[-1]
+        rows = group * n
+        queries = q.reshape(n, n_kv, group, head_dim).permute(1, 2, 0, 3).reshape(n_kv, rows, head_dim)
+        if rows == 1:  # a lone query row is duplicated to keep the GEMM at M >= 2
+            queries = queries.expand(n_kv, 2, head_dim).contiguous()
+        scores = torch.bmm(queries, keys_t)
+        scores.view(n_kv, -1, n, n_keys).masked_fill_(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        ctx = torch.bmm(probs[:, :, :KEY_TILE_TOKENS], values[:, :KEY_TILE_TOKENS])
+        for tile_start in range(KEY_TILE_TOKENS, n_keys, KEY_TILE_TOKENS):
+            keys = slice(tile_start, tile_start + KEY_TILE_TOKENS)
+            ctx = torch.baddbmm(ctx, probs[:, :, keys], values[:, keys])
+        ctx = ctx[:, :rows].view(n_kv, group, n, head_dim).permute(2, 0, 1, 3)
+        out.view(n, n_kv, group, head_dim).copy_(ctx)
+
+
+class LlamaFamily:
+    """``ModelFamily`` named ``llama``: GGUF files whose architecture is ``llama``."""
+
+    name = "llama"
+
+    def __init__(self, ctx: PluginContext, options: Mapping[str, Any]) -> None:
+        self._ctx = ctx
+        self._log = ctx.log
+
+    def can_load(self, path: Path) -> bool:
+        path = Path(path)
+        return path.is_file() and is_gguf_file(path) and peek_string(path, "general.architecture") == "llama"
+
+    def load(self, path: Path) -> LlamaModel:
+        config = self._ctx.config
+        dtype = torch_dtype(getattr(config, "dtype", "float32"))
+        device = torch.device(getattr(config, "device", "cpu"))
+        threads = getattr(config, "threads", None)
+        if threads and device.type == "cpu" and torch.get_num_threads() != int(threads):
+            self._log.info("torch CPU threads: %d (config threads)", int(threads))
+            torch.set_num_threads(int(threads))
+        gguf_file = GGUFFile(path)
+        if gguf_file.architecture != "llama":
+            raise ValueError(f"{path}: architecture {gguf_file.architecture!r} is not llama")
+        return _load_model(gguf_file, dtype, device, self._log)
+
+
+def _load_model(gguf_file: GGUFFile, dtype: torch.dtype, device: torch.device, log: logging.Logger) -> LlamaModel:
+    hp = LlamaHParams.from_gguf(gguf_file)
+    tokenizer = GGUFTokenizer.from_gguf(gguf_file, log)
+
+    def dense(name: str) -> torch.Tensor:
+        return gguf_file.tensor(name, torch.float32)
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype).contiguous().to(device)
+
+    def linear(*weights_out_in: torch.Tensor) -> _Linear:
+        return _Linear(list(weights_out_in), dtype, device)
+
+    q_scale = 1.0 / math.sqrt(hp.head_dim)
+    layers = []
+    for i in range(hp.n_layers):
+        prefix = f"blk.{i}."
+        wq = _rope_unpermute(dense(prefix + "attn_q.weight"), hp.n_heads) * q_scale
+        wk = _rope_unpermute(dense(prefix + "attn_k.weight"), hp.n_kv_heads)
+        wv = dense(prefix + "attn_v.weight")
+        gate, up = dense(prefix + "ffn_gate.weight"), dense(prefix + "ffn_up.weight")
+        layers.append(
+            LayerWeights(
+                attn_norm=place(dense(prefix + "attn_norm.weight")),
+                qkv=linear(wq, wk, wv),
+                out=linear(dense(prefix + "attn_output.weight")),
+                ffn_norm=place(dense(prefix + "ffn_norm.weight")),
+                gate_up=linear(gate, up),
+                down=linear(dense(prefix + "ffn_down.weight")),
+            )
+        )
+    embed_f32 = dense("token_embd.weight")
+    head_f32 = dense("output.weight") if gguf_file.has_tensor("output.weight") else embed_f32
+    vocab_rows = head_f32.shape[0]
+    embed = place(embed_f32)
+    head = linear(head_f32)
+    del embed_f32, head_f32
+    output_norm = place(dense("output_norm.weight"))
+
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    cache_bytes_per_block = 2 * hp.n_layers * BLOCK_SIZE_TOKENS * hp.n_kv_heads * hp.head_dim * itemsize
+    tensors = [embed, output_norm]
+    linears = [head]
+    for layer in layers:
+        tensors += [layer.attn_norm, layer.ffn_norm]
+        linears += [layer.qkv, layer.out, layer.gate_up, layer.down]
+    info = ModelInfo(
+        family="llama",
+        name=str(gguf_file.get("general.name") or gguf_file.path.stem),
+        vocab_size=vocab_rows,
+        max_context_tokens=hp.context_length,
+        block_size_tokens=BLOCK_SIZE_TOKENS,
+        cache_bytes_per_block=cache_bytes_per_block,
+        default_chat_encoder="jinja",
+        chat_template=gguf_file.get("tokenizer.chat_template"),
+        dtype=str(dtype).removeprefix("torch."),
+        device=str(device),
+        parameter_bytes=sum(t.numel() * t.element_size() for t in tensors) + sum(lin.n_bytes for lin in linears),
+        extra={
+            "path": str(gguf_file.path),
+            "n_layers": hp.n_layers,
+            "n_heads": hp.n_heads,
+            "n_kv_heads": hp.n_kv_heads,
+            "head_dim": hp.head_dim,
+            "file_type": gguf_file.get("general.file_type"),
+        },
+    )
+    log.info(
+        "loaded %s: %d layers, hidden %d, vocab %d, %s on %s (%.0f MiB)",
+        info.name,
+        hp.n_layers,
+        hp.hidden,
+        vocab_rows,
+        info.dtype,
+        info.device,
+        info.parameter_bytes / 2**20,
+    )
+    freq_factors = dense("rope_freqs.weight") if gguf_file.has_tensor("rope_freqs.weight") else None
+    return LlamaModel(info, tokenizer, hp, embed, layers, output_norm, head, freq_factors)
