@@ -1,15 +1,363 @@
-"""`ds4d bench model`: DeepSeek-V4 on a GPU, ds4d vs HF transformers (see the module that replaces this)."""
+"""`ds4d bench model`: a random DeepSeek-V4 model of real widths on a GPU, ds4d vs HF transformers.
+
+One process builds random weights of the chosen widths and layer pattern
+(default: V4-Flash widths, 4 layers with the published pattern SWA, SWA, CSA,
+HCA, bf16, the real 129,280-token vocabulary), gives the very same tensors to
+ds4d's model and to HF's ``DeepseekV4ForCausalLM`` (``grouped_mm`` experts when
+the installed transformers has them), and times:
+
+* decode tok/s at batch 1, 8 and 64 after a 1K-token prompt (and batch 1 after
+  32K with ``--long``), greedy, through ds4d's engine (scheduler, runner,
+  sampler, model: ``ds4d.bench.harness``) and through HF's forward with its cache;
+* prefill tok/s of one 2K-token prompt (and 16K with ``--long``).
+
+Each figure comes with its floor from BENCH.md's formulas, using the copy
+bandwidth and bf16 matmul rate measured at the start of the same run.  Rows
+marked "reference path" run ds4d's portable path (one expert at a time, one
+sequence at a time, no graphs): the before of the GPU paths.  Runs from a plain
+source tree: ``PYTHONPATH=. python -m ds4d.cli bench model``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FLASH = {  # V4-Flash widths (reference/dsv4/config.flash.json); depth and pattern come from --layers
+    "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096, "num_attention_heads": 64,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
+    "sliding_window": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2048, "num_hash_layers": 3, "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "swiglu_limit": 10.0, "index_n_heads": 64,
+    "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6, "rope_theta": 10000, "compress_rope_theta": 160000,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 1048576, "bos_token_id": 0, "eos_token_id": 1,
+}
+TINY = {**FLASH, "hidden_size": 256, "num_attention_heads": 8, "head_dim": 128, "q_lora_rank": 128,
+        "o_groups": 2, "o_lora_rank": 64, "n_routed_experts": 16, "moe_intermediate_size": 128,
+        "index_n_heads": 8, "index_head_dim": 64, "index_topk": 32, "qk_rope_head_dim": 64}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("model", help="random DeepSeek-V4 model on a GPU vs HF transformers")
+    p.add_argument("--config", default="", help="a V4 config.json for the widths (default: V4-Flash)")
+    p.add_argument("--tiny", action="store_true", help="small widths (a smoke test that also runs on the CPU)")
+    p.add_argument("--layers", default="0,0,4,128", help="compress ratio per layer (default: Flash's first 4)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--batches", default="1,8,64", help="decode batch sizes at 1K context")
+    p.add_argument("--long", action="store_true", help="also decode after 32K and prefill 16K")
+    p.add_argument("--prefill-chunk", type=int, default=2048, help="ds4d's prefill chunk (tokens per step)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF peer")
+    p.add_argument("--no-reference", action="store_true", help="skip ds4d's reference-path rows")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="", help="also write the results here")
     p.set_defaults(run=run)
 
 
+@dataclass
+class Row:
+    case: str
+    ds4d: float | None = None
+    hf: float | None = None
+    floor: float | None = None
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _say(*parts) -> None:
+    print(*parts, flush=True)
+
+
+# ------------------------------------------------------------------ ceilings and floors
+
+
+def measure_ceilings(torch, device) -> tuple[float, float]:
+    """(device-to-device copy bytes/s counting read + write, bf16 matmul FLOP/s) on random data."""
+    if device.type != "cuda":
+        return 20e9, 1e12
+    src = torch.randn(1 << 29, device=device, dtype=torch.bfloat16)  # 1 GiB
+    dst = torch.empty_like(src)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+
+    def timed(fn, reps: int) -> float:
+        for _ in range(3):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(reps):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        return sorted(times)[len(times) // 2]
+
+    copy_s = timed(lambda: dst.copy_(src), 20)
+    mm_s = timed(lambda: torch.mm(a, b), 10)
+    return 2 * src.numel() * 2 / copy_s, 2 * 8192**3 / mm_s
+
+
+class Floors:
+    """BENCH.md's floors for one model, from its issued tensors (bf16 bytes: 2 per parameter)."""
+
+    def __init__(self, cfg, issued, bandwidth: float, matmul: float) -> None:
+        self.cfg, self.bandwidth, self.matmul = cfg, bandwidth, matmul
+        dense = sum(t.numel() for n, t in issued.items() if ".experts." not in n and not n.endswith("tid2eid"))
+        self.dense_params = dense - issued["embed.weight"].numel() + cfg.hidden_size  # one embedding row
+        self.head_params = issued["head.weight"].numel()
+        self.expert_params = 3 * cfg.moe_intermediate_size * cfg.hidden_size
+        self.shared_params = sum(t.numel() for n, t in issued.items() if ".shared_experts." in n)
+
+    def _kv_bytes(self, context: int) -> float:
+        cfg, total = self.cfg, 0.0
+        for ratio in cfg.compress_ratios:
+            total += min(context, cfg.sliding_window) * cfg.head_dim
+            if ratio == 4:
+                total += context / 4 * cfg.index_head_dim + min(cfg.index_topk, context / 4) * cfg.head_dim
+            elif ratio:
+                total += context / ratio * cfg.head_dim
+        return 2 * total
+
+    def decode(self, batch: int, context: int) -> float:
+        cfg = self.cfg
+        experts, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        used = experts * (1 - (1 - k / experts) ** batch)  # expected distinct experts per layer
+        step = 2 * (self.dense_params + cfg.num_hidden_layers * used * self.expert_params)
+        step += batch * self._kv_bytes(context)
+        return batch * self.bandwidth / step
+
+    def prefill(self, tokens: int) -> float:
+        cfg = self.cfg
+        active = self.dense_params - self.head_params + cfg.num_hidden_layers * cfg.num_experts_per_tok * self.expert_params
+        flops_s = 2 * active * tokens / self.matmul
+        all_bytes = 2 * (self.dense_params + cfg.num_hidden_layers * cfg.n_routed_experts * self.expert_params)
+        return tokens / max(flops_s, all_bytes / self.bandwidth)
+
+
+# ------------------------------------------------------------------ the two engines
+
+
+def _ds4d(torch, model, prompts, max_tokens, *, chunk, sync, warm_tokens=0):
+    """Warm up (kernels, and graph capture for these shapes), then time ``max_tokens`` greedy tokens.
+
+    ``warm_tokens``: warm up on that many prompt tokens only (prefill cases: the
+    shapes repeat every chunk); 0 warms up on the whole prompts."""
+    from ds4d.bench.harness import make_engine, run_batch
+
+    context = len(prompts[0]) + max_tokens + 8
+    core = make_engine(model, max_num_seqs=len(prompts), context_tokens=context, prefill_chunk=chunk)
+    warm = [p[:warm_tokens] for p in prompts] if warm_tokens else prompts
+    run_batch(core, warm, min(max_tokens, 4), sync)
+    return run_batch(core, prompts, max_tokens, sync)
+
+
+def _hf(torch, hf, prompts, max_tokens, *, device, chunk=0):
+    """(prefill tok/s, decode tok/s) of HF's forward with its own cache, greedy."""
+    ids = torch.tensor(prompts, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        warm = hf(input_ids=ids[:, :64], use_cache=True, logits_to_keep=1)
+        hf(input_ids=warm.logits[:, -1].argmax(-1, keepdim=True), past_key_values=warm.past_key_values, use_cache=True)
+        del warm
+        sync()
+        t0 = time.perf_counter()
+        cache, out = None, None
+        pieces = [ids] if not chunk else list(ids.split(chunk, dim=1))
+        for piece in pieces:
+            out = hf(input_ids=piece, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = out.past_key_values
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync()
+        t1 = time.perf_counter()
+        for _ in range(max_tokens - 1):
+            out = hf(input_ids=token, past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync()
+        t2 = time.perf_counter()
+    decode = len(prompts) * (max_tokens - 1) / (t2 - t1) if max_tokens > 1 else None
+    return ids.numel() / (t1 - t0), decode
+
+
+def _guarded(torch, label, fn):
+    """fn() or None, printing why; an out-of-memory leaves the allocator cleared."""
+    start = time.perf_counter()
+    try:
+        result = fn()
+        _say(f"  {label}: {result} ({time.perf_counter() - start:.1f} s)")
+        return result
+    except torch.OutOfMemoryError:
+        _say(f"  {label}: out of memory")
+        return "OOM"
+    except Exception as exc:  # noqa: BLE001 - one failed case must not lose the others
+        _say(f"  {label}: failed: {type(exc).__name__}: {exc}")
+        return "error"
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+# ------------------------------------------------------------------ run
+
+
+def build(torch, args, device):
+    from ds4d.models.deepseek_v4.config import DeepseekV4Config
+    from ds4d.models.deepseek_v4.model import DeepseekV4Model
+    from ds4d.models.deepseek_v4.random_init import RandomReader
+    from ds4d.models.deepseek_v4.weights import read_weights
+
+    base = json.loads(Path(args.config).read_text()) if args.config else (TINY if args.tiny else FLASH)
+    layers = [int(x) for x in args.layers.split(",")]
+    data = {**base, "num_hidden_layers": len(layers), "compress_ratios": layers}
+    data.pop("quantization_config", None)
+    cfg = DeepseekV4Config.from_dict(data, name="random-v4")
+    dtype = getattr(torch, args.dtype)
+    reader = RandomReader(cfg, dtype=dtype, device=device, seed=args.seed)
+    weights = read_weights(reader)
+    model = DeepseekV4Model(cfg, weights, tokenizer=None, dtype=dtype, device=device)
+    hf, hf_note = None, "skipped"
+    if not args.no_hf:
+        from ds4d.models.deepseek_v4.hf_compat import hf_model_from_tensors
+
+        for impl in ("grouped_mm", None):
+            try:
+                hf = hf_model_from_tensors(cfg, reader.issued, weights, dtype=dtype, device=device,
+                                           experts_implementation=impl)
+                hf_note = f"experts_implementation={impl or 'eager'}"
+                break
+            except (ValueError, ImportError) as exc:
+                hf_note = f"unavailable: {exc}"
+    return cfg, reader, model, hf, hf_note
+
+
+PATH_NOTES = {"graphs": "", "plain-hc": " (graphs, torch hyper-connections)", "eager": " (no graphs)",
+              "reference": " (reference path)"}
+
+
+def _set_path(model, path: str) -> None:
+    """graphs: every GPU path; plain-hc: without the fused hyper-connection kernel; eager: no CUDA graphs;
+    reference: the portable path (expert loop, per-sequence attention, dense window masks)."""
+    if not hasattr(model, "_hc_kernel_ok"):
+        model._hc_kernel_ok = model.fused_hc
+    model.fast_path = path != "reference"
+    model.use_graphs = path in ("graphs", "plain-hc")
+    model.fused_hc = model._hc_kernel_ok and path != "plain-hc"
+
+
 def run(args: argparse.Namespace) -> int:
-    print("ds4d bench model: not built yet")
-    return 1
+    import torch
+
+    device = torch.device(args.device if args.device != "cuda" or torch.cuda.is_available() else "cpu")
+    torch.manual_seed(args.seed)
+    bandwidth, matmul = measure_ceilings(torch, device)
+    _say(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s (read + write), bf16 matmul {matmul / 1e12:.0f} TFLOP/s")
+    t0 = time.perf_counter()
+    cfg, reader, model, hf, hf_note = build(torch, args, device)
+    floors = Floors(cfg, reader.issued, bandwidth, matmul)
+    _say(f"built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}, HF {hf_note}, "
+         f"hyper-connection kernel {'on' if model.fused_hc else 'off'}")
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def prompts(batch: int, length: int) -> list[list[int]]:
+        return torch.randint(100, cfg.vocab_size, (batch, length), generator=gen).tolist()
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    check = _parity(torch, model, hf, prompts(1, 256)[0], device) if hf is not None else "no HF peer"
+    _say(f"same weights check (256-token prompt, logits ds4d vs HF): {check}")
+    paths = ["graphs", "plain-hc", "eager"] + ([] if args.no_reference else ["reference"])
+    rows: list[Row] = []
+    n = args.decode_tokens
+
+    def prefill_case(tokens: int, hf_ok: bool = True) -> None:
+        ids = prompts(1, tokens)
+        for path in [p for p in paths if p != "eager"] if tokens <= 2048 else ["graphs"]:
+            _set_path(model, path)
+            label = f"prefill {tokens} tok, b1" + {"graphs": "", "plain-hc": " (torch hyper-connections)",
+                                                   "reference": " (reference path)"}[path]
+            got = _guarded(torch, f"ds4d {label}", lambda: _ds4d(torch, model, ids, 1, chunk=args.prefill_chunk,
+                                                               sync=sync, warm_tokens=2 * args.prefill_chunk)
+                           .prefill_tok_s)
+            theirs = _guarded(torch, "HF", lambda: _hf(torch, hf, ids, 1, device=device)[0]) \
+                if hf is not None and hf_ok and path == "graphs" else None
+            rows.append(Row(label, got, theirs, floors.prefill(tokens),
+                            note=f"ds4d chunk {min(tokens, args.prefill_chunk)}"))
+
+    def decode_case(batch: int, context: int, with_paths: list[str], hf_chunk: int = 0) -> None:
+        ids = prompts(batch, context)
+        hf_done = False
+        for path in with_paths:
+            _set_path(model, path)
+            chunk = min(args.prefill_chunk, max(128, 16384 // batch))
+            label = f"decode b{batch} @{context // 1024}K" + PATH_NOTES[path]
+            steps = n if path != "reference" else max(8, n // 4)
+            got = _guarded(torch, f"ds4d {label}", lambda steps=steps, chunk=chunk: _ds4d(
+                torch, model, ids, steps, chunk=chunk, sync=sync).decode_tok_s)
+            theirs = None
+            if hf is not None and not hf_done:
+                hf_done = True
+                theirs = _guarded(torch, "HF", lambda: _hf(torch, hf, ids, max(8, n // 2), device=device,
+                                                           chunk=hf_chunk)[1])
+            rows.append(Row(label, got, theirs, floors.decode(batch, context)))
+
+    prefill_case(2048)
+    batches = [int(b) for b in args.batches.split(",") if b]
+    for batch in batches:
+        decode_case(batch, 1024, paths if batch == 1 else ["graphs"])
+    if args.long:
+        prefill_case(16384)
+        decode_case(1, 32768, ["graphs"], hf_chunk=2048)
+
+    _print_table(rows, cfg, args, device, bandwidth, matmul, hf_note, check)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": [r.__dict__ for r in rows], "hf": hf_note,
+                                               "bandwidth": bandwidth, "matmul": matmul, "check": check}, indent=2))
+    return 0
+
+
+def _parity(torch, model, hf, ids, device) -> str:
+    _set_path(model, "eager")
+    mine = model.logits_for(ids)
+    with torch.no_grad():
+        theirs = hf(input_ids=torch.tensor([ids], device=device)).logits[0].float()
+    rel = ((mine - theirs).abs().max() / theirs.abs().max()).item()
+    agree = (mine.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    return f"max |diff| / max |logit| = {rel:.2e}, argmax agreement {agree:.1%}"
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, str):
+        return v
+    return f"{v:,.0f}" if v >= 100 else f"{v:,.1f}"
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) and b else "n/a"
+
+
+def _print_table(rows, cfg, args, device, bandwidth, matmul, hf_note, check) -> None:
+    import torch
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    _say()
+    _say(f"# ds4d bench model — random V4 ({cfg.hidden_size} wide, {cfg.n_routed_experts} experts, layers "
+         f"{list(cfg.compress_ratios)}), {args.dtype}, {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    _say(f"# ceilings measured: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
+         f"HF {hf_note}; {check}")
+    _say(f"# decode: {args.decode_tokens} greedy tokens per sequence after the prompt; tok/s = all sequences")
+    _say("| case | ds4d tok/s | HF tok/s | ds4d / HF | floor tok/s | ds4d / floor |")
+    _say("|---|---|---|---|---|---|")
+    for r in rows:
+        _say(f"| {r.case} | {_fmt(r.ds4d)} | {_fmt(r.hf)} | {_ratio(r.ds4d, r.hf)} | {_fmt(r.floor)} | "
+             f"{_ratio(r.ds4d, r.floor)} |")
+    sys.stdout.flush()

@@ -106,6 +106,51 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch
     return torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)
 
 
+def _attend_local(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    first: int,
+    start: int,
+    extra: tuple[torch.Tensor, torch.Tensor] | None,
+    sink: torch.Tensor,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """:func:`_attend` for a long chunk without the ``[n, n]`` window mask.
+
+    Queries go in blocks of ``window``; a block reads only the ``2 * window``
+    keys before and inside it (its window reaches all but the first) (``keys`` are positions ``first ..``, queries
+    ``start ..``).  Compressed entries ``extra = (entries, mask)`` join the same
+    softmax as a separate score block."""
+    n, heads, dim = q.shape
+    blocks = -(-n // window)
+    pad = blocks * window - n
+    span = 2 * window  # the 2 * window - 1 reachable keys plus one always masked: aligned matmul shapes
+    device = q.device
+    base = start - first - window + window * torch.arange(blocks, device=device)
+    index = base[:, None] + torch.arange(span, device=device)[None, :]  # [blocks, span] into keys
+    block_keys = keys[index.clamp(0, keys.shape[0] - 1)]
+    query = start + torch.arange(blocks * window, device=device).view(blocks, window)
+    offset = query[:, :, None] - (first + index)[:, None, :]
+    valid = (index >= 0)[:, None, :] & (index < keys.shape[0])[:, None, :] & (offset >= 0) & (offset < window)
+    mask = torch.zeros(valid.shape, dtype=q.dtype, device=device).masked_fill_(~valid, float("-inf"))
+    q_blocks = F.pad(q, (0, 0, 0, 0, 0, pad)).view(blocks, window, heads, dim)
+    local = torch.einsum("bqhd,bkd->bqhk", q_blocks, block_keys) * scale + mask[:, :, None, :]
+    parts = [local.reshape(blocks * window, heads, span)[:n]]
+    if extra is not None:
+        entries = extra[0].to(q.dtype)
+        parts.append(torch.einsum("nhd,ed->nhe", q, entries) * scale + extra[1].to(q.dtype)[:, None, :])
+    parts.append(sink.view(1, -1, 1).expand(n, -1, 1).to(q.dtype))
+    combined = torch.cat(parts, dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1).to(keys.dtype)
+    local_probs = F.pad(probs[..., :span], (0, 0, 0, 0, 0, pad)).view(blocks, window, heads, span)
+    out = torch.einsum("bqhk,bkd->bqhd", local_probs, block_keys).reshape(blocks * window, heads, dim)[:n]
+    if extra is not None:
+        out = out + torch.einsum("nhe,ed->nhd", probs[..., span:-1], entries)
+    return out
+
+
 def _compressed_keys(
     x: torch.Tensor,
     q_residual: torch.Tensor,
@@ -155,16 +200,16 @@ def attention_forward(
     cache: LayerCache,
     cfg: DeepseekV4Config,
     rope_compress: Rope,
+    *,
+    local_window: bool = False,
 ) -> torch.Tensor:
-    """``x [T, D]`` (normed sub-layer input) -> attention output ``[T, D]``."""
-    total = x.shape[0]
-    heads, head_dim, eps = cfg.num_attention_heads, cfg.head_dim, cfg.rms_norm_eps
-    cos, sin = step.rope_compress if weights.ratio else step.rope_main
+    """``x [T, D]`` (normed sub-layer input) -> attention output ``[T, D]``.
 
-    q_residual = rms_norm(F.linear(x, weights.wq_a), weights.q_norm, eps)
-    q = F.linear(q_residual, weights.wq_b).view(total, heads, head_dim)
-    q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)
-    kv = apply_rope(rms_norm(F.linear(x, weights.wkv), weights.kv_norm, eps), cos, sin)
+    ``local_window``: chunks longer than the window attend block by block
+    (:func:`_attend_local`) instead of through a dense ``[n, n]`` mask."""
+    head_dim = cfg.head_dim
+    cos, sin = step.rope_compress if weights.ratio else step.rope_main
+    q_residual, q, kv = project_qkv(x, weights, cos, sin, cfg)
     projections = {}
     if weights.compressor is not None:
         projections["main"] = project(x, step.positions, weights.compressor)
@@ -176,6 +221,16 @@ def attention_forward(
         rows = slice(chunk.begin, chunk.end)
         positions = step.positions[rows]
         keys, key_pos = _window_keys(cache, chunk, kv[rows], cfg.sliding_window)
+        if local_window and chunk.end - chunk.begin > cfg.sliding_window:
+            extra = None
+            if projections:
+                chunk_projections = {name: (kv_[rows], score[rows]) for name, (kv_, score) in projections.items()}
+                extra = _compressed_keys(x[rows], q_residual[rows], chunk_projections, chunk, positions,
+                                         (cos[rows], sin[rows]), weights, cache, cfg, rope_compress)
+            first = chunk.start_pos - (keys.shape[0] - (chunk.end - chunk.begin))
+            out[rows] = _attend_local(q[rows], keys, first, chunk.start_pos, extra, weights.sink, head_dim**-0.5,
+                                      cfg.sliding_window)
+            continue
         offset = positions[:, None] - key_pos[None, :]
         mask = torch.zeros(offset.shape, dtype=q.dtype, device=x.device)
         mask.masked_fill_((offset < 0) | (offset >= cfg.sliding_window), float("-inf"))
@@ -197,10 +252,28 @@ def attention_forward(
                 keys = torch.cat([keys, extra[0].to(keys.dtype)])
                 mask = torch.cat([mask, extra[1].to(mask.dtype)], dim=-1)
         out[rows] = _attend(q[rows], keys, mask, weights.sink, head_dim**-0.5)
+    return project_out(out, weights, cos, sin, cfg)
 
+
+def project_qkv(
+    x: torch.Tensor, weights: AttentionWeights, cos: torch.Tensor, sin: torch.Tensor, cfg: DeepseekV4Config
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [T, D]`` -> (query residual ``[T, q_lora_rank]``, roped queries ``[T, H, d]``, roped KV ``[T, d]``)."""
+    eps = cfg.rms_norm_eps
+    q_residual = rms_norm(F.linear(x, weights.wq_a), weights.q_norm, eps)
+    q = F.linear(q_residual, weights.wq_b).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
+    q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)
+    kv = apply_rope(rms_norm(F.linear(x, weights.wkv), weights.kv_norm, eps), cos, sin)
+    return q_residual, q, kv
+
+
+def project_out(
+    out: torch.Tensor, weights: AttentionWeights, cos: torch.Tensor, sin: torch.Tensor, cfg: DeepseekV4Config
+) -> torch.Tensor:
+    """Per-head attention output ``[T, H, d]``: undo the value RoPE, then the grouped low-rank projection."""
     out = apply_rope(out, cos, -sin)
     groups = cfg.o_groups
-    grouped = out.reshape(total, groups, -1)
-    wo_a = weights.wo_a.view(groups, cfg.o_lora_rank, -1)
-    low_rank = torch.einsum("tgk,grk->tgr", grouped, wo_a).flatten(1)
+    grouped = out.reshape(out.shape[0], groups, -1).transpose(0, 1)  # [G, T, k]
+    wo_a = weights.wo_a.view(groups, cfg.o_lora_rank, -1).transpose(1, 2)  # [G, k, r]
+    low_rank = torch.bmm(grouped, wo_a).transpose(0, 1).flatten(1)
     return F.linear(low_rank, weights.wo_b)

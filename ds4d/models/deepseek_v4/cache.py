@@ -17,6 +17,11 @@ parts age differently, so they live in different places:
 
 A chunk starting at position 0 reads nothing from its slot, so reusing a slot
 for a new sequence needs no clearing.
+
+One state slot and one block beyond those asked for are scratch space: the
+batched decode path (``decode.py``) pads a batch to a fixed size with rows that
+write there, and sends entries that are not due yet to the trash block, so a
+step's shapes never depend on the data.
 """
 
 from __future__ import annotations
@@ -66,20 +71,21 @@ class DeepseekV4Cache:
     ) -> None:
         self.num_blocks = num_blocks
         self.max_seqs = max_seqs
+        self.scratch_slot = max_seqs
+        self.trash_block = num_blocks
         self.block_size = cfg.block_size_tokens
         self.layers: list[LayerCache] = []
+        slots, blocks = max_seqs + 1, num_blocks + 1
         for ratio in cfg.compress_ratios:
             layer = LayerCache(
                 ratio=ratio,
-                window=torch.zeros(max_seqs, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device),
+                window=torch.zeros(slots, cfg.sliding_window, cfg.head_dim, dtype=dtype, device=device),
             )
             if ratio:
-                layer.compressor = _compressor_state(
-                    num_blocks, max_seqs, self.block_size, ratio, cfg.head_dim, dtype, device
-                )
+                layer.compressor = _compressor_state(blocks, slots, self.block_size, ratio, cfg.head_dim, dtype, device)
             if ratio == CSA_RATIO:
                 layer.indexer = _compressor_state(
-                    num_blocks, max_seqs, self.block_size, ratio, cfg.index_head_dim, dtype, device
+                    blocks, slots, self.block_size, ratio, cfg.index_head_dim, dtype, device
                 )
             self.layers.append(layer)
 

@@ -14,6 +14,7 @@ import torch
 
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader, expected_tensors, reference_to_hf_name
+from ds4d.models.deepseek_v4.weights import ModelWeights
 
 
 def hf_state_dict(path: str | Path) -> tuple[DeepseekV4Config, dict[str, torch.Tensor]]:
@@ -51,3 +52,58 @@ def hf_model(path: str | Path):
     if missing or unexpected:
         raise RuntimeError(f"HF state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
     return model
+
+
+def hf_model_from_tensors(
+    cfg: DeepseekV4Config,
+    issued: dict[str, torch.Tensor],
+    weights: ModelWeights,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    experts_implementation: str | None = None,
+):
+    """An HF ``DeepseekV4ForCausalLM`` over the tensors ds4d's model already holds.
+
+    ``issued`` maps reference names to the tensors the weights were built from
+    (a :class:`~ds4d.models.deepseek_v4.random_init.RandomReader`'s record);
+    the routed experts come from ``weights`` (float banks).  Tensors whose dtype
+    HF keeps the same are shared, not copied, so both models fit on one GPU.
+    """
+    from transformers import DeepseekV4Config as HFConfig
+    from transformers import DeepseekV4ForCausalLM
+
+    hf_cfg = HFConfig(**cfg.to_hf_dict())
+    options = {"dtype": dtype, "attn_implementation": "eager"}
+    if experts_implementation:
+        options["experts_implementation"] = experts_implementation
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM._from_config(hf_cfg, **options)
+    wanted = model.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    for name in expected_tensors(cfg):
+        if ".experts." in name and ".shared_experts." not in name:
+            continue
+        state[reference_to_hf_name(name)] = issued[name]
+    for layer, layer_weights in enumerate(weights.layers):
+        gate_up, down = layer_weights.ffn.experts.dense()
+        prefix = f"model.layers.{layer}.mlp.experts."
+        state[prefix + "gate_up_proj"], state[prefix + "down_proj"] = gate_up, down
+    unexpected = [k for k in state if k not in wanted]
+    missing = [k for k in wanted if k not in state and "inv_freq" not in k]
+    if missing or unexpected:
+        raise RuntimeError(f"HF state dict mismatch: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for key, tensor in state.items():
+        target = wanted[key]
+        state[key] = tensor.to(device=device, dtype=target.dtype) if tensor.dtype != target.dtype else tensor
+    model.load_state_dict(state, strict=False, assign=True)
+    rotary = type(model.model.rotary_emb)  # computed tables, not in the state dict: build them on the device
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, rotary):
+                with torch.device(device):
+                    setattr(parent, child_name, rotary(hf_cfg))
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"HF model tensors left unset: {left[:5]}")
+    return model.eval()

@@ -25,11 +25,26 @@ def _mixes(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Te
 
 
 def hc_pre(
-    streams: torch.Tensor, weights: HyperWeights, iterations: int, hc_eps: float, norm_eps: float
+    streams: torch.Tensor,
+    weights: HyperWeights,
+    iterations: int,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``streams [T, m, D]`` -> (sub-layer input ``[T, D]``, post ``[T, m]``, comb ``[T, m, m]``)."""
+    """``streams [T, m, D]`` -> (sub-layer input ``[T, D]``, post ``[T, m]``, comb ``[T, m, m]``).
+
+    ``fused``: on CUDA, the mixing weights come from one kernel (``ds4d.cuda.hc_kernels``)."""
     m = streams.shape[-2]
-    pre_w, post_w, comb_w = _mixes(streams, weights.fn, norm_eps).split([m, m, m * m], dim=-1)
+    mixes = _mixes(streams, weights.fn, norm_eps)
+    if fused and streams.is_cuda:
+        from ds4d.cuda.hc_kernels import hc_mix_torch
+
+        pre, post, comb = hc_mix_torch(mixes, weights.base, weights.scale, hc_eps, iterations, m)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+        return collapsed, post, comb
+    pre_w, post_w, comb_w = mixes.split([m, m, m * m], dim=-1)
     pre_b, post_b, comb_b = weights.base.split([m, m, m * m])
     pre_scale, post_scale, comb_scale = weights.scale.unbind(0)
 

@@ -10,9 +10,23 @@ Each step's result for a sequence is the same whatever else shares the step
 and however its prompt was split into chunks, up to float rounding: the state
 carried between chunks is exactly what a whole-sequence pass would have
 computed at that point.
+
+Two switches pick faster paths with the same arithmetic per token (both on by
+default on CUDA, off on the CPU, where the reference path is kept exact):
+
+* ``fast_path``: routed experts as grouped matmuls (``moe.py``), and steps in
+  which every chunk is one token needing its logits run the batched decode
+  attention of ``decode.py`` (no per-sequence loop, no host round trip);
+* ``fused_hc`` (with ``fast_path``, where Numba CUDA is installed): the
+  hyper-connection mixing weights, Sinkhorn included, come from one kernel;
+* ``use_graphs``: such decode steps are padded to a batch bucket and a
+  block-table bucket and replayed from CUDA graphs (``ds4d.cuda.graphs``).
 """
 
 from __future__ import annotations
+
+import logging
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -21,9 +35,10 @@ from ds4d.contracts import ForwardBatch, ModelInfo, SeqChunk, Tokenizer
 from ds4d.models.deepseek_v4.attention import ChunkRows, StepInputs, attention_forward
 from ds4d.models.deepseek_v4.cache import DeepseekV4Cache
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
+from ds4d.models.deepseek_v4.decode import DecodeInputs, decode_attention
 from ds4d.models.deepseek_v4.hyper import hc_head, hc_post, hc_pre
 from ds4d.models.deepseek_v4.moe import moe_forward
-from ds4d.models.deepseek_v4.ops import Rope, rms_norm
+from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
 from ds4d.models.deepseek_v4.weights import ModelWeights
 
 
@@ -44,8 +59,22 @@ class DeepseekV4Model:
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.device = torch.device(device)
+        if self.device.type == "cuda" and dtype == torch.bfloat16 and _holds_bf16_values(weights.head):
+            weights.head = weights.head.to(torch.bfloat16)  # same values, half the bytes read per token
         self.rope_main, self.rope_compress = Rope.for_layers(cfg, self.device)
         self.cache: DeepseekV4Cache | None = None
+        on_gpu = self.device.type == "cuda"
+        self.fast_path = on_gpu
+        self.use_graphs = on_gpu
+        self.fused_hc = False
+        self._graphs = None
+        if on_gpu:
+            from ds4d.cuda.hc_kernels import available
+
+            self.fused_hc = available()
+            from ds4d.cuda.graphs import GraphCache
+
+            self._graphs = GraphCache(self._decode_step)
         self.info = ModelInfo(
             family="deepseek_v4",
             name=cfg.name,
@@ -70,6 +99,9 @@ class DeepseekV4Model:
     # ------------------------------------------------------------------ contract
 
     def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
+        if self._graphs is not None:
+            self._graphs.clear()  # they hold the old cache's addresses
+        self.cache = None
         self.cache = DeepseekV4Cache(self.cfg, num_blocks, max_seqs, self.dtype, self.device)
 
     @torch.inference_mode()
@@ -129,8 +161,10 @@ class DeepseekV4Model:
                 raise ValueError(f"position {end} beyond max_position_embeddings")
 
     def _run(self, batch: ForwardBatch, cache: DeepseekV4Cache) -> torch.Tensor:
-        cfg, weights, device = self.cfg, self.weights, self.device
+        cfg, device = self.cfg, self.device
         self._check(batch, cache)
+        if self.fast_path and batch.chunks and all(len(c.token_ids) == c.logits_tokens == 1 for c in batch.chunks):
+            return self._decode(batch, cache)
         chunks, ids, positions, keep = [], [], [], []
         row = 0
         for chunk in batch.chunks:
@@ -150,7 +184,7 @@ class DeepseekV4Model:
             positions.extend(range(chunk.start_pos, chunk.start_pos + count))
             keep.extend(range(row + count - chunk.logits_tokens, row + count))
             row += count
-        if not keep:
+        if not ids:
             return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=device)
 
         token_ids = torch.tensor(ids, dtype=torch.long, device=device)
@@ -161,24 +195,82 @@ class DeepseekV4Model:
             rope_main=self.rope_main.cos_sin(pos),
             rope_compress=self.rope_compress.cos_sin(pos),
         )
-        hidden = self._layers(token_ids, step, cache)
+        hidden = self._layers(token_ids, step, cache)  # always: it writes the chunks' KV and state
+        if not keep:
+            return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=device)
         rows = torch.tensor(keep, dtype=torch.long, device=device)
-        final = rms_norm(
-            hc_head(hidden[rows], weights.head_hc, cfg.hc_eps, cfg.rms_norm_eps), weights.norm, cfg.rms_norm_eps
-        )
-        return F.linear(final.float(), weights.head)
+        return self._logits(hidden[rows])
 
-    def _layers(self, token_ids: torch.Tensor, step: StepInputs, cache: DeepseekV4Cache) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        cfg, weights = self.cfg, self.weights
+        final = rms_norm(
+            hc_head(hidden, weights.head_hc, cfg.hc_eps, cfg.rms_norm_eps), weights.norm, cfg.rms_norm_eps
+        )
+        if weights.head.dtype == torch.float32:
+            return F.linear(final.float(), weights.head)
+        return linear_bf16_weight_f32_out(final.float(), weights.head)
+
+    def _decode(self, batch: ForwardBatch, cache: DeepseekV4Cache) -> torch.Tensor:
+        """One token per sequence: pack (token, position, slot, block table) rows and run the decode step."""
+        count = len(batch.chunks)
+        width = max(len(c.block_ids) for c in batch.chunks)
+        graphs = self._graphs if self.use_graphs and cache is self.cache else None
+        rows = count
+        if graphs is not None:
+            rows, width = _bucket(count), max(8, _bucket(width))
+        trash = cache.trash_block
+        table = [
+            [c.token_ids[0], c.start_pos, c.state_slot, *c.block_ids] + [trash] * (width - len(c.block_ids))
+            for c in batch.chunks
+        ]
+        table += [[0, 0, cache.scratch_slot] + [trash] * width] * (rows - count)
+        packed = torch.tensor(table, dtype=torch.long).to(self.device)
+        if graphs is not None:
+            try:
+                return graphs.run((rows, width), packed)[:count].clone()
+            except RuntimeError as exc:  # a step that cannot be captured still runs, eagerly
+                logging.getLogger("ds4d.models").warning("decode graph capture failed, running eagerly: %s", exc)
+                self.use_graphs = False
+                graphs.clear()
+        return self._decode_step(packed, cache)[:count].clone()
+
+    def _decode_step(self, packed: torch.Tensor, cache: DeepseekV4Cache | None = None) -> torch.Tensor:
+        """Logits ``[B, V]`` for packed decode rows (capturable: no host reads, fixed shapes)."""
+        cache = cache if cache is not None else self.cache
+        token_ids, positions = packed[:, 0], packed[:, 1]
+        dec = DecodeInputs(
+            positions=positions,
+            slots=packed[:, 2],
+            block_table=packed[:, 3:],
+            trash_block=cache.trash_block,
+            rope_main=self.rope_main.cos_sin(positions),
+            rope_compress=self.rope_compress.cos_sin(positions),
+        )
+        return self._logits(self._layers(token_ids, dec, cache))
+
+    def _layers(self, token_ids: torch.Tensor, step: StepInputs | DecodeInputs, cache: DeepseekV4Cache) -> torch.Tensor:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         embedded = self.weights.embed[token_ids].to(self.dtype)
         streams = embedded.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        if isinstance(step, DecodeInputs):
+            attend = decode_attention
+        else:
+            attend = partial(attention_forward, local_window=self.fast_path)
+        fused = self.fast_path and self.fused_hc
         for layer, layer_cache in zip(self.weights.layers, cache.layers):
-            x, post, comb = hc_pre(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-            x = attention_forward(
-                rms_norm(x, layer.attn_norm, eps), step, layer.attn, layer_cache, cfg, self.rope_compress
-            )
+            x, post, comb = hc_pre(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, fused=fused)
+            x = attend(rms_norm(x, layer.attn_norm, eps), step, layer.attn, layer_cache, cfg, self.rope_compress)
             streams = hc_post(x, streams, post, comb)
-            x, post, comb = hc_pre(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps)
-            x = moe_forward(rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn, cfg)
+            x, post, comb = hc_pre(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, fused=fused)
+            x = moe_forward(rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn, cfg, grouped=self.fast_path)
             streams = hc_post(x, streams, post, comb)
         return streams
+
+
+def _holds_bf16_values(tensor: torch.Tensor) -> bool:
+    return tensor.dtype == torch.float32 and torch.equal(tensor, tensor.to(torch.bfloat16).float())
+
+
+def _bucket(n: int) -> int:
+    """The next power of two (decode batches and block tables are padded to these sizes)."""
+    return 1 << max(0, n - 1).bit_length()

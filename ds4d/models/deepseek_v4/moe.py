@@ -8,8 +8,15 @@ table (``tid2eid``) instead.  Selected weights are normalised to sum to one and
 scaled by ``routed_scaling_factor``.  Experts are SwiGLU with the gate clamped
 from above and the up projection clamped on both sides at ``swiglu_limit``.
 
-Experts run one at a time over the tokens routed to them, decoded from their
-stored format just before use; an expert that got no token costs nothing.
+Two ways to run the routed experts, with the same arithmetic per expert:
+
+* ``grouped=False`` (the reference): one expert at a time over the tokens routed
+  to it, decoded from its stored format just before use; an expert that got no
+  token costs nothing.  The loop needs the routing on the host.
+* ``grouped=True`` (the GPU path): the (token, expert) pairs are sorted by
+  expert and both projections run as one grouped matmul each over the whole
+  bank, the kernel reading each used expert's weights by offset; nothing waits
+  for the host, so a step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -54,9 +61,48 @@ def route(
     return chosen * cfg.routed_scaling_factor, indices
 
 
-def moe_forward(x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config) -> torch.Tensor:
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor):
+    """Rows of ``x`` (sorted by expert, group ends ``offsets``) times their expert's ``weight [E, out, in]``."""
+    if x.is_cuda and x.dtype == torch.bfloat16:
+        return _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
+    # no grouped kernel for this device or dtype: one batched product over per-row weights
+    return torch.bmm(weight[expert_of_row], x.unsqueeze(-1)).squeeze(-1)
+
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _routed_grouped(
+    x: torch.Tensor, expert_weights: torch.Tensor, indices: torch.Tensor, weights: MoEWeights, limit: float
+) -> torch.Tensor:
+    tokens, k = indices.shape
+    gate_up, down = weights.experts.dense()
+    flat = indices.reshape(-1)
+    expert_of_row, order = torch.sort(flat, stable=True)
+    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    rows = x[order // k]
+    hidden = _grouped_linear(rows, gate_up, offsets, expert_of_row)
+    gate, up = hidden.chunk(2, dim=-1)
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    out = _grouped_linear(F.silu(gate) * up, down, offsets, expert_of_row)
+    weighted = out.float() * expert_weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(weighted)
+    unsorted[order] = weighted
+    return unsorted.view(tokens, k, -1).sum(dim=1).to(x.dtype)
+
+
+def moe_forward(
+    x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config, *, grouped: bool = False
+) -> torch.Tensor:
     expert_weights, indices = route(x, token_ids, weights, cfg)
     limit = cfg.swiglu_limit
+    if grouped:
+        shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit)
+        return _routed_grouped(x, expert_weights, indices, weights, limit) + shared
     routed = torch.zeros_like(x)
     for expert in torch.unique(indices).tolist():
         token_idx, slot = torch.where(indices == expert)

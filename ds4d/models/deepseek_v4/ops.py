@@ -87,3 +87,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     even, odd = rope[..., 0::2], rope[..., 1::2]
     rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+_MM_OUT_DTYPE = {"ok": True}
+
+
+def linear_bf16_weight_f32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [n, D]`` float32 times a bfloat16 ``weight [V, D]``, float32 result, reading the weight once.
+
+    ``x`` is split into a bfloat16 high part and a bfloat16 remainder (16 mantissa
+    bits together); both go through one bf16 x bf16 -> fp32 matmul, then add.
+    Where that matmul is unavailable the weight is widened instead."""
+    if _MM_OUT_DTYPE["ok"] and x.is_cuda:
+        high = x.to(torch.bfloat16)
+        low = (x - high.float()).to(torch.bfloat16)
+        try:
+            both = torch.mm(torch.cat([high, low]), weight.t(), out_dtype=torch.float32)
+            return both[: x.shape[0]] + both[x.shape[0] :]
+        except (RuntimeError, TypeError):
+            _MM_OUT_DTYPE["ok"] = False
+    return torch.nn.functional.linear(x, weight.float())

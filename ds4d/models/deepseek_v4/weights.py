@@ -74,6 +74,9 @@ class ExpertBank:
     scales: dict[str, torch.Tensor]
     dtype: torch.dtype
     block: tuple[int, int]
+    gate_up: torch.Tensor | None = None
+    """Float banks: ``[E, 2I, D]`` holding w1 over w3 (``weights["w1"]`` and ``["w3"]`` are views of it)."""
+    _dense_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def weight(self, which: str, expert: int) -> torch.Tensor:
         """Expert ``expert``'s matrix ``which`` as ``[out, in]`` in the model dtype."""
@@ -83,6 +86,25 @@ class ExpertBank:
         if self.kind == "fp8":
             return dequant_fp8_block(stored, self.scales[which][expert], self.block).to(self.dtype)
         return stored
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up ``[E, 2I, D]``, down ``[E, D, I]``) in the model dtype, for grouped matmuls.
+
+        Float banks answer with their own storage.  Quantised banks are decoded
+        whole; banks under ``DENSE_CACHE_BYTES`` keep the decoded copy."""
+        if self.gate_up is not None:
+            return self.gate_up, self.weights["w2"]
+        if self._dense_cache is not None:
+            return self._dense_cache
+        experts = range(self.weights["w1"].shape[0])
+        gate_up = torch.stack([torch.cat([self.weight("w1", e), self.weight("w3", e)]) for e in experts])
+        down = torch.stack([self.weight("w2", e) for e in experts])
+        if (gate_up.numel() + down.numel()) * gate_up.element_size() <= DENSE_CACHE_BYTES:
+            self._dense_cache = (gate_up, down)
+        return gate_up, down
+
+
+DENSE_CACHE_BYTES = 256 << 20
 
 
 @dataclass
@@ -132,7 +154,11 @@ def _walk(obj):
             yield from _walk(item)
     elif hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
-            yield from _walk(getattr(obj, name))
+            if name not in _NOT_PARAMETERS:
+                yield from _walk(getattr(obj, name))
+
+
+_NOT_PARAMETERS = {"gate_up", "_dense_cache"}  # views over, or copies of, tensors counted elsewhere
 
 
 F32 = torch.float32
@@ -184,6 +210,7 @@ def _attention(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> Atten
 
 def _experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> ExpertBank:
     kind = None
+    gate_up = None
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     for which in ("w1", "w2", "w3"):
@@ -194,13 +221,20 @@ def _experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> ExpertB
             if this_kind != kind:
                 raise CheckpointError(f"layer {layer}: routed experts mix {kind} and {this_kind} storage")
             if which not in weights:  # stacked storage, filled one expert at a time
-                weights[which] = weight.new_empty((cfg.n_routed_experts, *weight.shape))
+                if this_kind == "float" and which == "w3":  # w1 over w3 in one tensor, as grouped matmuls want
+                    gate_up = weight.new_empty((cfg.n_routed_experts, 2 * weight.shape[0], weight.shape[1]))
+                    gate_up[:, : weight.shape[0]] = weights["w1"]
+                    weights["w1"], weights["w3"] = gate_up[:, : weight.shape[0]], gate_up[:, weight.shape[0] :]
+                else:
+                    weights[which] = weight.new_empty((cfg.n_routed_experts, *weight.shape))
                 if scale is not None:
                     scales[which] = scale.new_empty((cfg.n_routed_experts, *scale.shape))
             weights[which][expert] = weight
             if scale is not None:
                 scales[which][expert] = scale
-    return ExpertBank(kind=kind or "float", weights=weights, scales=scales, dtype=reader.dtype, block=reader.block)
+    return ExpertBank(
+        kind=kind or "float", weights=weights, scales=scales, dtype=reader.dtype, block=reader.block, gate_up=gate_up
+    )
 
 
 def _moe(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> MoEWeights:

@@ -1,0 +1,163 @@
+"""Batched decode attention: one new token for each of B sequences, with shapes fixed by (B, blocks).
+
+The general path (``attention.py``) loops over chunks with host-side positions.
+A decode step has one token per sequence, so everything can be indexed by
+device tensors instead: the positions ``[B]``, state slots ``[B]`` and a block
+table ``[B, MB]`` padded with the cache's trash block.  Nothing here reads a
+value back to the host and no shape depends on the data, which is what lets a
+decode step be captured once per (batch, block-table width) bucket and replayed.
+
+The state it reads and writes is the same as the general path's, so a sequence
+can move between the two paths at any step:
+
+* the window ring keeps token ``p``'s KV at ``p % sliding_window``; a ring slot
+  ``j`` holds position ``p - ((p - j) mod W)``, visible when that is ``>= 0``;
+* a compressor's tail ring keeps token ``p``'s projections at ``p % (c * r)``;
+  when ``p`` closes window ``w = p // r`` the entry is pooled from the ring and
+  written to entry ``w`` of the sequence's blocks; rows whose window is still
+  open write the same arithmetic to the trash block instead;
+* compressed entries ``0 .. (p + 1) // r - 1`` are visible: all of them on HCA
+  layers, the lightning indexer's top-k of them on CSA layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ds4d.models.deepseek_v4.attention import project_out, project_qkv
+from ds4d.models.deepseek_v4.cache import CompressorState, LayerCache
+from ds4d.models.deepseek_v4.compressor import project
+from ds4d.models.deepseek_v4.config import DeepseekV4Config
+from ds4d.models.deepseek_v4.ops import Rope, apply_rope, rms_norm
+from ds4d.models.deepseek_v4.weights import AttentionWeights, CompressorWeights, IndexerWeights
+
+
+@dataclass
+class DecodeInputs:
+    """Per-step device tensors of a decode batch (B rows, padding included)."""
+
+    positions: torch.Tensor  # [B] long: the new token's position
+    slots: torch.Tensor  # [B] long: state slot (padding rows: the scratch slot)
+    block_table: torch.Tensor  # [B, MB] long: block ids, padded with the trash block
+    trash_block: int
+    rope_main: tuple[torch.Tensor, torch.Tensor]
+    rope_compress: tuple[torch.Tensor, torch.Tensor]
+
+
+def _window(ring: torch.Tensor, kv: torch.Tensor, dec: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the new KVs into their rings; return every ring's keys ``[B, W, d]`` and additive mask ``[B, W]``."""
+    window = ring.shape[1]
+    ring[dec.slots, dec.positions % window] = kv.to(ring.dtype)
+    keys = ring[dec.slots]
+    slot_index = torch.arange(window, device=kv.device)
+    held = dec.positions[:, None] - (dec.positions[:, None] - slot_index) % window
+    mask = torch.zeros(held.shape, dtype=torch.float32, device=kv.device).masked_fill_(held < 0, float("-inf"))
+    return keys, mask
+
+
+def _compress(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    dec: DecodeInputs,
+    weights: CompressorWeights,
+    state: CompressorState,
+    rope: Rope,
+    eps: float,
+) -> None:
+    """Feed one token per row; write the entry of every window this token closes."""
+    ratio, dim = weights.ratio, weights.head_dim
+    ring = state.tail_kv.shape[1]
+    pos, slots = dec.positions, dec.slots
+    state.tail_kv[slots, pos % ring] = kv
+    state.tail_score[slots, pos % ring] = score
+    window = pos // ratio
+    offsets = torch.arange(ratio, device=kv.device)
+    current = (window[:, None] * ratio + offsets) % ring  # [B, r], position order
+    rows = slots[:, None]
+    pooled_kv, pooled_score = state.tail_kv[rows, current], state.tail_score[rows, current]
+    if weights.overlap:
+        previous = ((window[:, None] - 1) * ratio + offsets) % ring
+        prev_kv, prev_score = state.tail_kv[rows, previous, :dim], state.tail_score[rows, previous, :dim]
+        prev_score = prev_score.masked_fill((window == 0)[:, None, None], float("-inf"))
+        pooled_kv = torch.cat([prev_kv, pooled_kv[..., dim:]], dim=1)
+        pooled_score = torch.cat([prev_score, pooled_score[..., dim:]], dim=1)
+    entries = (pooled_kv * pooled_score.softmax(dim=1)).sum(dim=1)
+    entries = apply_rope(rms_norm(entries, weights.norm, eps), *rope.cos_sin(window * ratio))
+    per_block = state.pool.shape[1]
+    closes = (pos + 1) % ratio == 0
+    block = dec.block_table.gather(1, (window // per_block).clamp(max=dec.block_table.shape[1] - 1)[:, None])[:, 0]
+    block = torch.where(closes, block, torch.full_like(block, dec.trash_block))
+    state.pool[block, window % per_block] = entries.to(state.pool.dtype)
+
+
+def _gather(pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Every entry slot the block table covers, ``[B, MB * per_block, d]``."""
+    return pool[block_table].flatten(1, 2)
+
+
+def _indexer_pick(
+    x: torch.Tensor,
+    q_residual: torch.Tensor,
+    cos_sin: tuple[torch.Tensor, torch.Tensor],
+    index_keys: torch.Tensor,
+    visible: torch.Tensor,
+    indexer: IndexerWeights,
+    cfg: DeepseekV4Config,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lightning indexer's top-k entry ids ``[B, k]`` and whether each is a real, visible entry."""
+    batch, count = x.shape[0], index_keys.shape[1]
+    q = F.linear(q_residual, indexer.wq_b).view(batch, cfg.index_n_heads, cfg.index_head_dim)
+    q = apply_rope(q, *cos_sin)
+    scores = torch.relu(torch.bmm(q.float(), index_keys.float().transpose(1, 2))) * cfg.index_head_dim**-0.5
+    head_weights = F.linear(x, indexer.weights_proj).float() * cfg.index_n_heads**-0.5
+    scores = torch.bmm(head_weights.unsqueeze(1), scores).squeeze(1)  # [B, E]
+    future = torch.arange(count, device=x.device)[None, :] >= visible[:, None]
+    scores = scores.masked_fill(future, float("-inf"))
+    picked = scores.topk(min(cfg.index_topk, count), dim=-1).indices
+    return picked, picked < visible[:, None]
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [B, H, d]``, per-row keys (also the values) ``[B, K, d]``, ``mask [B, K]`` -> ``[B, H, d]``."""
+    logits = torch.bmm(q, keys.transpose(1, 2)) * scale + mask[:, None, :].to(q.dtype)
+    sinks = sink.view(1, -1, 1).expand(q.shape[0], -1, 1).to(logits.dtype)
+    combined = torch.cat([logits, sinks], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.bmm(probs.to(keys.dtype), keys)
+
+
+def decode_attention(
+    x: torch.Tensor,
+    dec: DecodeInputs,
+    weights: AttentionWeights,
+    cache: LayerCache,
+    cfg: DeepseekV4Config,
+    rope_compress: Rope,
+) -> torch.Tensor:
+    """``x [B, D]`` (normed sub-layer input, one token per sequence) -> attention output ``[B, D]``."""
+    cos, sin = dec.rope_compress if weights.ratio else dec.rope_main
+    q_residual, q, kv = project_qkv(x, weights, cos, sin, cfg)
+    keys, mask = _window(cache.window, kv, dec)
+    if weights.compressor is not None:
+        eps, ratio = cfg.rms_norm_eps, weights.ratio
+        _compress(*project(x, dec.positions, weights.compressor), dec, weights.compressor, cache.compressor,
+                  rope_compress, eps)
+        entries = _gather(cache.compressor.pool, dec.block_table)
+        visible = (dec.positions + 1) // ratio
+        if weights.indexer is not None:
+            _compress(*project(x, dec.positions, weights.indexer.compressor), dec, weights.indexer.compressor,
+                      cache.indexer, rope_compress, eps)
+            index_keys = _gather(cache.indexer.pool, dec.block_table)
+            picked, valid = _indexer_pick(x, q_residual, (cos, sin), index_keys, visible, weights.indexer, cfg)
+            entries = entries.gather(1, picked[..., None].expand(-1, -1, entries.shape[-1]))
+        else:
+            valid = torch.arange(entries.shape[1], device=x.device)[None, :] < visible[:, None]
+        extra = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill_(~valid, float("-inf"))
+        keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
+        mask = torch.cat([mask, extra], dim=1)
+    out = _attend(q, keys, mask, weights.sink, cfg.head_dim**-0.5)
+    return project_out(out, weights, cos, sin, cfg)

@@ -1,0 +1,119 @@
+"""Random V4 weights of any config, built straight on the target device.
+
+Benchmarks need a model of real widths without a 150 GB download.  A
+:class:`RandomReader` answers the same questions as the checkpoint
+:class:`~ds4d.models.deepseek_v4.loader.WeightReader` (one parameter at a time,
+by reference name), so :func:`~ds4d.models.deepseek_v4.weights.read_weights`
+builds the model from it exactly as it does from a file.  Every tensor it hands
+out is kept under its reference name (:attr:`RandomReader.issued`), so another
+implementation can be given the very same tensors.
+
+Scales follow the tiny checkpoints: linear weights with std ``in ** -0.5``,
+norm weights near 1, small routing biases, a random token -> experts table.
+Routed experts come out as float (``float`` bank kind).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ds4d.models.deepseek_v4.config import CSA_RATIO, DeepseekV4Config
+
+
+class RandomReader:
+    def __init__(
+        self, cfg: DeepseekV4Config, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0
+    ) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.block = (128, 128)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.issued: dict[str, torch.Tensor] = {}
+
+    # the WeightReader questions read_weights asks ---------------------------------
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        shape, kind = _shape(self.cfg, name)
+        dtype = dtype or self.dtype
+        if kind == "norm":
+            t = 1.0 + 0.1 * self._randn(shape)
+        elif kind == "linear":
+            t = self._randn(shape) * shape[-1] ** -0.5
+        elif kind == "hc_scale":
+            t = 1.0 + 0.2 * self._randn(shape)
+        else:  # biases, sinks, ape, hc base
+            t = self._randn(shape) * {"bias": 0.1, "sink": 1.0, "ape": 0.5, "hc_base": 0.5}[kind]
+        t = t.to(torch.bfloat16).to(dtype)  # values a bf16 checkpoint could hold, whatever the dtype asked
+        self.issued[name] = t
+        return t
+
+    def index(self, name: str) -> torch.Tensor:
+        cfg = self.cfg
+        draws = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=self.generator, device=self.device)
+        table = draws.argsort(dim=-1)[:, : cfg.num_experts_per_tok].contiguous()
+        self.issued[name] = table
+        return table
+
+    def expert_stored(self, layer: int, expert: int, which: str) -> tuple[str, torch.Tensor, None]:
+        name = f"layers.{layer}.ffn.experts.{expert}.{which}.weight"
+        shape, _ = _shape(self.cfg, name)
+        return "float", (self._randn(shape) * shape[-1] ** -0.5).to(torch.bfloat16).to(self.dtype), None
+
+    def _randn(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.float32)
+
+
+def _shape(cfg: DeepseekV4Config, name: str) -> tuple[tuple[int, ...], str]:
+    """(shape, initialiser kind) of a reference-named parameter."""
+    d, m, v = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size
+    heads, hd, qr = cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
+    inter, experts = cfg.moe_intermediate_size, cfg.n_routed_experts
+    if name in ("embed.weight", "head.weight"):
+        return (v, d), "linear" if name == "head.weight" else "sink"
+    if name == "norm.weight":
+        return (d,), "norm"
+    hc = re.match(r"(?:layers\.\d+\.)?hc_(head|attn|ffn)_(fn|base|scale)$", name)
+    if hc:
+        mix = m if hc.group(1) == "head" else (2 + m) * m
+        scales = 1 if hc.group(1) == "head" else 3
+        return {"fn": ((mix, m * d), "linear"), "base": ((mix,), "hc_base"), "scale": ((scales,), "hc_scale")}[
+            hc.group(2)
+        ]
+    layer = int(name.split(".")[1])
+    ratio = cfg.compress_ratios[layer]
+    rest = name.split(".", 2)[2]
+    if rest in ("attn_norm.weight", "ffn_norm.weight"):
+        return (d,), "norm"
+    comp = re.match(r"attn\.(indexer\.)?compressor\.(wkv\.weight|wgate\.weight|ape|norm\.weight)$", rest)
+    if comp:
+        dim = cfg.index_head_dim if comp.group(1) else hd
+        coff = 2 if ratio == CSA_RATIO else 1
+        part = comp.group(2)
+        if part == "ape":
+            return (ratio, coff * dim), "ape"
+        if part == "norm.weight":
+            return (dim,), "norm"
+        return (coff * dim, d), "linear"
+    e = re.match(r"ffn\.experts\.\d+\.(w[123])\.weight$", rest) or re.match(r"ffn\.shared_experts\.(w[123])\.weight$", rest)
+    if e:
+        return ((d, inter) if e.group(1) == "w2" else (inter, d)), "linear"
+    table = {
+        "attn.wq_a.weight": ((qr, d), "linear"),
+        "attn.q_norm.weight": ((qr,), "norm"),
+        "attn.wq_b.weight": ((heads * hd, qr), "linear"),
+        "attn.wkv.weight": ((hd, d), "linear"),
+        "attn.kv_norm.weight": ((hd,), "norm"),
+        "attn.wo_a.weight": ((cfg.o_groups * cfg.o_lora_rank, heads * hd // cfg.o_groups), "linear"),
+        "attn.wo_b.weight": ((d, cfg.o_groups * cfg.o_lora_rank), "linear"),
+        "attn.attn_sink": ((heads,), "sink"),
+        "attn.indexer.wq_b.weight": ((cfg.index_n_heads * cfg.index_head_dim, qr), "linear"),
+        "attn.indexer.weights_proj.weight": ((cfg.index_n_heads, d), "linear"),
+        "ffn.gate.weight": ((experts, d), "linear"),
+        "ffn.gate.bias": ((experts,), "bias"),
+    }
+    if rest not in table:
+        raise KeyError(f"no random initialiser for {name!r}")
+    return table[rest]
