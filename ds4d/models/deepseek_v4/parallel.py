@@ -1,0 +1,289 @@
+"""DeepSeek-V4 over several devices: expert parallel, layer split, or a grid of both.
+
+Shape of the design: one process per device, all running the same SPMD step
+(:class:`~ds4d.models.deepseek_v4.shard.ShardRunner`).  Rank 0 lives in the
+daemon; :class:`ParallelDeepseekV4Model` is the :class:`~ds4d.contracts.Model`
+the engine sees there.  Each call on it is first broadcast to the other ranks
+as a small command over the gloo control group, then run by every rank at once:
+
+=================  ==================================================================
+command            what every rank does
+=================  ==================================================================
+``allocate``       allocates the cache of its own layers; rank 0 gathers the outcome
+``forward``        runs :meth:`ShardRunner.step` on the same batch (rank 0 returns logits)
+``save_state``     each stage's ep-rank 0 hands its layers' slot state to rank 0
+``load_state``     each rank takes its stage's part of the snapshot
+``stop``           leaves the loop; the process group is torn down
+=================  ==================================================================
+
+Ranks ``1 ..`` run :func:`run_worker`: join the groups, load their shard, report
+ready, then obey commands until ``stop`` (or until rank 0 is gone, which breaks
+the broadcast).  Batches are validated on rank 0 before they are broadcast, so
+a bad batch raises on the engine thread and never reaches the workers.
+
+:func:`build_parallel_model` is what the kernel calls instead of
+``family.load`` when more than one device is configured: it plans the
+placement (``ds4d.parallel.topology``), starts the workers
+(``ds4d.parallel.launch``), joins as rank 0 and returns the model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds4d.contracts import ForwardBatch, ModelInfo
+from ds4d.models.deepseek_v4.config import DeepseekV4Config
+from ds4d.models.deepseek_v4.family import _dtype, load_tokenizer
+from ds4d.models.deepseek_v4.shard import ShardRunner, read_shard, shard_layout
+from ds4d.parallel.launch import (
+    ParallelGroups,
+    broadcast_object,
+    free_tcp_init_method,
+    gather_objects,
+    init_groups,
+    start_workers,
+    stop_workers,
+)
+from ds4d.parallel.topology import Placement, describe, parse_layout, plan_for_gpus, plan_placement
+
+log = logging.getLogger("ds4d.models")
+
+
+class ParallelStartError(RuntimeError):
+    """A rank failed to load its shard or to allocate its cache."""
+
+
+def _load_runner(path: Path, placement: Placement, groups: ParallelGroups, dtype: torch.dtype, fast_path):
+    cfg = DeepseekV4Config.from_file(path)
+    layout = shard_layout(cfg, groups.stage, groups.stages, groups.ep_rank, groups.ep_size)
+    weights = read_shard(path, cfg, layout, dtype, groups.device)
+    return ShardRunner(cfg, layout, weights, groups, dtype, fast_path=fast_path)
+
+
+def _facts(runner: ShardRunner) -> dict[str, Any]:
+    return {
+        "layers": (runner.layout.layers.start, runner.layout.layers.stop),
+        "experts": (runner.layout.experts.start, runner.layout.experts.stop),
+        "device": str(runner.device),
+        "parameter_bytes": runner.weights.parameter_bytes(),
+        "cache_bytes_per_block": runner.cache_bytes_per_block(),
+        "state_bytes_per_seq": runner.state_bytes_per_seq(),
+    }
+
+
+def _attempt(action) -> tuple[bool, Any]:
+    try:
+        return True, action()
+    except Exception as exc:  # reported to rank 0, which raises it on the engine side
+        log.exception("parallel rank failed")
+        return False, f"{type(exc).__name__}: {exc}"
+
+
+def run_worker(
+    rank: int,
+    path: str,
+    placement: Placement,
+    init_method: str,
+    dtype_name: str,
+    use_cuda: bool,
+    threads: int | None = None,
+    fast_path: bool | None = None,
+) -> None:
+    """Body of ranks 1 .. world - 1: load the shard, then obey rank 0's commands until ``stop``."""
+    if threads:
+        torch.set_num_threads(threads)
+    groups = init_groups(rank, placement, init_method, use_cuda=use_cuda)
+    loaded = _attempt(lambda: _load_runner(Path(path), placement, groups, _dtype(dtype_name), fast_path))
+    gather_objects((loaded[0], _facts(loaded[1]) if loaded[0] else loaded[1]), groups)
+    runner = loaded[1] if loaded[0] else None
+    try:
+        while True:
+            command = broadcast_object(None, groups)
+            kind = command[0]
+            if kind == "stop" or runner is None:
+                break
+            if kind == "forward":
+                runner.step(command[1])
+            elif kind == "allocate":
+                gather_objects(_attempt(partial(runner.allocate_cache, command[1], command[2])), groups)
+            elif kind == "save_state":
+                gather_objects(runner.export_slot(command[1]) if groups.ep_rank == 0 else None, groups)
+            elif kind == "load_state":
+                runner.import_slot(command[1], command[2][groups.stage])
+    except (RuntimeError, ConnectionError) as exc:  # rank 0 went away mid-broadcast
+        log.warning("rank %d leaving: %s", rank, exc)
+        return
+    dist.destroy_process_group()
+
+
+class ParallelDeepseekV4Model:
+    """Rank 0's face of the sharded model: the engine's :class:`~ds4d.contracts.Model` (and StatefulModel)."""
+
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        runner: ShardRunner,
+        groups: ParallelGroups,
+        tokenizer,
+        placement: Placement,
+        rank_facts: Sequence[dict[str, Any]],
+        workers: Sequence[Any] = (),
+    ) -> None:
+        self.cfg, self.runner, self.groups, self.tokenizer = cfg, runner, groups, tokenizer
+        self.placement, self.rank_facts, self.workers = placement, list(rank_facts), list(workers)
+        self._closed = False
+        self._num_blocks = self._max_seqs = 0
+        self.info = ModelInfo(
+            family="deepseek_v4",
+            name=cfg.name,
+            vocab_size=cfg.vocab_size,
+            max_context_tokens=cfg.max_position_embeddings,
+            block_size_tokens=cfg.block_size_tokens,
+            # per device; the stage with the most cache per block is what limits the pool
+            cache_bytes_per_block=max(f["cache_bytes_per_block"] for f in rank_facts),
+            state_bytes_per_seq=max(f["state_bytes_per_seq"] for f in rank_facts),
+            default_chat_encoder="deepseek_v4",
+            default_reasoning_parser="deepseek_v4",
+            default_tool_parser="dsml",
+            dtype=str(runner.dtype).removeprefix("torch."),
+            device=str(groups.device),
+            parameter_bytes=sum(f["parameter_bytes"] for f in rank_facts),
+            extra={
+                "compress_ratios": list(cfg.compress_ratios),
+                "sliding_window": cfg.sliding_window,
+                "num_hash_layers": cfg.num_hash_layers,
+                "parallel": {
+                    "stages": placement.stages,
+                    "ep_size": placement.ep_size,
+                    "devices": list(placement.devices),
+                    "ranks": list(rank_facts),
+                },
+            },
+        )
+
+    # ------------------------------------------------------------------ contract
+
+    def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
+        self._bind_device()
+        broadcast_object(("allocate", num_blocks, max_seqs), self.groups)
+        outcomes = gather_objects(_attempt(lambda: self.runner.allocate_cache(num_blocks, max_seqs)), self.groups)
+        failed = {rank: detail for rank, (ok, detail) in enumerate(outcomes) if not ok}
+        if failed:
+            raise ParallelStartError(f"could not allocate {num_blocks} blocks: {failed}")
+        self._num_blocks, self._max_seqs = num_blocks, max_seqs
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self._check(batch)
+        self._bind_device()
+        broadcast_object(("forward", batch), self.groups)
+        return self.runner.step(batch)
+
+    def save_state(self, slot: int) -> list[list[torch.Tensor]]:
+        """The slot's state, one list of tensors per stage (host copies)."""
+        self._check_slot(slot)
+        broadcast_object(("save_state", slot), self.groups)
+        parts = gather_objects(self.runner.export_slot(slot), self.groups)
+        return [parts[self.groups.rank_of(stage, 0)] for stage in range(self.groups.stages)]
+
+    def load_state(self, slot: int, snapshot: list[list[torch.Tensor]]) -> None:
+        self._check_slot(slot)
+        if len(snapshot) != self.groups.stages:
+            raise ValueError("state snapshot does not match this model's stages")
+        broadcast_object(("load_state", slot, snapshot), self.groups)
+        self.runner.import_slot(slot, snapshot[0])
+
+    def close(self) -> None:
+        """Stop the workers and leave the process group (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        broadcast_object(("stop",), self.groups)
+        stop_workers(self.workers)
+        dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ checks (rank 0 only)
+
+    def _bind_device(self) -> None:
+        """The CUDA current device is per thread; the engine thread is not the one that loaded."""
+        if self.groups.device.type == "cuda" and torch.cuda.current_device() != self.groups.device.index:
+            torch.cuda.set_device(self.groups.device)
+
+    def _check_slot(self, slot: int) -> None:
+        if self.runner.cache is None:
+            raise RuntimeError("allocate_cache() must run first")
+        if not 0 <= slot < self._max_seqs:
+            raise ValueError(f"state slot {slot} outside 0..{self._max_seqs - 1}")
+
+    def _check(self, batch: ForwardBatch) -> None:
+        if self.runner.cache is None:
+            raise RuntimeError("allocate_cache() must run before forward()")
+        block = self.cfg.block_size_tokens
+        slots = [c.state_slot for c in batch.chunks]
+        if len(set(slots)) != len(slots):
+            raise ValueError("two chunks in one step share a state slot")
+        for chunk in batch.chunks:
+            end = chunk.start_pos + len(chunk.token_ids)
+            if not 0 <= chunk.state_slot < self._max_seqs:
+                raise ValueError(f"state slot {chunk.state_slot} outside 0..{self._max_seqs - 1}")
+            if len(chunk.block_ids) < -(-end // block):
+                raise ValueError(f"{len(chunk.block_ids)} blocks cannot hold positions up to {end}")
+            if any(not 0 <= b < self._num_blocks for b in chunk.block_ids):
+                raise ValueError(f"block id outside 0..{self._num_blocks - 1}")
+            if not 0 <= chunk.logits_tokens <= len(chunk.token_ids):
+                raise ValueError("logits_tokens exceeds the chunk length")
+            if end > self.cfg.max_position_embeddings:
+                raise ValueError(f"position {end} beyond max_position_embeddings")
+
+
+def build_parallel_model(
+    path: str | Path,
+    ranks: Sequence[int] | int,
+    layout: str = "auto",
+    *,
+    dtype: str = "bfloat16",
+    init_method: str | None = None,
+    threads: int | None = None,
+    fast_path: bool | None = None,
+) -> ParallelDeepseekV4Model:
+    """Start the workers and join as rank 0.
+
+    ``ranks``: the GPU indices to use (``[0, 1, 2, 3]``; one process each,
+    NCCL), or a number of CPU processes (gloo; for tests and development).
+    ``layout``: ``auto`` | ``ep`` | ``pp`` | ``SxE`` (see ``ds4d.parallel.topology``).
+    Call :meth:`ParallelDeepseekV4Model.close` at shutdown."""
+    path = Path(path)
+    use_cuda = not isinstance(ranks, int)
+    if use_cuda:
+        placement, _ = plan_for_gpus(list(ranks), layout)
+    else:
+        stages, ep = parse_layout(layout, ranks)
+        placement = plan_placement([[0] * ranks for _ in range(ranks)], stages, ep)
+    log.info("%s", describe(placement))
+    init_method = init_method or free_tcp_init_method()
+    workers = start_workers(
+        placement.world_size, run_worker, (str(path), placement, init_method, dtype, use_cuda, threads, fast_path)
+    )
+    try:
+        groups = init_groups(0, placement, init_method, use_cuda=use_cuda)
+    except Exception:
+        stop_workers(workers, timeout_s=0)
+        raise
+    loaded = _attempt(lambda: _load_runner(path, placement, groups, _dtype(dtype), fast_path))
+    reports = gather_objects((loaded[0], _facts(loaded[1]) if loaded[0] else loaded[1]), groups)
+    failures = {rank: detail for rank, (ok, detail) in enumerate(reports) if not ok}
+    if failures:
+        broadcast_object(("stop",), groups)
+        stop_workers(workers)
+        dist.destroy_process_group()
+        raise ParallelStartError(f"ranks failed to load their shards: {failures}")
+    cfg = loaded[1].cfg
+    return ParallelDeepseekV4Model(
+        cfg, loaded[1], groups, load_tokenizer(path), placement, [detail for _, detail in reports], workers
+    )

@@ -1,0 +1,341 @@
+"""One rank's share of a sharded DeepSeek-V4 forward, and the step every rank runs in lock-step.
+
+A rank is ``(stage, ep_rank)`` in a grid of ``stages x ep_size`` (see
+``ds4d.parallel``).  Its share:
+
+* **layers**: stage ``s`` owns a contiguous range of the layers (an even split);
+  stage 0 also holds the embedding, the last stage the output head;
+* **routed experts**: ep-rank ``e`` holds a contiguous range of each of its
+  layers' experts (an even split); everything else of a layer (attention, the
+  hyper-connections, the router, the shared expert) is replicated over the
+  ranks of a stage;
+* **cache**: the window rings, compressor tails and compressed-KV pool of its
+  own layers only.  Attention is replicated, so the ranks of a stage hold
+  identical copies of the stage's cache and state.
+
+:meth:`ShardRunner.step` is the SPMD step: every rank is given the same
+:class:`~ds4d.contracts.ForwardBatch` and builds the same step inputs from it.
+Stage 0 embeds; other stages receive the hyper-connection streams ``[T, m, D]``
+from the rank with the same ep-rank in the previous stage.  In each MoE layer
+every rank routes all tokens with the unchanged router (``moe.route``), runs
+the tokens that picked its own experts through them, and an ``all_reduce``
+over the stage sums the partial outputs; the shared expert is computed while
+that reduction is in flight.  The last stage's ep-rank 0 computes the logits of
+the rows that need them and sends them to rank 0.
+
+Arithmetic per expert is unchanged, so the only differences from the
+single-process forward are the order in which the per-expert contributions are
+summed (float rounding; greedy choices agree), plus, with the grouped path in
+bf16, one more rounding of each rank's partial sum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ds4d.contracts import ForwardBatch
+from ds4d.models.deepseek_v4.attention import ChunkRows, StepInputs, attention_forward
+from ds4d.models.deepseek_v4.cache import DeepseekV4Cache
+from ds4d.models.deepseek_v4.config import DeepseekV4Config
+from ds4d.models.deepseek_v4.decode import DecodeInputs, decode_attention
+from ds4d.models.deepseek_v4.hyper import hc_head, hc_post, hc_pre
+from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
+from ds4d.models.deepseek_v4.model import _holds_bf16_values
+from ds4d.models.deepseek_v4.moe import _routed_grouped, _swiglu, route
+from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
+from ds4d.models.deepseek_v4.weights import (
+    F32,
+    ExpertBank,
+    HyperWeights,
+    LayerWeights,
+    ModelWeights,
+    MoEWeights,
+    _attention,
+    _hyper,
+)
+from ds4d.parallel.launch import ParallelGroups
+
+
+def split_evenly(count: int, parts: int) -> list[range]:
+    """``range(count)`` cut into ``parts`` contiguous pieces, the first ones one longer where uneven."""
+    if parts < 1 or parts > count:
+        raise ValueError(f"cannot split {count} items into {parts} non-empty parts")
+    base, extra = divmod(count, parts)
+    pieces, start = [], 0
+    for index in range(parts):
+        size = base + (index < extra)
+        pieces.append(range(start, start + size))
+        start += size
+    return pieces
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What one rank owns."""
+
+    layers: range
+    experts: range
+    first_stage: bool
+    last_stage: bool
+
+
+def shard_layout(cfg: DeepseekV4Config, stage: int, stages: int, ep_rank: int, ep_size: int) -> ShardLayout:
+    return ShardLayout(
+        layers=split_evenly(cfg.num_hidden_layers, stages)[stage],
+        experts=split_evenly(cfg.n_routed_experts, ep_size)[ep_rank],
+        first_stage=stage == 0,
+        last_stage=stage == stages - 1,
+    )
+
+
+def stage_config(cfg: DeepseekV4Config, layers: range) -> DeepseekV4Config:
+    """``cfg`` cut to ``layers`` (what the stage's cache is shaped by)."""
+    staged = replace(cfg, compress_ratios=tuple(cfg.compress_ratios[i] for i in layers), num_hidden_layers=len(layers))
+    if staged.block_size_tokens != cfg.block_size_tokens:
+        raise ValueError("a stage's layers would use another KV block size than the model")
+    return staged
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _local_experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int, experts: range) -> ExpertBank:
+    """Experts ``experts`` of ``layer`` stacked as an :class:`ExpertBank` (local index 0 = ``experts[0]``)."""
+    count = len(experts)
+    kind, gate_up = None, None
+    weights: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+    for which in ("w1", "w2", "w3"):
+        for local, expert in enumerate(experts):
+            this_kind, weight, scale = reader.expert_stored(layer, expert, which)
+            kind = kind or this_kind
+            if this_kind != kind:
+                raise ValueError(f"layer {layer}: routed experts mix {kind} and {this_kind} storage")
+            if which not in weights:
+                if this_kind == "float" and which == "w3":  # w1 over w3 in one tensor, as grouped matmuls want
+                    rows = weight.shape[0]
+                    gate_up = weight.new_empty((count, 2 * rows, weight.shape[1]))
+                    gate_up[:, :rows] = weights["w1"]
+                    weights["w1"], weights["w3"] = gate_up[:, :rows], gate_up[:, rows:]
+                else:
+                    weights[which] = weight.new_empty((count, *weight.shape))
+                if scale is not None:
+                    scales[which] = scale.new_empty((count, *scale.shape))
+            weights[which][local] = weight
+            if scale is not None:
+                scales[which][local] = scale
+    return ExpertBank(
+        kind=kind or "float", weights=weights, scales=scales, dtype=reader.dtype, block=reader.block, gate_up=gate_up
+    )
+
+
+def _layer(reader: WeightReader, cfg: DeepseekV4Config, layer: int, experts: range) -> LayerWeights:
+    p = f"layers.{layer}."
+    f = p + "ffn."
+    hashed = cfg.is_hash_layer(layer)
+    return LayerWeights(
+        attn_norm=reader.tensor(p + "attn_norm.weight", F32),
+        ffn_norm=reader.tensor(p + "ffn_norm.weight", F32),
+        attn_hc=_hyper(reader, p + "hc_attn_"),
+        ffn_hc=_hyper(reader, p + "hc_ffn_"),
+        attn=_attention(reader, cfg, layer),
+        ffn=MoEWeights(
+            gate=reader.tensor(f + "gate.weight", F32),
+            bias=None if hashed else reader.tensor(f + "gate.bias", F32),
+            tid2eid=reader.index(f + "gate.tid2eid") if hashed else None,
+            experts=_local_experts(reader, cfg, layer, experts),
+            shared_w1=reader.tensor(f + "shared_experts.w1.weight"),
+            shared_w2=reader.tensor(f + "shared_experts.w2.weight"),
+            shared_w3=reader.tensor(f + "shared_experts.w3.weight"),
+        ),
+    )
+
+
+def read_shard(path, cfg: DeepseekV4Config, layout: ShardLayout, dtype: torch.dtype, device) -> ModelWeights:
+    """Decode only this rank's tensors (its layers, its experts, embedding/head where its stage needs them).
+
+    ``ModelWeights.layers`` holds the stage's layers in order; tensors the stage
+    does not use are empty placeholders."""
+    checkpoint = SafetensorsCheckpoint(path)
+    try:
+        reader = WeightReader(checkpoint, cfg, dtype=dtype, device=device)
+        reader.check_complete()
+        nothing = torch.empty(0, device=device)
+        last = layout.last_stage
+        return ModelWeights(
+            embed=reader.tensor("embed.weight") if layout.first_stage else nothing,
+            norm=reader.tensor("norm.weight", F32) if last else nothing,
+            head=reader.tensor("head.weight", F32) if last else nothing,
+            head_hc=_hyper(reader, "hc_head_") if last else HyperWeights(nothing, nothing, nothing),
+            layers=[_layer(reader, cfg, layer, layout.experts) for layer in layout.layers],
+        )
+    finally:
+        checkpoint.close()
+
+
+# --------------------------------------------------------------------------- the step
+
+
+class ShardRunner:
+    """One rank's weights, cache and step; every rank calls :meth:`step` with the same batch."""
+
+    def __init__(
+        self,
+        cfg: DeepseekV4Config,
+        layout: ShardLayout,
+        weights: ModelWeights,
+        groups: ParallelGroups,
+        dtype: torch.dtype,
+        *,
+        fast_path: bool | None = None,
+    ) -> None:
+        self.cfg, self.layout, self.weights, self.groups, self.dtype = cfg, layout, weights, groups, dtype
+        self.device = groups.device
+        self.fast_path = self.device.type == "cuda" if fast_path is None else fast_path
+        if self.device.type == "cuda" and dtype == torch.bfloat16 and _holds_bf16_values(weights.head):
+            weights.head = weights.head.to(torch.bfloat16)
+        self.fused_hc = False
+        if self.fast_path and self.device.type == "cuda":
+            from ds4d.cuda.hc_kernels import available
+
+            self.fused_hc = available()
+        self.stage_cfg = stage_config(cfg, layout.layers)
+        self.rope_main, self.rope_compress = Rope.for_layers(cfg, self.device)
+        self.cache: DeepseekV4Cache | None = None
+
+    def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
+        self.cache = None
+        self.cache = DeepseekV4Cache(self.stage_cfg, num_blocks, max_seqs, self.dtype, self.device)
+
+    def cache_bytes_per_block(self) -> int:
+        return DeepseekV4Cache.bytes_per_block(self.stage_cfg, self.dtype)
+
+    def state_bytes_per_seq(self) -> int:
+        return DeepseekV4Cache.state_bytes_per_seq(self.stage_cfg, self.dtype)
+
+    @torch.inference_mode()
+    def step(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Logits ``[rows, vocab]`` on rank 0 (the :meth:`Model.forward` answer); None on other ranks."""
+        cfg, device, groups = self.cfg, self.device, self.groups
+        token_ids, step, keep = self._inputs(batch)
+        if token_ids is None:
+            return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=device) if groups.rank == 0 else None
+        if self.layout.first_stage:
+            embedded = self.weights.embed[token_ids].to(self.dtype)
+            streams = embedded.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        else:
+            streams = torch.empty(len(token_ids), cfg.hc_mult, cfg.hidden_size, dtype=self.dtype, device=device)
+            dist.recv(streams, src=groups.rank_of(groups.stage - 1, groups.ep_rank))
+        streams = self._layers(streams, token_ids, step)
+        if not self.layout.last_stage:
+            dist.send(streams, dst=groups.rank_of(groups.stage + 1, groups.ep_rank))
+        head_rank = groups.rank_of(groups.stages - 1, 0)
+        logits = None
+        if groups.rank == head_rank:
+            logits = self._logits(streams[keep]) if len(keep) else None
+            if logits is not None and head_rank != 0:
+                dist.send(logits, dst=0)
+        if groups.rank != 0:
+            return None
+        if not len(keep):
+            return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=device)
+        if head_rank != 0:
+            logits = torch.empty(len(keep), cfg.vocab_size, dtype=torch.float32, device=device)
+            dist.recv(logits, src=head_rank)
+        return logits
+
+    def _inputs(self, batch: ForwardBatch):
+        """(token ids, per-step attention inputs, rows needing logits) as in the single-process forward."""
+        device = self.device
+        chunks = [c for c in batch.chunks if c.token_ids]
+        if not chunks:
+            return None, None, None
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=device)
+        if self.fast_path and all(len(c.token_ids) == c.logits_tokens == 1 for c in chunks):
+            trash = self.cache.trash_block
+            width = max(len(c.block_ids) for c in chunks)
+            table = [[*c.block_ids] + [trash] * (width - len(c.block_ids)) for c in chunks]
+            positions = torch.tensor([c.start_pos for c in chunks], dtype=torch.long, device=device)
+            step = DecodeInputs(
+                positions=positions,
+                slots=torch.tensor([c.state_slot for c in chunks], dtype=torch.long, device=device),
+                block_table=torch.tensor(table, dtype=torch.long, device=device),
+                trash_block=trash,
+                rope_main=self.rope_main.cos_sin(positions),
+                rope_compress=self.rope_compress.cos_sin(positions),
+            )
+            return ids, step, torch.arange(len(chunks), device=device)
+        rows, positions, keep, row = [], [], [], 0
+        for chunk in chunks:
+            count = len(chunk.token_ids)
+            block_ids = torch.tensor(chunk.block_ids, dtype=torch.long, device=device)
+            rows.append(ChunkRows(row, row + count, chunk.start_pos, chunk.state_slot, block_ids))
+            positions.extend(range(chunk.start_pos, chunk.start_pos + count))
+            keep.extend(range(row + count - chunk.logits_tokens, row + count))
+            row += count
+        pos = torch.tensor(positions, dtype=torch.long, device=device)
+        step = StepInputs(rows, pos, self.rope_main.cos_sin(pos), self.rope_compress.cos_sin(pos))
+        return ids, step, torch.tensor(keep, dtype=torch.long, device=device)
+
+    def _layers(self, streams: torch.Tensor, token_ids: torch.Tensor, step) -> torch.Tensor:
+        cfg, eps, fused = self.cfg, self.cfg.rms_norm_eps, self.fused_hc
+        if isinstance(step, DecodeInputs):
+            attend = decode_attention
+        else:
+            attend = partial(attention_forward, local_window=self.fast_path)
+        for layer, layer_cache in zip(self.weights.layers, self.cache.layers):
+            x, post, comb = hc_pre(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, fused=fused)
+            x = attend(rms_norm(x, layer.attn_norm, eps), step, layer.attn, layer_cache, cfg, self.rope_compress)
+            streams = hc_post(x, streams, post, comb)
+            x, post, comb = hc_pre(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, fused=fused)
+            x = self._moe(rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn)
+            streams = hc_post(x, streams, post, comb)
+        return streams
+
+    def _moe(self, x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
+        """Routed experts of this rank, summed over the stage, plus the (replicated) shared expert."""
+        cfg, limit = self.cfg, self.cfg.swiglu_limit
+        expert_weights, indices = route(x, token_ids, weights, cfg)
+        first, end = self.layout.experts.start, self.layout.experts.stop
+        if self.fast_path:
+            # fixed shapes (capturable): pairs routed elsewhere go to local expert 0 with weight 0
+            mine = (indices >= first) & (indices < end)
+            local = torch.where(mine, indices - first, torch.zeros_like(indices))
+            routed = _routed_grouped(x, expert_weights * mine, local, weights, limit)
+        else:
+            routed = torch.zeros_like(x)
+            bank = weights.experts
+            for expert in torch.unique(indices).tolist():
+                if not first <= expert < end:
+                    continue
+                token_idx, slot = torch.where(indices == expert)
+                at = expert - first
+                out = _swiglu(x[token_idx], bank.weight("w1", at), bank.weight("w3", at), bank.weight("w2", at), limit)
+                routed.index_add_(0, token_idx, out * expert_weights[token_idx, slot, None].to(out.dtype))
+        pending = None
+        if self.groups.ep_group is not None:
+            pending = dist.all_reduce(routed, group=self.groups.ep_group, async_op=True)
+        shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit)
+        if pending is not None:
+            pending.wait()
+        return routed + shared
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        cfg, weights = self.cfg, self.weights
+        final = rms_norm(hc_head(hidden, weights.head_hc, cfg.hc_eps, cfg.rms_norm_eps), weights.norm, cfg.rms_norm_eps)
+        if weights.head.dtype == torch.float32:
+            return F.linear(final.float(), weights.head)
+        return linear_bf16_weight_f32_out(final.float(), weights.head)
+
+    # ------------------------------------------------------------------ per-sequence state
+
+    def export_slot(self, slot: int) -> list[torch.Tensor]:
+        return [view.to("cpu", copy=True) for view in self.cache.slot_views(slot)]
+
+    def import_slot(self, slot: int, snapshot: list[torch.Tensor]) -> None:
+        self.cache.import_slot(slot, [saved.to(self.device) for saved in snapshot])

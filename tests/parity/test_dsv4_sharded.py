@@ -1,0 +1,194 @@
+"""The sharded DeepSeek-V4 forward (expert parallel, layer split, 2 x 2) equals the single-process one.
+
+Each layout runs as real processes over gloo: a spawned rank-0 process calls
+``build_parallel_model`` (which starts the other ranks, exactly as the daemon
+would) and plays one scenario through the :class:`~ds4d.contracts.Model`
+contract: a whole prompt, the same prompt in chunks batched with a second
+sequence, 16 greedy decode steps of both, and a state snapshot continued in
+another slot.  The single-process model plays the same scenario here; logits
+must agree to float rounding and every greedy token must be the same.  The 2 x 2
+grid runs the GPU arithmetic (``fast_path``: grouped experts with the tokens of
+other ranks masked out, batched decode attention) against the reference path.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from ds4d.contracts import ForwardBatch, Model, SeqChunk
+from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
+
+DECODE_STEPS = 16
+COLUMNS = 8192  # vocabulary columns of prompt logits compared (all columns of decode logits)
+RELATIVE_TOLERANCE = 1e-4  # of the largest |logit|
+PROCESS_TIMEOUT_S = 150
+
+
+class Driver:
+    """Hands out state slots and block ids the way the engine's block manager does."""
+
+    def __init__(self, model: Model, num_blocks: int = 16, max_seqs: int = 4) -> None:
+        self.model = model
+        model.allocate_cache(num_blocks, max_seqs)
+        self.block_size = model.info.block_size_tokens
+        self.free_blocks = list(range(num_blocks))
+        random.Random(7).shuffle(self.free_blocks)
+        self.free_slots = list(range(max_seqs))
+        self.seqs: dict[str, dict] = {}
+
+    def start(self, name: str, length: int = 0, blocks: list[int] | None = None) -> int:
+        self.seqs[name] = {"slot": self.free_slots.pop(), "blocks": list(blocks or []), "length": length}
+        return self.seqs[name]["slot"]
+
+    def step(self, work: list[tuple[str, list[int], int]]) -> list[torch.Tensor]:
+        chunks = []
+        for name, tokens, want in work:
+            seq = self.seqs[name]
+            end = seq["length"] + len(tokens)
+            while len(seq["blocks"]) < -(-end // self.block_size):
+                seq["blocks"].append(self.free_blocks.pop())
+            chunks.append(SeqChunk(seq["slot"], tuple(tokens), seq["length"], tuple(seq["blocks"]), want))
+            seq["length"] = end
+        logits = self.model.forward(ForwardBatch(tuple(chunks)))
+        assert logits.dtype == torch.float32
+        return list(logits.split([want for _, _, want in work]))
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 120000) for _ in range(length)]
+
+
+def scenario(model: Model) -> dict[str, torch.Tensor]:
+    columns = torch.randperm(model.info.vocab_size, generator=torch.Generator().manual_seed(0))[:COLUMNS]
+    prompt, other = _prompt(200, 1), _prompt(37, 2)
+    driver = Driver(model)
+    out: dict[str, torch.Tensor] = {}
+
+    driver.start("whole")
+    (whole,) = driver.step([("whole", prompt, len(prompt))])
+    out["whole"], out["whole_argmax"] = whole[:, columns], whole.argmax(-1)
+
+    # chunked prefill of the same prompt, sharing steps with a second sequence's prefill
+    driver.start("b")
+    driver.start("c")
+    pieces = []
+    for begin, end in ((0, 64), (64, 128), (128, 200)):
+        work = [("b", prompt[begin:end], end - begin)]
+        if begin == 64:
+            work.append(("c", other, 1))
+        got = driver.step(work)
+        pieces.append(got[0])
+        if begin == 64:
+            last_c = got[1]
+    chunked = torch.cat(pieces)
+    out["chunked"], out["chunked_argmax"] = chunked[:, columns], chunked.argmax(-1)
+    snapshot = model.save_state(driver.seqs["b"]["slot"])
+    b_blocks = list(driver.seqs["b"]["blocks"])
+
+    # greedy decode of both together
+    tokens = {"b": [int(chunked[-1].argmax())], "c": [int(last_c[-1].argmax())]}
+    decoded = {"b": [], "c": []}
+    for _ in range(DECODE_STEPS):
+        work = [(name, [tokens[name][-1]], 1) for name in ("b", "c")]
+        for (name, _, _), logits in zip(work, driver.step(work)):
+            decoded[name].append(logits[0])
+            tokens[name].append(int(logits[0].argmax()))
+    for name in ("b", "c"):
+        out[f"decode_{name}"] = torch.stack(decoded[name])
+        out[f"tokens_{name}"] = torch.tensor(tokens[name])
+
+    # the snapshot taken after b's prompt continues b in another slot (same blocks, same next tokens)
+    driver.start("d", length=len(prompt), blocks=b_blocks)
+    model.load_state(driver.seqs["d"]["slot"], snapshot)
+    (resumed,) = driver.step([("d", tokens["b"][:4], 4)])
+    out["resumed"] = resumed
+    return out
+
+
+def _rank0(path: str, ranks: int, layout: str, fast_path: bool, result: str) -> None:
+    from ds4d.models.deepseek_v4.parallel import build_parallel_model
+
+    torch.set_num_threads(1)
+    model = build_parallel_model(path, ranks, layout, dtype="float32", threads=1, fast_path=fast_path)
+    try:
+        assert isinstance(model, Model)
+        out = scenario(model)
+        # a bad batch is refused on rank 0 and the workers stay in step
+        try:
+            model.forward(ForwardBatch((SeqChunk(0, (1, 2), 0, (0,)), SeqChunk(0, (3,), 0, (1,)))))
+            out["refused"] = torch.tensor(False)
+        except ValueError:
+            out["refused"] = torch.tensor(True)
+        again = model.forward(ForwardBatch((SeqChunk(0, tuple(_prompt(200, 1)[:5]), 0, (0,), 5),)))
+        out["after_refusal"] = again
+        out["parallel"] = torch.tensor(
+            [model.info.extra["parallel"]["stages"], model.info.extra["parallel"]["ep_size"]]
+        )
+    finally:
+        model.close()
+    torch.save(out, result)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=5, layers=[0, 4, 128, 4])
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    model = load_model(checkpoint)
+    out = scenario(model)
+    out["after_refusal"] = model.logits_for(_prompt(200, 1)[:5])
+    return out
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape, what
+    tolerance = RELATIVE_TOLERANCE * max(1.0, expected.abs().max().item())
+    worst = (actual - expected).abs().max().item()
+    assert worst <= tolerance, f"{what}: max |diff| {worst:.3g} > {tolerance:.3g}"
+
+
+@pytest.mark.parametrize(
+    ("ranks", "layout", "fast_path"),
+    [(2, "ep", False), (2, "pp", False), (4, "2x2", True)],
+    ids=["expert-parallel-2", "layer-split-2", "grid-2x2-grouped-decode"],
+)
+def test_sharded_forward_equals_single_process(checkpoint, reference, tmp_path, ranks, layout, fast_path):
+    result = tmp_path / "result.pt"
+    process = mp.get_context("spawn").Process(
+        target=_rank0, args=(str(checkpoint), ranks, layout, fast_path, str(result)), daemon=False
+    )
+    process.start()
+    process.join(PROCESS_TIMEOUT_S)
+    if process.is_alive():
+        process.kill()
+        process.join()
+        pytest.fail(f"{layout} on {ranks} processes did not finish in {PROCESS_TIMEOUT_S} s")
+    assert process.exitcode == 0 and result.is_file()
+    got = torch.load(result)
+
+    stages, ep = {"ep": (1, ranks), "pp": (ranks, 1), "2x2": (2, 2)}[layout]
+    assert got["parallel"].tolist() == [stages, ep]
+    for key in ("whole", "chunked", "decode_b", "decode_c", "resumed", "after_refusal"):
+        _assert_close(got[key], reference[key], key)
+    for key in ("whole_argmax", "chunked_argmax", "tokens_b", "tokens_c"):
+        assert torch.equal(got[key], reference[key]), key
+    assert len(got["tokens_b"]) == DECODE_STEPS + 1
+    # the resumed slot reproduces b's first decode steps
+    _assert_close(got["resumed"], got["decode_b"][:4], "resumed vs decoded")
+    assert bool(got["refused"])
