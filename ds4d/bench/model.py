@@ -59,6 +59,10 @@ def add_parser(sub) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip ds4d's reference-path rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="also write the results here")
+    p.add_argument("--expert-gpu-fraction", default="",
+                   help="e.g. 1,0.5,0.25: share of routed experts kept on the device, the rest in pinned host RAM "
+                        "(runs the expert-offload bench instead: ds4d.bench.offload)")
+    p.add_argument("--expert-cpu-threads", type=int, default=8, help="host threads for cold experts in decode")
     p.set_defaults(run=run)
 
 
@@ -255,6 +259,11 @@ def _set_path(model, path: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    if args.expert_gpu_fraction:
+        from ds4d.bench.offload import run_offload
+
+        return run_offload(args)
 
     device = torch.device(args.device if args.device != "cuda" or torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)

@@ -21,6 +21,7 @@ from ds4d.contracts import PluginContext
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
+from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
 from ds4d.models.deepseek_v4.weights import read_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -42,17 +43,41 @@ def load_tokenizer(path: Path):
     return deepseek_v4_tokenizer()
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> DeepseekV4Model:
+def load_model(
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", offload: OffloadOptions | None = None
+) -> DeepseekV4Model:
+    """Load a checkpoint; with ``offload``, routed experts go to host RAM and the device keeps the hot ones."""
     path = Path(path)
     cfg = DeepseekV4Config.from_file(path)
     checkpoint = SafetensorsCheckpoint(path)
     try:
         reader = WeightReader(checkpoint, cfg, dtype=dtype, device=device)
         reader.check_complete()
-        weights = read_weights(reader)
+        weights = read_weights(reader, expert_device="cpu" if offload is not None else None)
     finally:
         checkpoint.close()
-    return DeepseekV4Model(cfg, weights, load_tokenizer(path), dtype=dtype, device=device)
+    model = DeepseekV4Model(cfg, weights, load_tokenizer(path), dtype=dtype, device=device)
+    if offload is not None:
+        model.expert_offload = ExpertOffload(weights, cfg, device=device, dtype=dtype, options=offload)
+    return model
+
+
+def offload_options(config: Any, options: Mapping[str, Any]) -> OffloadOptions | None:
+    """``expert_vram_gib`` > 0 (plugin option or config) -> offload options; 0 keeps every expert on the device."""
+
+    def knob(name: str, default):
+        return options.get(name, getattr(config, name, default))
+
+    vram_gib = float(knob("expert_vram_gib", 0) or 0)
+    if vram_gib <= 0:
+        return None
+    return OffloadOptions(
+        vram_bytes=int(vram_gib * 2**30),
+        placement=str(knob("expert_placement", "online")),
+        cpu_threads=int(knob("expert_cpu_threads", 4)),
+        decode_cold=str(knob("expert_decode_cold", "auto")),
+        mem_watermark_bytes=int(float(knob("mem_watermark_gib", 15)) * 2**30),
+    )
 
 
 class DeepseekV4Family:
@@ -77,7 +102,8 @@ class DeepseekV4Family:
         dtype = _dtype(getattr(self.ctx.config, "dtype", "float32"))
         device = str(getattr(self.ctx.config, "device", "cpu"))
         self.ctx.log.info("loading DeepSeek-V4 checkpoint %s (%s on %s)", path, dtype, device)
-        model = load_model(path, dtype=dtype, device=device)
+        offload = offload_options(self.ctx.config, self.options)
+        model = load_model(path, dtype=dtype, device=device, offload=offload)
         self.ctx.log.info(
             "loaded %s: %d layers, ratios %s, %.1f MiB of parameters",
             model.info.name,
@@ -85,4 +111,12 @@ class DeepseekV4Family:
             list(model.cfg.compress_ratios),
             model.info.parameter_bytes / 2**20,
         )
+        if model.expert_offload is not None:
+            plan = model.expert_offload.memory_plan()
+            expert_bytes = sum(part.get("ram_bytes", 0) for part in plan.values())
+            plan = {"dense weights": {"vram_bytes": model.info.parameter_bytes - expert_bytes}, **plan}
+            for component, sizes in plan.items():
+                self.ctx.log.info("memory plan: %-34s %s", component, ", ".join(
+                    f"{k.removesuffix('_bytes')} {v / 2**30:.2f} GiB" if k.endswith("_bytes") else f"{k} {v}"
+                    for k, v in sizes.items()))
         return model

@@ -63,6 +63,7 @@ class DeepseekV4Model:
             weights.head = weights.head.to(torch.bfloat16)  # same values, half the bytes read per token
         self.rope_main, self.rope_compress = Rope.for_layers(cfg, self.device)
         self.cache: DeepseekV4Cache | None = None
+        self.expert_offload = None  # an ExpertOffload (offload.py) when routed experts are split over device and host
         on_gpu = self.device.type == "cuda"
         self.fast_path = on_gpu
         self.use_graphs = on_gpu
@@ -108,7 +109,13 @@ class DeepseekV4Model:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         if self.cache is None:
             raise RuntimeError("allocate_cache() must run before forward()")
+        if self.expert_offload is not None:
+            self.expert_offload.begin_step()
         return self._run(batch, self.cache)
+
+    def expert_stats(self) -> dict:
+        """Routed-expert placement and traffic (``ExpertOffload.expert_stats``); empty when all sit on the device."""
+        return self.expert_offload.expert_stats() if self.expert_offload is not None else {}
 
     def save_state(self, slot: int) -> list[torch.Tensor]:
         """A copy of ``slot``'s state (window ring and compressor tails).
@@ -214,7 +221,7 @@ class DeepseekV4Model:
         """One token per sequence: pack (token, position, slot, block table) rows and run the decode step."""
         count = len(batch.chunks)
         width = max(len(c.block_ids) for c in batch.chunks)
-        graphs = self._graphs if self.use_graphs and cache is self.cache else None
+        graphs = self._graphs if self.use_graphs and cache is self.cache and self.expert_offload is None else None
         rows = count
         if graphs is not None:
             rows, width = _bucket(count), max(8, _bucket(width))
@@ -257,12 +264,17 @@ class DeepseekV4Model:
         else:
             attend = partial(attention_forward, local_window=self.fast_path)
         fused = self.fast_path and self.fused_hc
-        for layer, layer_cache in zip(self.weights.layers, cache.layers):
+        offload = self.expert_offload
+        for index, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache.layers)):
             x, post, comb = hc_pre(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, fused=fused)
             x = attend(rms_norm(x, layer.attn_norm, eps), step, layer.attn, layer_cache, cfg, self.rope_compress)
             streams = hc_post(x, streams, post, comb)
             x, post, comb = hc_pre(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, fused=fused)
-            x = moe_forward(rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn, cfg, grouped=self.fast_path)
+            if offload is not None:
+                x = offload.moe_forward(index, rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn, cfg,
+                                        decode=isinstance(step, DecodeInputs))
+            else:
+                x = moe_forward(rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn, cfg, grouped=self.fast_path)
             streams = hc_post(x, streams, post, comb)
         return streams
 

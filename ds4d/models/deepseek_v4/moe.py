@@ -66,10 +66,38 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     if x.is_cuda and x.dtype == torch.bfloat16:
         return _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
     # no grouped kernel for this device or dtype: one batched product over per-row weights
+    if x.shape[0] == 1:  # bmm rounds a lone product differently; two keep each row's result independent of the batch
+        return torch.bmm(weight[expert_of_row].expand(2, -1, -1), x.expand(2, -1).unsqueeze(-1))[:1].squeeze(-1)
     return torch.bmm(weight[expert_of_row], x.unsqueeze(-1)).squeeze(-1)
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def expert_ffn(
+    rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offsets: torch.Tensor,
+    expert_of_row: torch.Tensor, limit: float,
+) -> torch.Tensor:
+    """SwiGLU of ``rows`` (sorted by expert; group ends ``offsets``) through a bank's experts.
+
+    Each row's result depends only on that row and its expert's weights, so any
+    split of the rows into banks (device, staging) gives the same rows back."""
+    hidden = _grouped_linear(rows, gate_up, offsets, expert_of_row)
+    gate, up = hidden.chunk(2, dim=-1)
+    if limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return _grouped_linear(F.silu(gate) * up, down, offsets, expert_of_row)
+
+
+def combine_sorted(
+    out: torch.Tensor, order: torch.Tensor, expert_weights: torch.Tensor, tokens: int, k: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Expert outputs of the (token, slot) pairs in ``order`` -> the weighted sum per token ``[T, D]``."""
+    weighted = out.float() * expert_weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(weighted)
+    unsorted[order] = weighted
+    return unsorted.view(tokens, k, -1).sum(dim=1).to(dtype)
 
 
 def _routed_grouped(
@@ -82,17 +110,8 @@ def _routed_grouped(
     counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    rows = x[order // k]
-    hidden = _grouped_linear(rows, gate_up, offsets, expert_of_row)
-    gate, up = hidden.chunk(2, dim=-1)
-    if limit > 0:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    out = _grouped_linear(F.silu(gate) * up, down, offsets, expert_of_row)
-    weighted = out.float() * expert_weights.reshape(-1)[order, None]
-    unsorted = torch.empty_like(weighted)
-    unsorted[order] = weighted
-    return unsorted.view(tokens, k, -1).sum(dim=1).to(x.dtype)
+    out = expert_ffn(x[order // k], gate_up, down, offsets, expert_of_row, limit)
+    return combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
 
 
 def moe_forward(

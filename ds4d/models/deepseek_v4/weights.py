@@ -208,7 +208,7 @@ def _attention(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> Atten
     return weights
 
 
-def _experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> ExpertBank:
+def _experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int, device: torch.device | None) -> ExpertBank:
     kind = None
     gate_up = None
     weights: dict[str, torch.Tensor] = {}
@@ -216,6 +216,8 @@ def _experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> ExpertB
     for which in ("w1", "w2", "w3"):
         for expert in range(cfg.n_routed_experts):
             this_kind, weight, scale = reader.expert_stored(layer, expert, which)
+            if device is not None:
+                weight, scale = weight.to(device), scale.to(device) if scale is not None else None
             if kind is None:
                 kind = this_kind
             if this_kind != kind:
@@ -237,22 +239,25 @@ def _experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> ExpertB
     )
 
 
-def _moe(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> MoEWeights:
+def _moe(reader: WeightReader, cfg: DeepseekV4Config, layer: int, expert_device: torch.device | None) -> MoEWeights:
     p = f"layers.{layer}.ffn."
     hashed = cfg.is_hash_layer(layer)
     return MoEWeights(
         gate=reader.tensor(p + "gate.weight", F32),
         bias=None if hashed else reader.tensor(p + "gate.bias", F32),
         tid2eid=reader.index(p + "gate.tid2eid") if hashed else None,
-        experts=_experts(reader, cfg, layer),
+        experts=_experts(reader, cfg, layer, expert_device),
         shared_w1=reader.tensor(p + "shared_experts.w1.weight"),
         shared_w2=reader.tensor(p + "shared_experts.w2.weight"),
         shared_w3=reader.tensor(p + "shared_experts.w3.weight"),
     )
 
 
-def read_weights(reader: WeightReader) -> ModelWeights:
+def read_weights(reader: WeightReader, expert_device: str | torch.device | None = None) -> ModelWeights:
+    """Every parameter on the reader's device; routed experts on ``expert_device`` when given
+    (the host, when they are to be split over device and host RAM: ``offload.py``)."""
     cfg = reader.cfg
+    expert_device = torch.device(expert_device) if expert_device is not None else None
     layers = []
     for layer in range(cfg.num_hidden_layers):
         p = f"layers.{layer}."
@@ -263,7 +268,7 @@ def read_weights(reader: WeightReader) -> ModelWeights:
                 attn_hc=_hyper(reader, p + "hc_attn_"),
                 ffn_hc=_hyper(reader, p + "hc_ffn_"),
                 attn=_attention(reader, cfg, layer),
-                ffn=_moe(reader, cfg, layer),
+                ffn=_moe(reader, cfg, layer, expert_device),
             )
         )
     return ModelWeights(

@@ -1,0 +1,175 @@
+"""Host memory for weights the device reads over PCIe, and the copy stream that moves them.
+
+* :func:`host_empty` allocates anonymous memory (a private ``MAP_ANONYMOUS``
+  mapping, never a file mapping), aligned to 2 MiB, and asks for transparent
+  huge pages only when ``/proc/buddyinfo`` shows enough free 2 MiB blocks for
+  the whole request (a fragmented host would otherwise stall in compaction).
+* :class:`PinnedRegistry` page-locks such tensors with ``cudaHostRegister`` in
+  several threads at once (registration is bound by page-table work, which
+  scales with threads), so that copies from them are true asynchronous DMA;
+  without CUDA it records nothing and every copy is a plain ``copy_``.
+* :class:`CopyStream` issues host -> device copies on a side stream with events
+  to order them against compute; on the CPU it copies at once and its events
+  are ``None``, so callers need no device test.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+HUGE_PAGE_BYTES = 2 << 20
+_SMALL_BYTES = 4 * HUGE_PAGE_BYTES  # below this, plain torch allocations
+_REGISTER_PIECE_BYTES = 1 << 30
+
+
+def free_huge_pages(buddyinfo: str | None = None) -> int:
+    """Free 2 MiB blocks the kernel's buddy allocator holds (orders >= 9 of 4 KiB pages)."""
+    if buddyinfo is None:
+        try:
+            buddyinfo = Path("/proc/buddyinfo").read_text()
+        except OSError:
+            return 0
+    total = 0
+    for line in buddyinfo.splitlines():
+        fields = line.split()
+        if "zone" not in fields:
+            continue
+        counts = [int(v) for v in fields[fields.index("zone") + 2 :]]
+        total += sum(count << (order - 9) for order, count in enumerate(counts) if order >= 9)
+    return total
+
+
+def huge_pages_fit(nbytes: int, buddyinfo: str | None = None) -> bool:
+    return nbytes >= HUGE_PAGE_BYTES and free_huge_pages(buddyinfo) * HUGE_PAGE_BYTES >= nbytes
+
+
+def mem_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (0 where it cannot be read)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class HostArena:
+    """Owns the anonymous mappings behind :func:`host_empty` tensors (they live as long as it does)."""
+
+    def __init__(self, huge_pages: bool = False) -> None:
+        self.huge_pages = huge_pages
+        self.regions: list[mmap.mmap] = []
+        self.bytes = 0
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        count = 1
+        for size in shape:
+            count *= size
+        nbytes = count * torch.empty(0, dtype=dtype).element_size()
+        self.bytes += nbytes
+        if nbytes < _SMALL_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if self.huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+            region.madvise(mmap.MADV_HUGEPAGE)
+        self.regions.append(region)
+        raw = torch.frombuffer(region, dtype=torch.uint8)
+        skip = -raw.data_ptr() % HUGE_PAGE_BYTES
+        return raw[skip : skip + nbytes].view(dtype).view(shape)
+
+
+class PinnedRegistry:
+    """Page-locks host tensors for DMA, in parallel threads; a no-op without CUDA."""
+
+    def __init__(self, threads: int = 8) -> None:
+        self.threads = max(1, threads)
+        self.enabled = torch.cuda.is_available()
+        self._registered: list[tuple[int, int]] = []
+        self.bytes = 0
+        self.seconds = 0.0
+
+    def pin(self, tensors: list[torch.Tensor]) -> None:
+        pieces: list[tuple[int, int]] = []
+        for tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            self.bytes += nbytes
+            start, end = tensor.data_ptr(), tensor.data_ptr() + nbytes
+            step = max(_REGISTER_PIECE_BYTES, 1)
+            pieces.extend((at, min(step, end - at)) for at in range(start, end, step))
+        if not self.enabled or not pieces:
+            return
+        cudart = torch.cuda.cudart()
+        began = time.perf_counter()
+
+        def register(piece: tuple[int, int]) -> tuple[int, int]:
+            err = cudart.cudaHostRegister(piece[0], piece[1], 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister of {piece[1]} bytes failed: {err}")
+            return piece
+
+        with ThreadPoolExecutor(self.threads) as pool:
+            self._registered.extend(pool.map(register, pieces))
+        self.seconds += time.perf_counter() - began
+
+    def close(self) -> None:
+        if self.enabled and self._registered:
+            cudart = torch.cuda.cudart()
+            for address, _ in self._registered:
+                cudart.cudaHostUnregister(address)
+        self._registered.clear()
+
+
+class CopyStream:
+    """Host -> device copies on a side stream (CUDA) or at once (CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.stream is None:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def wait(self, event) -> None:
+        """The copy stream waits for ``event`` (recorded on the compute stream)."""
+        if self.stream is not None and event is not None:
+            self.stream.wait_event(event)
+
+    def record(self):
+        """An event after the copies issued so far (None on the CPU)."""
+        return self.stream.record_event() if self.stream is not None else None
+
+    def compute_waits(self, event) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def compute_event(self):
+        return torch.cuda.current_stream(self.device).record_event() if self.stream is not None else None
+
+    def synchronize(self) -> None:
+        if self.stream is not None:
+            torch.cuda.synchronize(self.device)
+
+
+def measure_copy_bytes_s(src: torch.Tensor, dst: torch.Tensor, repeats: int = 5) -> float:
+    """Bytes per second of ``dst.copy_(src)`` (host -> device, or host -> host on the CPU)."""
+    stream = CopyStream(dst.device)
+    nbytes = src.numel() * src.element_size()
+    stream.copy(dst, src)
+    stream.synchronize()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        stream.copy(dst, src)
+        stream.synchronize()
+        times.append(time.perf_counter() - began)
+    return nbytes / max(sorted(times)[len(times) // 2], 1e-9)

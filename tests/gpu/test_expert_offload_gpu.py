@@ -1,0 +1,67 @@
+"""Expert offload on a GPU: staged and device-bank experts give the all-in-VRAM logits bit for bit.
+
+Routed experts live in pinned host RAM with part of them in device banks; every
+step of a mixed prefill / decode run must equal (``torch.equal``) the run with
+every expert in VRAM on the same path (grouped experts, no graphs).  Host-computed
+experts (decode) round differently from the GPU and are held to a tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
+from ds4d.models.deepseek_v4.offload import OffloadOptions
+from tests.unit.test_expert_offload import LAYERS, _steps
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("offload_gpu"), seed=7, layers=LAYERS)
+
+
+def _reference(checkpoint, dtype):
+    model = load_model(checkpoint, dtype=dtype, device="cuda")
+    model.use_graphs = False
+    return _steps(model)
+
+
+def _half(offload) -> None:
+    offload.set_placement([[e for e in range(8) if (e + layer) % 2] for layer in range(len(LAYERS))])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_staged_and_device_experts_are_bit_identical(checkpoint, dtype):
+    """bf16 runs the grouped kernel: bit for bit.  float32 falls back to bmm, whose cuBLAS kernel depends on the
+    batch size, so there the rows agree to float32 rounding."""
+    want = _reference(checkpoint, dtype)
+    model = load_model(checkpoint, dtype=dtype, device="cuda",
+                       offload=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy"))
+    offload = model.expert_offload
+    assert offload.pinned.enabled
+    _half(offload)
+    got = _steps(model)
+    for index, (a, b) in enumerate(zip(got, want)):
+        if dtype == torch.bfloat16:
+            assert torch.equal(a, b), f"step {index}: max |diff| {(a - b).abs().max().item():.3e}"
+        else:
+            assert (a - b).abs().max().item() < 1e-4 and torch.equal(a.argmax(-1), b.argmax(-1))
+    stats = offload.expert_stats()
+    assert stats["bytes_copied"] > 0 and stats["skipped_transfers"] > 0 and offload.pcie_bytes_s > 0
+    offload.close()
+
+
+def test_host_experts_in_decode_match_within_rounding(checkpoint):
+    want = _reference(checkpoint, torch.float32)
+    model = load_model(checkpoint, device="cuda",
+                       offload=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="cpu", cpu_threads=2))
+    _half(model.expert_offload)
+    got = _steps(model)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max().item() < 1e-3
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert all(row["cpu_experts"] > 0 for row in model.expert_stats()["layers"])
+    model.expert_offload.close()

@@ -1,0 +1,86 @@
+"""The placement policy on its own: plain Python, no tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+from ds4d.cuda.host_memory import free_huge_pages, huge_pages_fit
+from ds4d.models.deepseek_v4.placement import PlacementPolicy, capacity_for_budget, hits, plan_placement
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [(0, 0), (100 * MIB, 0), (148 * MIB, 1), (100 * MIB + 48 * MIB * 10, 10), (1 << 50, 64)],
+)
+def test_capacity_for_budget(budget, expected):
+    assert capacity_for_budget(budget, 48 * MIB, 100 * MIB, 64) == expected
+
+
+def test_no_counts_spread_evenly_over_layers():
+    hot = plan_placement([[0] * 8 for _ in range(3)], 7)
+    assert [len(h) for h in hot] == [3, 2, 2]
+    assert hot == [[0, 1, 2], [0, 1], [0, 1]]
+
+
+def test_most_routed_pairs_win_across_layers():
+    counts = [[9, 0, 0, 1], [5, 5, 5, 5], [0, 0, 7, 0]]
+    assert plan_placement(counts, 3) == [[0], [], [2]] or plan_placement(counts, 3) == [[0], [0], [2]]
+    hot = plan_placement(counts, 3)
+    assert hits(counts, hot) == 9 + 7 + 5
+    assert plan_placement(counts, 0) == [[], [], []]
+    assert plan_placement(counts, 100) == [[0, 1, 2, 3]] * 3
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 5, 11, 24])
+def test_plan_is_optimal_for_hits(capacity):
+    counts = [[(7 * layer + 3 * e) % 11 for e in range(8)] for layer in range(3)]
+    hot = plan_placement(counts, capacity)
+    assert sum(map(len, hot)) == min(capacity, 24)
+    best = sorted((c for row in counts for c in row), reverse=True)[:capacity]
+    assert hits(counts, hot) == sum(best)
+
+
+def test_static_never_replans_and_uses_calibration():
+    calib = [[0, 0, 4, 0], [1, 0, 0, 0]]
+    policy = PlacementPolicy(2, 4, 2, mode="static", replan_tokens=1, calibration=calib)
+    assert policy.initial() == [[2], [0]]
+    policy.observe(0, [0, 100, 0, 0])
+    assert not policy.due()
+
+
+def test_online_replans_when_routing_moves_and_not_on_noise():
+    policy = PlacementPolicy(1, 4, 1, mode="online", replan_tokens=10, min_gain=0.1)
+    current = policy.initial()
+    assert current == [[0]]
+    policy.observe(0, [5, 0, 0, 0])
+    assert not policy.due()
+    policy.observe(0, [0, 0, 20, 0])
+    assert policy.due()
+    moved = policy.replan(current)
+    assert moved == [[2]] and policy.replans == 1 and not policy.due()
+    # counts halve at each re-plan: expert 2 now at 10
+    policy.observe(0, [0, 0, 0, 10.5])  # 3 at 10.5: under 10% better, stay
+    assert policy.replan(moved) is None
+    policy.observe(0, [0, 0, 0, 20])  # 2 at 5, 3 at 5.25 + 20: move
+    assert policy.replan(moved) == [[3]] and policy.replans == 2
+
+
+def test_bad_mode_is_refused():
+    with pytest.raises(ValueError, match="placement"):
+        PlacementPolicy(1, 4, 1, mode="sometimes")
+
+
+BUDDY = """Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3
+Node 0, zone    DMA32      5      4      3      2      1      1      1      1      1      2      4
+Node 0, zone   Normal   1000    500    200    100     50     20     10      5      2      3      7
+"""
+
+
+def test_buddyinfo_counts_free_2mib_blocks():
+    # order 9 counts once, order 10 (4 MiB) twice: (1 + 2*3) + (2 + 2*4) + (3 + 2*7)
+    assert free_huge_pages(BUDDY) == 7 + 10 + 17
+    assert huge_pages_fit(34 * 2 * (1 << 20), BUDDY)
+    assert not huge_pages_fit(35 * 2 * (1 << 20), BUDDY)
+    assert not huge_pages_fit(1 << 20, BUDDY)
