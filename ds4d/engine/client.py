@@ -9,6 +9,7 @@ becomes a process boundary, only this class changes.
 from __future__ import annotations
 
 import asyncio
+
 from ds4d.engine.core import EngineCore
 from ds4d.engine.request import EngineRequest, FinishReason, StepOutput
 
@@ -22,6 +23,8 @@ class EngineClient:
         self.core = core
         self.loop = loop
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
+        # requests with no output yet -> their prompt tokens (the backlog admission caps)
+        self._queued: dict[str, int] = {}
         core.publish = self._publish
 
     def _publish(self, outputs: list[StepOutput]) -> None:
@@ -29,6 +32,7 @@ class EngineClient:
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
+            self._queued.pop(out.request_id, None)
             q = self._queues.get(out.request_id)
             if q is not None:
                 q.put_nowait(out)
@@ -37,17 +41,29 @@ class EngineClient:
     def num_open(self) -> int:
         return len(self._queues)
 
-    def open(self, request: EngineRequest) -> "RequestStream":
+    @property
+    def num_queued(self) -> int:
+        """Open requests that have produced no output yet (queued, or prefilling their prompt)."""
+        return len(self._queued)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens of the requests counted by ``num_queued``."""
+        return sum(self._queued.values())
+
+    def open(self, request: EngineRequest) -> RequestStream:
         """Submit a request; read its outputs from the returned stream, close() it when done."""
         if not self.core.alive:
             raise EngineDead(self.core.dead_reason or "engine not running")
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._queues[request.request_id] = q
+        self._queued[request.request_id] = len(request.prompt_ids)
         self.core.submit(request)
         return RequestStream(self, request.request_id, q)
 
     def _closed(self, request_id: str, finished: bool) -> None:
         self._queues.pop(request_id, None)
+        self._queued.pop(request_id, None)
         if not finished:
             self.core.abort(request_id)
 
@@ -72,13 +88,13 @@ class RequestStream:
         """The next output, or None if ``timeout`` seconds pass first."""
         try:
             out = await asyncio.wait_for(self._queue.get(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
         if out.finish_reason is not None:
             self.finished = True
         return out
 
-    def __aiter__(self) -> "RequestStream":
+    def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> StepOutput:
@@ -93,7 +109,7 @@ class RequestStream:
             self._closed = True
             self._client._closed(self.request_id, self.finished)
 
-    async def __aenter__(self) -> "RequestStream":
+    async def __aenter__(self) -> RequestStream:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -175,7 +175,8 @@ class EngineCore:
                 prompt_lp = fresh
             if result.token_id is None:
                 if prompt_lp:
-                    outputs.append(StepOutput(seq.request_id, prompt_logprobs=prompt_lp, cached_tokens=seq.cached_tokens))
+                    outputs.append(StepOutput(seq.request_id, prompt_logprobs=prompt_lp,
+                                              cached_tokens=seq.cached_tokens, cached_by_tier=_by_tier(seq)))
                 continue
             first = not seq.output_ids
             if first:
@@ -190,6 +191,7 @@ class EngineCore:
                 prompt_logprobs=prompt_lp,
                 finish_reason=finish,
                 cached_tokens=seq.cached_tokens,
+                cached_by_tier=_by_tier(seq),
                 first_token=first,
             ))
             if finish is not None:
@@ -209,11 +211,12 @@ class EngineCore:
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason, *, publish: bool, error: str | None = None) -> None:
-        self.scheduler.remove(seq)
+        self.scheduler.remove(seq, checkpoint=reason is not FinishReason.ERROR)
         self.runner.sampler.forget(seq.request_id)
         self.stats.on_finish()
         if publish:
-            self.publish([StepOutput(seq.request_id, finish_reason=reason, error=error, cached_tokens=seq.cached_tokens)])
+            self.publish([StepOutput(seq.request_id, finish_reason=reason, error=error, cached_tokens=seq.cached_tokens,
+                                     cached_by_tier=_by_tier(seq))])
 
     def _fail_all(self, message: str) -> None:
         seqs = list(self._seqs.values())
@@ -225,6 +228,15 @@ class EngineCore:
                 pass
         if seqs:
             self.publish([StepOutput(s.request_id, finish_reason=FinishReason.ERROR, error=message) for s in seqs])
+
+    def flush_cache(self) -> bool:
+        """At shutdown, after :meth:`stop`: write what the prefix cache holds to its persistent
+        tier (disk).  Skipped (False) if the engine thread is still running."""
+        if self._thread is not None and self._thread.is_alive():
+            log.warning("engine thread still running: prefix cache not flushed")
+            return False
+        self.scheduler.cache.flush()
+        return True
 
     # ------------------------------------------------------------------ snapshots
 
@@ -252,3 +264,7 @@ class EngineCore:
                 "age_s": round(now - seq.arrival_time, 3),
             })
         return out
+
+
+def _by_tier(seq: Sequence) -> tuple[tuple[str, int], ...]:
+    return tuple(seq.cached_by_tier.items())

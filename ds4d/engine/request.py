@@ -88,6 +88,8 @@ class StepOutput:
     error: str | None = None
     cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (final once prefill starts)."""
+    cached_by_tier: tuple[tuple[str, int], ...] = ()
+    """``cached_tokens`` split by the tier that served them (tiers with 0 left out)."""
     first_token: bool = False
 
 
@@ -108,6 +110,8 @@ class Sequence:
         self.output_ids: list[int] = []
         self.num_computed_tokens = 0
         self.cached_tokens = 0
+        self.cached_by_tier: dict[str, int] = {}
+        """Reused prompt tokens per cache tier (gpu, ram, disk)."""
         self.block_ids: list[int] = []
         self.state_slot: int | None = None
         self.preemptions = 0

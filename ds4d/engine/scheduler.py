@@ -21,8 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ds4d.cache.blocks import BlockPool, block_keys
+from ds4d.cache.manager import PrefixCache, Reuse
 from ds4d.contracts import SchedulerPolicy
-from ds4d.engine.request import Sequence, SeqStatus
+from ds4d.engine.request import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
@@ -67,14 +68,20 @@ class Scheduler:
         namespace: bytes,
         prefix_reuse: bool = True,
         clock: Callable[[], float] | None = None,
+        cache: PrefixCache | None = None,
     ) -> None:
         self.pool = pool
+        self.cache = cache or PrefixCache(pool)
+        """Prefix lookup across tiers, promotion/demotion, state checkpoints, accounting."""
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.step_tokens = step_tokens
         self.prefill_chunk = prefill_chunk
         self.namespace = namespace
-        self.prefix_reuse = prefix_reuse and pool.prefix_caching
+        self.prefix_reuse = prefix_reuse and self.cache.reusable
+        self.reuse_off_reason = "" if self.prefix_reuse else (
+            "prefix caching is disabled (config prefix_caching = false)" if not pool.prefix_caching or
+            not prefix_reuse else "prefix reuse is off: the model has per-sequence state but cannot copy KV blocks")
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
@@ -91,12 +98,18 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Finish or abort: release everything the sequence holds."""
+    def remove(self, seq: Sequence, *, checkpoint: bool = False) -> None:
+        """Finish or abort: release everything the sequence holds.
+
+        With ``checkpoint`` (a request that ended normally), a model with per-sequence
+        state first saves a checkpoint at the end of what was computed, so the next
+        turn of the conversation resumes there."""
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+        if checkpoint:
+            self._checkpoint(seq)
         self._release(seq)
         seq.status = SeqStatus.FINISHED
 
@@ -126,8 +139,7 @@ class Scheduler:
             for seq in self.policy.order_waiting(self.waiting):
                 if budget == 0 or len(self.running) >= self.max_num_seqs:
                     break
-                if not self._admit(seq):
-                    break
+                reuse = self._admit(seq)
                 n = min(seq.num_uncomputed_tokens, self.prefill_chunk, budget)
                 if not self._grow(seq, seq.num_computed_tokens + n, None):
                     self._release(seq)
@@ -135,8 +147,15 @@ class Scheduler:
                     self.waiting.insert(0, seq)
                     seq.status = SeqStatus.WAITING
                     break
+                if reuse is not None:  # count a lookup once, when its admission sticks
+                    self.cache.commit(reuse)
+                    if reuse.num_tokens:
+                        self.pool.hits += 1
+                    elif reuse.lookups:
+                        self.pool.misses += 1
                 chunks.append(self._chunk(seq, n))
                 budget -= n
+        self.cache.after_plan()
         return StepPlan(tuple(chunks), tuple(preempted))
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
@@ -146,32 +165,40 @@ class Scheduler:
         logits_tokens = n if wants_prompt else (1 if sample else 0)
         return ScheduledChunk(seq, start, n, sample, logits_tokens)
 
-    def _admit(self, seq: Sequence) -> bool:
-        """Move from waiting to running: state slot plus any prefix-cache hit."""
+    def _admit(self, seq: Sequence) -> Reuse | None:
+        """Move from waiting to running: state slot plus any prefix-cache hit (returned)."""
         tokens = seq.all_token_ids
-        bs = self.pool.block_size
-        reuse = self.prefix_reuse and seq.request.params.prompt_logprobs is None
-        keys = block_keys(tokens, bs, self.namespace + seq.request.cache_salt.encode()) if reuse else []
-        match = self.pool.match(tokens, keys)
-        # keep at least one token to compute: its logits give the next token
-        while match.num_blocks and match.num_blocks * bs >= len(tokens):
-            match.block_ids.pop()
-            match.keys.pop()
-        self.pool.acquire(match)
-        if keys:
-            if match.num_blocks:
-                self.pool.hits += 1
-            else:
-                self.pool.misses += 1
-        seq.block_ids = list(match.block_ids)
-        seq.num_computed_tokens = match.num_blocks * bs
+        seq.state_slot = self._free_slots.pop()
+        reuse = None
+        if not self.prefix_reuse:
+            self.cache.note_miss(self.reuse_off_reason)
+        elif seq.request.params.prompt_logprobs is not None:
+            self.cache.note_miss("prompt_logprobs asked for: every prompt token is computed")
+        else:
+            namespace = self._namespace(seq)
+            keys = block_keys(tokens, self.pool.block_size, namespace)
+            reuse = self.cache.acquire(tokens, keys, namespace, seq.request.cache_salt, seq.state_slot)
+        seq.block_ids = list(reuse.block_ids) if reuse else []
+        seq.num_computed_tokens = reuse.num_tokens if reuse else 0
         if not seq.output_ids:
             seq.cached_tokens = seq.num_computed_tokens
-        seq.state_slot = self._free_slots.pop()
+            seq.cached_by_tier = dict(reuse.by_tier) if reuse else {}
         seq.status = SeqStatus.RUNNING
         self.waiting.remove(seq)
         self.running.append(seq)
-        return True
+        return reuse
+
+    def _namespace(self, seq: Sequence) -> bytes:
+        return self.namespace + seq.request.cache_salt.encode()
+
+    def _checkpoint(self, seq: Sequence) -> None:
+        """Save the sequence's state at its computed end (stateful models with prefix reuse)."""
+        if not (self.prefix_reuse and self.cache.stateful) or seq.state_slot is None or not seq.num_computed_tokens:
+            return
+        tokens = seq.all_token_ids[:seq.num_computed_tokens]
+        namespace = self._namespace(seq)
+        keys = block_keys(tokens, self.pool.block_size, namespace)
+        self.cache.save_checkpoint(tokens, keys, namespace, seq.block_ids, seq.state_slot)
 
     def _grow(self, seq: Sequence, end: int, preempted: list[str] | None) -> bool:
         """Make seq's block table cover ``end`` tokens, preempting others if allowed."""
@@ -216,7 +243,7 @@ class Scheduler:
         bs = self.pool.block_size
         full = seq.num_computed_tokens // bs
         tokens = seq.all_token_ids[: full * bs]
-        keys = block_keys(tokens, bs, self.namespace + seq.request.cache_salt.encode())
+        keys = block_keys(tokens, bs, self._namespace(seq))
         for i, key in enumerate(keys):
             self.pool.register(seq.block_ids[i], key, tokens[i * bs:(i + 1) * bs])
 
@@ -227,3 +254,5 @@ class Scheduler:
         seq.num_computed_tokens = chunk.start_pos + chunk.num_tokens
         if seq.num_computed_tokens // self.pool.block_size > before:
             self._register_full_blocks(seq)
+        if seq.num_computed_tokens == seq.num_prompt_tokens and not seq.output_ids:
+            self._checkpoint(seq)  # end of the prompt: a request boundary

@@ -11,28 +11,38 @@ from aiohttp import web
 from ds4d import __version__
 from ds4d.config import GIB
 from ds4d.cuda.devices import gpu_memory
-from ds4d.server.state import STATE, ServingState
+from ds4d.server.state import LIFECYCLE, ServingState, serving_state
 
 routes = web.RouteTableDef()
 
 
 def _state(request: web.Request) -> ServingState:
-    return request.app[STATE]
+    return serving_state(request)
 
 
 @routes.get("/health")
 async def health(request: web.Request) -> web.Response:
-    state = _state(request)
-    if not state.core.alive:
+    """Liveness: 200 while the process can make progress (loading and draining included), 503 once
+    the engine is dead."""
+    phase = request.app[LIFECYCLE].phase
+    if phase == "dead":
+        state = _state(request)
         return web.json_response({"status": "dead", "reason": state.core.dead_reason or "engine not running"},
                                  status=503)
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok" if phase == "ready" else phase})
 
 
 @routes.get("/ready")
 async def ready(request: web.Request) -> web.Response:
+    """Readiness: 503 while loading, draining, stalled, dead or below the host-memory watermark."""
+    if request.app[LIFECYCLE].state is None:
+        return web.json_response({"ready": False, "reasons": ["loading"]}, status=503)
     state = _state(request)
     reasons = []
+    memory, available = state.memory_state()
+    if memory != "ok":
+        limit = state.config.mem_floor_gib if memory == "below_floor" else state.config.mem_watermark_gib
+        reasons.append(f"host memory {memory.replace('_', ' ')}: {available / GIB:.1f} GiB available < {limit:g} GiB")
     if not state.core.alive:
         reasons.append("engine not running")
     if state.draining:
@@ -90,9 +100,7 @@ def snapshot(state: ServingState) -> dict:
         "host": host_memory(state),
         "gpus": gpus,
         "cache": {"hits": hits, "misses": misses, "hit_rate": round(hit_rate, 4), "evictions": pool.evictions,
-                  "tiers": {"gpu": {"bytes": pool.num_cached * state.info.cache_bytes_per_block,
-                                    "blocks": pool.num_cached, "hits": hits, "misses": misses,
-                                    "hit_rate": round(hit_rate, 4)}}},
+                  **sched.cache.stats()},
         "experts": None,
         "config": {"non_default": non_default},
         "plugins": state.plugins,
@@ -131,10 +139,18 @@ async def metrics(request: web.Request) -> web.Response:
            core.stats.preemptions_total)
     metric("kv_blocks_total", "gauge", "Blocks in the KV pool.", s["kv"]["total_blocks"])
     metric("kv_blocks_free", "gauge", "KV blocks free or evictable.", s["kv"]["free_blocks"])
-    metric("prefix_cache_hits_total", "counter", "Requests that reused cached blocks.", s["cache"]["hits"],
-           '{tier="gpu"}')
-    metric("prefix_cache_misses_total", "counter", "Requests that reused nothing.", s["cache"]["misses"],
-           '{tier="gpu"}')
+    metric("prefix_cache_hits_total", "counter", "Requests that reused cached blocks.", s["cache"]["hits"])
+    metric("prefix_cache_misses_total", "counter", "Requests that reused nothing.", s["cache"]["misses"])
+    tier_metric = {"hits": ("counter", "Blocks served by the tier."),
+                   "misses": ("counter", "Block lookups that reached the tier and missed."),
+                   "bytes_in": ("counter", "Bytes written into the tier."),
+                   "bytes_out": ("counter", "Bytes read out of the tier."),
+                   "evictions": ("counter", "Blocks evicted from the tier."),
+                   "bytes": ("gauge", "Bytes the tier holds."), "blocks": ("gauge", "Blocks the tier holds.")}
+    for key, (kind, help_text) in tier_metric.items():
+        name = f"cache_tier_{key}" + ("_total" if kind == "counter" else "")
+        lines += [f"# HELP ds4d_{name} {help_text}", f"# TYPE ds4d_{name} {kind}"]
+        lines += [f'ds4d_{name}{{tier="{tier}"}} {values.get(key, 0)}' for tier, values in s["cache"]["tiers"].items()]
     metric("throughput_prefill_tok_s", "gauge", "Recent prefill tokens per second.",
            s["throughput"]["prefill_tok_s"])
     metric("throughput_decode_tok_s", "gauge", "Recent decode tokens per second.", s["throughput"]["decode_tok_s"])

@@ -76,7 +76,9 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status, "http_error")
         message = {404: f"no route {request.method} {request.path}", 413: "request body too large"}.get(
             exc.status, exc.reason)
-        return web.json_response(error_body(exc.status, message, kind, None, code), status=exc.status)
+        headers = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return web.json_response(error_body(exc.status, message, kind, None, code), status=exc.status,
+                                 headers=headers)
     except ConnectionResetError:
         raise
     except Exception:  # noqa: BLE001 - the one place unexpected errors become a 500

@@ -42,6 +42,7 @@ class Usage:
     completion_tokens: int = 0
     cached_tokens: int = 0
     reasoning_tokens: int = 0
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return {
@@ -50,8 +51,11 @@ class Usage:
             "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
-            "ds4d": {"cached_tokens_by_tier": {"gpu": self.cached_tokens, "ram": 0, "disk": 0}},
+            "ds4d": {"cached_tokens_by_tier": self.by_tier()},
         }
+
+    def by_tier(self) -> dict[str, int]:
+        return {"gpu": 0, "ram": 0, "disk": 0, **self.cached_by_tier}
 
 
 class Generation:
@@ -92,6 +96,7 @@ class Generation:
                     yield Delta(keepalive=True)
                     continue
                 self.usage.cached_tokens = out.cached_tokens
+                self.usage.cached_by_tier = dict(out.cached_by_tier)
                 delta = Delta(prompt_logprobs=list(out.prompt_logprobs))
                 ids = [] if self.drop_output_tokens else list(out.new_token_ids)
                 if ids and self.first_token_at is None:
@@ -155,8 +160,9 @@ class Generation:
         prefill_ms = (first - self.started) * 1000
         decode_ms = (now - first) * 1000
         log.info(
-            "%s prompt %d tokens = %d reused (gpu %d, ram 0, disk 0) + %d computed in %.0f ms (%.1f tok/s); "
+            "%s prompt %d tokens = %d reused (gpu %d, ram %d, disk %d) + %d computed in %.0f ms (%.1f tok/s); "
             "decode %d tokens in %.0f ms (%.1f tok/s) finish=%s",
-            self.stream.request_id, u.prompt_tokens, u.cached_tokens, u.cached_tokens, computed, prefill_ms,
+            self.stream.request_id, u.prompt_tokens, u.cached_tokens, *(u.by_tier()[t] for t in ("gpu", "ram", "disk")),
+            computed, prefill_ms,
             computed / max(prefill_ms / 1000, 1e-6), u.completion_tokens, decode_ms,
             max(u.completion_tokens - 1, 0) / max(decode_ms / 1000, 1e-6), self.finish_reason or "abort")

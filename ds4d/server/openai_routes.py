@@ -12,18 +12,17 @@ from ds4d.contracts import ChatRenderRequest, RenderedPrompt, Tokenizer
 from ds4d.engine.client import EngineDead
 from ds4d.engine.request import EngineRequest, SamplingParams, TokenConstraint, TokenLogprob
 from ds4d.plugins.dsml_constraint import build_tool_constraint
-from ds4d.server.errors import ApiError, parse_json
+from ds4d.server.errors import ApiError, error_body, parse_json
 from ds4d.server.generation import Generation
-from ds4d.server.schemas import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                 _Sampling)
+from ds4d.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Sampling
 from ds4d.server.sse import SseWriter
-from ds4d.server.state import STATE, ServingState
+from ds4d.server.state import API_KEY, ServingState, serving_state
 
 routes = web.RouteTableDef()
 
 
 def _state(request: web.Request) -> ServingState:
-    return request.app[STATE]
+    return serving_state(request)
 
 
 def _sampling(body: _Sampling, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
@@ -90,6 +89,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     rendered = _render(state, body.messages, body.tools, body.chat_template_kwargs, body.reasoning_effort)
     prompt_ids = rendered.token_ids
     max_tokens = state.output_budget(len(prompt_ids), body.output_limit())
+    state.check_queue_room(len(prompt_ids))
     top = body.top_logprobs or 0
     params = _sampling(body, max_tokens, logprobs=top if body.logprobs else None, prompt_logprobs=None)
     constraint = await _tool_constraint(state, body, rendered, max_tokens)
@@ -104,9 +104,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                      reasoning=reasoning_stream, tools=tools_stream)
     created = int(time.time())
     base = {"id": request_id, "created": created, "model": state.served_model_name}
-    if body.stream:
-        return await _chat_stream(request, state, body, gen, base)
-    return await _chat_full(state, body, gen, base)
+    try:
+        if body.stream:
+            return await _chat_stream(request, state, body, gen, base)
+        return await _chat_full(state, body, gen, base)
+    finally:
+        gen.stream.close()  # a client gone before the end (handler cancelled) aborts the request here
 
 
 async def _chat_full(state: ServingState, body: ChatCompletionRequest, gen: Generation, base: dict) -> web.Response:
@@ -154,8 +157,7 @@ async def _chat_stream(request: web.Request, state: ServingState, body: ChatComp
             if delta or d.logprobs:
                 await sse.send(choice(delta, logprobs=d.logprobs))
         if gen.error:
-            await sse.send({"error": {"message": gen.error, "type": "server_error", "param": None,
-                                      "code": gen.error_code}})
+            await _send_error(sse, gen)
         else:
             await sse.send(choice({}, gen.finish_reason))
             if body.stream_options and body.stream_options.include_usage:
@@ -181,6 +183,12 @@ async def _tool_constraint(state: ServingState, body: ChatCompletionRequest, ren
         raise ApiError(400, str(exc), param="tool_choice", code="invalid_tool_choice") from None
 
 
+async def _send_error(sse: SseWriter, gen: Generation) -> None:
+    """A stream that fails after its headers went out ends with an OpenAI error event, then [DONE]."""
+    await sse.send(error_body(504 if gen.error_code == "timeout" else 500, gen.error or "generation failed",
+                              "server_error", None, gen.error_code))
+
+
 def _raise_if_failed(gen: Generation) -> None:
     if gen.error:
         status = 504 if gen.error_code == "timeout" else 500
@@ -201,7 +209,7 @@ def _tool_delta(t) -> dict:
 
 
 def _salt(request: web.Request, body: _Sampling) -> str:
-    key = request.get("api_key") or ""
+    key = request.get(API_KEY) or ""
     return f"{key}\x00{body.cache_salt or ''}" if (key or body.cache_salt) else ""
 
 
@@ -230,6 +238,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "prompt is empty after tokenisation", param="prompt")
     scoring_only = body.max_tokens == 0
     max_tokens = state.output_budget(len(prompt_ids), 1 if scoring_only else body.max_tokens)
+    state.check_queue_room(len(prompt_ids))
     want_prompt_lp = body.echo and body.logprobs is not None
     params = _sampling(body, max_tokens, logprobs=body.logprobs,
                        prompt_logprobs=(body.logprobs or 0) if want_prompt_lp else None)
@@ -238,8 +247,16 @@ async def completions(request: web.Request) -> web.StreamResponse:
                      prompt_tokens=len(prompt_ids), stops=body.stop_list(), drop_output_tokens=scoring_only)
     base = {"id": request_id, "object": "text_completion", "created": int(time.time()),
             "model": state.served_model_name}
-    if body.stream:
-        return await _completion_stream(request, body, gen, base, prompt_text)
+    try:
+        if body.stream:
+            return await _completion_stream(request, body, gen, base, prompt_text)
+        return await _completion_full(state, body, gen, base, prompt_ids, prompt_text, scoring_only)
+    finally:
+        gen.stream.close()  # a client gone before the end (handler cancelled) aborts the request here
+
+
+async def _completion_full(state: ServingState, body: CompletionRequest, gen: Generation, base: dict,
+                           prompt_ids: tuple[int, ...], prompt_text: str, scoring_only: bool) -> web.Response:
     text, lps, prompt_lps = [], [], []
     async for d in gen.deltas():
         text.append(d.content)
@@ -283,10 +300,13 @@ async def _completion_stream(request: web.Request, body: CompletionRequest, gen:
             elif d.content:
                 await sse.send({**base, "choices": [{"index": 0, "text": d.content, "finish_reason": None,
                                                      "logprobs": None}]})
-        await sse.send({**base, "choices": [{"index": 0, "text": "", "finish_reason": gen.finish_reason,
-                                             "logprobs": None}]})
-        if body.stream_options and body.stream_options.include_usage:
-            await sse.send({**base, "choices": [], "usage": gen.usage.as_dict()})
+        if gen.error:
+            await _send_error(sse, gen)
+        else:
+            await sse.send({**base, "choices": [{"index": 0, "text": "", "finish_reason": gen.finish_reason,
+                                                 "logprobs": None}]})
+            if body.stream_options and body.stream_options.include_usage:
+                await sse.send({**base, "choices": [], "usage": gen.usage.as_dict()})
         await sse.done()
     except ConnectionResetError:
         pass

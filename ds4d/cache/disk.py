@@ -1,0 +1,237 @@
+"""The ``disk`` cache tier: one file per block in a directory, under a byte budget.
+
+Layout: ``<cache_disk_dir>/<first 8 bytes of the compatibility hash, hex>/<key hex>.blk``,
+so daemons serving different models (or the same model with another dtype or
+block size) can share a directory without touching each other's files.
+
+File format (little-endian), written to ``<name>.tmp`` and renamed into place,
+so a crash never leaves a half-written ``.blk`` file::
+
+    magic     8 bytes   b"DS4DBLK\\x00"
+    version   u16       FORMAT_VERSION
+    reserved  u16       0
+    compat    32 bytes  model compatibility hash (namespace without salt)
+    key       32 bytes  the block's chained hash (salt included)
+    ntokens   u32       token ids covered
+    nbytes    u64       payload length
+    checksum  32 bytes  SHA-256 over the token bytes and the payload
+    tokens    ntokens x i32
+    payload   nbytes
+
+A file that is truncated, fails its checksum, has another magic, version,
+compatibility hash or key, is a miss: it is deleted and logged, never served.
+At start, leftover ``.tmp`` files are removed and the index is rebuilt from the
+headers (least recently used first, by modification time); a hit refreshes the
+file's modification time, so the LRU order survives a restart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ds4d.cache.tiers import option, payload_nbytes, payload_view
+from ds4d.config import GIB
+from ds4d.contracts import CacheEntry
+
+MAGIC = b"DS4DBLK\x00"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<8sHH32s32sIQ32s")
+
+log = logging.getLogger("ds4d.cache.disk")
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, ctx: Any, options: Mapping[str, Any]) -> None:
+        directory = str(option(ctx, options, "directory", "cache_disk_dir", "") or "")
+        if "budget_bytes" in options:
+            self.budget_bytes = int(options["budget_bytes"])
+        else:
+            self.budget_bytes = int(float(option(ctx, options, "budget_gib", "cache_disk_gib", 0.0)) * GIB)
+        self.compat_hash = hashlib.sha256(bytes(options.get("compat_hash", b""))).digest()
+        self.root: Path | None = None
+        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file bytes, LRU first
+        self.bytes = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+        self.evictions = 0
+        self.damaged = 0
+        self._evicted: list[CacheEntry] = []
+        if not directory:
+            self.budget_bytes = 0
+            return
+        self.root = Path(directory).expanduser() / self.compat_hash[:8].hex()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._rebuild_index()
+
+    # ------------------------------------------------------------------ start
+
+    def _rebuild_index(self) -> None:
+        assert self.root is not None
+        found = []
+        for path in self.root.iterdir():
+            if path.suffix == ".tmp":
+                log.info("removing leftover temporary cache file %s", path)
+                path.unlink(missing_ok=True)
+                continue
+            if path.suffix != ".blk":
+                continue
+            try:
+                key = bytes.fromhex(path.stem)
+                stat = path.stat()
+                with path.open("rb") as fh:
+                    header = fh.read(HEADER.size)
+                problem = self._check_header(header, key, stat.st_size)
+            except (ValueError, OSError) as exc:
+                problem = f"unreadable ({exc})"
+                key, stat = b"", None
+            if problem:
+                self._discard(path, problem)
+                continue
+            found.append((stat.st_mtime_ns, key, stat.st_size))
+        for _, key, size in sorted(found):
+            self._index[key] = size
+            self.bytes += size
+        if self.bytes > self.budget_bytes:
+            self.evict(self.bytes - self.budget_bytes)
+            self._evicted.clear()
+        log.info("disk cache %s: %d blocks, %.2f GiB of %.2f GiB", self.root, len(self._index), self.bytes / GIB,
+                 self.budget_bytes / GIB)
+
+    def _check_header(self, header: bytes, key: bytes, file_size: int) -> str | None:
+        if len(header) < HEADER.size:
+            return "truncated header"
+        magic, version, _, compat, stored_key, ntokens, nbytes, _ = HEADER.unpack(header)
+        if magic != MAGIC:
+            return "not a ds4d cache block (bad magic)"
+        if version != FORMAT_VERSION:
+            return f"format version {version}, expected {FORMAT_VERSION}"
+        if compat != self.compat_hash:
+            return "written for another model (compatibility hash differs)"
+        if stored_key != key:
+            return "key in the header does not match the file name"
+        if file_size != HEADER.size + 4 * ntokens + nbytes:
+            return f"truncated or padded ({file_size} bytes, header says {HEADER.size + 4 * ntokens + nbytes})"
+        return None
+
+    def _discard(self, path: Path, why: str) -> None:
+        self.damaged += 1
+        log.warning("disk cache: deleting %s: %s", path.name, why)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("disk cache: cannot delete %s: %s", path, exc)
+
+    def _path(self, key: bytes) -> Path:
+        assert self.root is not None
+        return self.root / f"{key.hex()}.blk"
+
+    # ------------------------------------------------------------------ tier
+
+    def put(self, key: bytes, token_ids: Sequence[int], payload: Any) -> bool:
+        if self.root is None:
+            return False
+        if key in self._index:
+            self._index.move_to_end(key)
+            return True
+        tokens = np.asarray(token_ids, dtype="<i4").tobytes()
+        data = payload_view(payload)
+        size = HEADER.size + len(tokens) + payload_nbytes(payload)
+        if size > self.budget_bytes:
+            return False
+        if self.bytes + size > self.budget_bytes:
+            self.evict(self.bytes + size - self.budget_bytes)
+        checksum = hashlib.sha256(tokens)
+        checksum.update(data)
+        header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, self.compat_hash, key, len(token_ids), len(data),
+                             checksum.digest())
+        path = self._path(key)
+        tmp = path.with_suffix(".tmp")
+        try:
+            with tmp.open("wb") as fh:
+                fh.write(header)
+                fh.write(tokens)
+                fh.write(data)
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("disk cache: cannot write %s: %s", path, exc)
+            tmp.unlink(missing_ok=True)
+            return False
+        self._index[key] = size
+        self.bytes += size
+        self.bytes_in += size
+        return True
+
+    def get(self, key: bytes, token_ids: Sequence[int]) -> bytes | None:
+        if key not in self._index:
+            return None
+        path = self._path(key)
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            self._drop(key, path, f"unreadable ({exc})")
+            return None
+        problem = self._check_header(raw[:HEADER.size], key, len(raw))
+        if problem is None:
+            _, _, _, _, _, ntokens, _, checksum = HEADER.unpack(raw[:HEADER.size])
+            body = memoryview(raw)[HEADER.size:]
+            if hashlib.sha256(body).digest() != checksum:
+                problem = "checksum mismatch"
+        if problem is not None:
+            self._drop(key, path, problem)
+            return None
+        stored = np.frombuffer(body[:4 * ntokens], dtype="<i4")
+        if ntokens != len(token_ids) or stored.tolist() != list(token_ids):
+            return None  # a hash collision: the file is fine, it just holds other tokens
+        self._index.move_to_end(key)
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+        self.bytes_out += len(raw)
+        return bytes(body[4 * ntokens:])
+
+    def _drop(self, key: bytes, path: Path, why: str) -> None:
+        self.bytes -= self._index.pop(key, 0)
+        self._discard(path, why)
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._index
+
+    def evict(self, nbytes: int) -> int:
+        freed = 0
+        while freed < nbytes and self._index:
+            key, size = self._index.popitem(last=False)
+            self._path(key).unlink(missing_ok=True)
+            freed += size
+            self.bytes -= size
+            self.evictions += 1
+            self._evicted.append(CacheEntry(key, (), None))
+        return freed
+
+    def take_evicted(self) -> list[CacheEntry]:
+        """Keys dropped for good (payload None: nothing is below this tier)."""
+        out, self._evicted = self._evicted, []
+        return out
+
+    def entries(self) -> list[CacheEntry]:
+        return [CacheEntry(key, (), None) for key in self._index]
+
+    def close(self) -> None:
+        pass  # writes are synchronous: every .blk file is complete once put() returns
+
+    def stats(self) -> Mapping[str, Any]:
+        return {"bytes": self.bytes, "blocks": len(self._index), "budget_bytes": self.budget_bytes,
+                "evictions": self.evictions, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+                "damaged_files": self.damaged, "persistent": True,
+                "directory": str(self.root) if self.root else ""}

@@ -1,0 +1,386 @@
+"""The prefix cache across tiers: lookup, promotion, demotion, checkpoints, accounting.
+
+Plain bookkeeping around three collaborators: the :class:`BlockPool` (the
+``gpu`` tier), the lower tiers fastest first (``ram``, ``disk``; any
+:class:`~ds4d.contracts.CacheTier`), and the model, which copies blocks
+(:class:`~ds4d.contracts.BlockCopyModel`) and, for models with per-sequence
+state, saves and loads state (:class:`~ds4d.contracts.StatefulModel`).
+
+* **Lookup** (``acquire``): the longest run of leading full blocks, each found
+  in the first tier that holds it, every hit verified against its token ids.
+  At least one prompt token is always left to compute (its logits give the next
+  token).  A stateful model reuses only up to a state checkpoint
+  (``checkpoints.py``).
+* **Promotion**: blocks found below the pool get fresh pool blocks and are
+  copied in; they stay in the tier that served them (inclusive tiers), so a
+  later eviction costs no copy.
+* **Demotion**: a block evicted from the pool is copied out before its new
+  owner's forward step and stored in the first lower tier; what that tier
+  evicts goes to the next; what the last tier evicts is gone.
+* **Accounting**: per tier, block hits and misses (a miss is a lookup that
+  reached the tier and did not find the block), bytes in and out, evictions;
+  per request, reused tokens by tier; ``last_miss`` says in words why the
+  latest request did not reuse everything it could have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ds4d.cache.blocks import BlockPool, PrefixMatch
+from ds4d.cache.checkpoints import Checkpoint, CheckpointStore
+from ds4d.cache.tiers import GpuTier
+from ds4d.contracts import BlockCopyModel, CacheTier, DemotingCacheTier, StatefulModel
+
+log = logging.getLogger("ds4d.cache")
+
+_REMEMBER_KEYS = 65536
+
+
+@dataclass
+class Reuse:
+    """What a new sequence starts with."""
+
+    block_ids: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    by_tier: dict[str, int] = field(default_factory=dict)
+    lookups: dict[str, list[int]] = field(default_factory=dict)
+    """Per tier [block hits, block misses] of this lookup (applied by :meth:`PrefixCache.commit`)."""
+    why_not_more: str = ""
+    """Why the lookup did not reuse everything it could have ("" when it did)."""
+
+
+class PrefixCache:
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        tiers: Sequence[CacheTier] = (),
+        model: Any = None,
+        block_bytes: int = 0,
+        checkpoints: int = 64,
+        gpu_tier: GpuTier | None = None,
+        mem_available: Callable[[], int] | None = None,
+        mem_watermark_bytes: int = 0,
+    ) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.mover = model if isinstance(model, BlockCopyModel) else None
+        self.state_model = model if isinstance(model, StatefulModel) else None
+        self.stateful = self.state_model is not None
+        live = [t for t in tiers if t.stats().get("budget_bytes", 1) > 0]
+        if live and self.mover is None:
+            log.warning("the model cannot copy KV blocks out of its pool: cache tiers %s are off",
+                        ", ".join(t.name for t in live))
+            live = []
+        self.tiers = live
+        self.gpu = gpu_tier or GpuTier(None, {})
+        self.gpu.bind(pool, block_bytes)
+        pool.keep_evicted = True  # demoted to the tiers, or remembered to explain a later miss
+        self.checkpoints = CheckpointStore(checkpoints if self.stateful else 0, self.block_size)
+        self.mem_available = mem_available
+        self.mem_watermark_bytes = mem_watermark_bytes
+        self._mem_checked = 0.0
+        self.counters = {name: {"hits": 0, "misses": 0, "tokens": 0} for name in self.tier_names}
+        self.cached_tokens_total = 0
+        self.last_miss = ""
+        self.dropped_total = 0
+        self._pending: list[tuple[bytes, tuple[int, ...], Any]] = []
+        self._dropped: OrderedDict[bytes, str] = OrderedDict()  # key -> tier it was last evicted from
+        self._first_block_salts: OrderedDict[bytes, set[str]] = OrderedDict()
+
+    @property
+    def tier_names(self) -> list[str]:
+        return ["gpu", *(t.name for t in self.tiers)]
+
+    @property
+    def reusable(self) -> bool:
+        """Prefix reuse is possible with this model (stateful ones need block copies too)."""
+        return self.pool.prefix_caching and (not self.stateful or self.mover is not None)
+
+    # ------------------------------------------------------------------ lookup and promotion
+
+    def acquire(self, token_ids: Sequence[int], keys: Sequence[bytes], namespace: bytes, salt: str,
+                slot: int) -> Reuse:
+        """Take every reusable leading block for a new sequence (state loaded into ``slot``)."""
+        bs = self.block_size
+        limit = min((len(token_ids) - 1) // bs, len(keys))
+        self._note_first_block(token_ids, salt)
+        gpu = self.pool.match(token_ids, keys[:limit])
+        found: list[int] = []  # index into self.tiers, per block after the pool's
+        for i in range(gpu.num_blocks, limit):
+            where = next((t for t, tier in enumerate(self.tiers) if tier.contains(keys[i])), None)
+            if where is None:
+                break
+            found.append(where)
+        available = gpu.num_blocks + len(found)
+        ckpt = None
+        if self.stateful:
+            ckpt = self.checkpoints.find(token_ids, keys, self.root(namespace), max_full_blocks=available,
+                                         max_tokens=len(token_ids) - 1)
+            use = ckpt.full_blocks if ckpt else 0
+        else:
+            use = available
+        lookups = self._count(gpu.num_blocks, found, limit)
+        shared = gpu.block_ids[:use]
+        self.pool.acquire(PrefixMatch(shared, list(keys[:len(shared)])))
+        extra = 1 if ckpt is not None and ckpt.partial is not None else 0
+        promoted, blank = self._promote(token_ids, keys, len(shared), found[:use - len(shared)], extra=extra)
+        blocks = shared + promoted
+        by_tier = {"gpu": len(shared) * bs}
+        for t in found[:len(promoted)]:
+            by_tier[self.tiers[t].name] = by_tier.get(self.tiers[t].name, 0) + bs
+        if ckpt is not None:
+            if len(blocks) == ckpt.full_blocks and (blank is not None or not extra):
+                if blank is not None:
+                    self.mover.import_blocks([blank], [ckpt.partial])
+                    blocks.append(blank)
+                self.state_model.load_state(slot, ckpt.state)
+                by_tier["gpu"] += len(ckpt.tail)
+            else:
+                if blank is not None:
+                    self.pool.release([blank])
+                ckpt = None
+        if self.stateful and ckpt is None and blocks:  # blocks without a state at their end are no use
+            self.pool.release(blocks)
+            blocks, by_tier = [], {}
+        num_tokens = ckpt.num_tokens if ckpt is not None else len(blocks) * bs
+        why = self._explain(token_ids, keys, limit, num_tokens, salt)
+        return Reuse(blocks, num_tokens, {k: v for k, v in by_tier.items() if v}, lookups, why)
+
+    def commit(self, reuse: Reuse) -> None:
+        """Account a lookup whose sequence was admitted (a sequence sent back to wait for
+        blocks looks up again later; only the lookup that sticks is counted)."""
+        for name, (hits, misses) in reuse.lookups.items():
+            self.counters[name]["hits"] += hits
+            self.counters[name]["misses"] += misses
+        for name, n in reuse.by_tier.items():
+            self.counters[name]["tokens"] += n
+        self.cached_tokens_total += reuse.num_tokens
+        if reuse.why_not_more:
+            self.last_miss = reuse.why_not_more
+
+    def _promote(self, token_ids, keys, start: int, found: list[int], *,
+                 extra: int) -> tuple[list[int], int | None]:
+        """Copy the blocks found below the pool into fresh pool blocks; with ``extra``, one
+        more blank block (returned second, or None) once every found block made it."""
+        if not found and not extra:
+            return [], None
+        bs = self.block_size
+        fresh = self.pool.allocate(len(found) + extra)
+        if fresh is None:
+            return [], None
+        payloads = []
+        for n, t in enumerate(found):
+            i = start + n
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            payload = None
+            for tier in self.tiers[t:]:
+                payload = tier.get(keys[i], tokens)
+                if payload is not None:
+                    break
+            if payload is None:
+                break
+            payloads.append(payload)
+        self._export_evicted()  # the fresh blocks may have held cached KV: copy it out first
+        if payloads:
+            self.mover.import_blocks(fresh[:len(payloads)], payloads)
+            for n, block in enumerate(fresh[:len(payloads)]):
+                i = start + n
+                self.pool.register(block, keys[i], token_ids[i * bs:(i + 1) * bs])
+        self._store_pending()
+        blank = fresh[len(found)] if extra and len(payloads) == len(found) else None
+        unused = [b for b in fresh[len(payloads):] if b != blank]
+        if unused:
+            self.pool.release(unused)
+        return fresh[:len(payloads)], blank
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def root(self, namespace: bytes) -> bytes:
+        return hashlib.sha256(b"checkpoint-root" + namespace).digest()
+
+    def save_checkpoint(self, token_ids: Sequence[int], keys: Sequence[bytes], namespace: bytes,
+                        block_ids: Sequence[int], slot: int) -> None:
+        """Checkpoint a sequence whose first ``len(token_ids)`` tokens are in its KV and ``slot``."""
+        if not self.stateful or self.mover is None or not token_ids:
+            return
+        bs = self.block_size
+        full = len(token_ids) // bs
+        tail = tuple(token_ids[full * bs:])
+        anchor = keys[full - 1] if full else self.root(namespace)
+        partial = self.mover.export_blocks([block_ids[full]])[0] if tail else None
+        state = _to_host(self.state_model.save_state(slot))
+        self.checkpoints.add(Checkpoint(anchor, tail, len(token_ids), state, partial, full))
+
+    # ------------------------------------------------------------------ demotion
+
+    def after_plan(self) -> None:
+        """Copy out what the plan's allocations evicted, before the step overwrites it."""
+        self._export_evicted()
+        self._store_pending()
+
+    def _export_evicted(self) -> None:
+        evicted = self.pool.take_evicted()
+        if not evicted:
+            return
+        if not self.tiers:
+            for _, key, _ in evicted:
+                self._remember_dropped(key, "gpu")
+            return
+        first = self.tiers[0]
+        todo = [(b, k, t) for b, k, t in evicted if not first.contains(k)]
+        if todo:
+            payloads = self.mover.export_blocks([b for b, _, _ in todo])
+            self._pending += [(k, t, p) for (_, k, t), p in zip(todo, payloads)]
+
+    def _store_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        self._shed_if_low_memory()
+        for key, tokens, payload in pending:
+            self._put_chain(0, key, tokens, payload)
+
+    def _put_chain(self, index: int, key: bytes, tokens: tuple[int, ...], payload: Any) -> None:
+        if index >= len(self.tiers):
+            self._remember_dropped(key, self.tier_names[index])
+            return
+        tier = self.tiers[index]
+        if not tier.put(key, tokens, payload):
+            self._put_chain(index + 1, key, tokens, payload)  # too big for this tier: try the next
+            return
+        self._cascade(index)
+
+    def _cascade(self, index: int) -> None:
+        tier = self.tiers[index]
+        if not isinstance(tier, DemotingCacheTier):
+            return
+        for entry in tier.take_evicted():
+            below = self.tiers[index + 1] if index + 1 < len(self.tiers) else None
+            if below is None or entry.payload is None:
+                self._remember_dropped(entry.key, tier.name)
+            elif not below.contains(entry.key):
+                self._put_chain(index + 1, entry.key, entry.token_ids, entry.payload)
+
+    def _shed_if_low_memory(self) -> None:
+        if self.mem_available is None or not self.tiers or self.tiers[0].name != "ram":
+            return
+        now = time.monotonic()
+        if now - self._mem_checked < 1.0:
+            return
+        self._mem_checked = now
+        short = self.mem_watermark_bytes - self.mem_available()
+        if short > 0:
+            freed = self.tiers[0].evict(short)
+            if freed:
+                log.warning("host MemAvailable below the watermark: RAM cache tier shed %d bytes", freed)
+            self._cascade(0)
+
+    def flush(self) -> None:
+        """At shutdown: copy the pool's hashed blocks and the upper tiers into the last,
+        persistent tier (disk), then close every tier.  Engine thread stopped."""
+        target = self.tiers[-1] if self.tiers and self.tiers[-1].stats().get("persistent") else None
+        if target is not None:
+            written = 0
+            for tier in self.tiers[:-1]:
+                if isinstance(tier, DemotingCacheTier):
+                    for entry in tier.entries():
+                        if not target.contains(entry.key) and target.put(entry.key, entry.token_ids, entry.payload):
+                            written += 1
+            todo = [(b, k, t) for b, k, t in self.pool.keyed_blocks() if not target.contains(k)]
+            for n in range(0, len(todo), 64):
+                part = todo[n:n + 64]
+                for (_, key, tokens), payload in zip(part, self.mover.export_blocks([b for b, _, _ in part])):
+                    written += target.put(key, tokens, payload)
+            log.info("prefix cache: flushed %d blocks to the %s tier", written, target.name)
+        for tier in self.tiers:
+            if isinstance(tier, DemotingCacheTier):
+                tier.close()
+
+    # ------------------------------------------------------------------ accounting
+
+    def _count(self, in_pool: int, found: list[int], limit: int) -> dict[str, list[int]]:
+        c = {name: [0, 0] for name in self.tier_names}
+        c["gpu"][0] += in_pool
+        for t in found:
+            c["gpu"][1] += 1
+            for name in self.tier_names[1:t + 1]:
+                c[name][1] += 1
+            c[self.tiers[t].name][0] += 1
+        if in_pool + len(found) < limit:
+            for name in self.tier_names:
+                c[name][1] += 1
+        return c if limit else {}
+
+    def _remember_dropped(self, key: bytes, tier: str) -> None:
+        self.dropped_total += 1
+        self._dropped[key] = tier
+        self._dropped.move_to_end(key)
+        if len(self._dropped) > _REMEMBER_KEYS:
+            self._dropped.popitem(last=False)
+
+    def _note_first_block(self, token_ids: Sequence[int], salt: str) -> None:
+        if len(token_ids) < self.block_size:
+            return
+        plain = hashlib.sha256(repr(tuple(token_ids[:self.block_size])).encode()).digest()
+        self._first_block_salts.setdefault(plain, set()).add(salt)
+        self._first_block_salts.move_to_end(plain)
+        if len(self._first_block_salts) > 4096:
+            self._first_block_salts.popitem(last=False)
+
+    def note_miss(self, reason: str) -> None:
+        self.last_miss = reason
+
+    def _explain(self, token_ids, keys, limit: int, reused: int, salt: str) -> str:
+        bs = self.block_size
+        if limit == 0 or reused >= limit * bs:
+            return ""
+        i = reused // bs
+        if self.stateful and any(self.pool.has_key(k) or any(t.contains(k) for t in self.tiers)
+                                 for k in keys[i:i + 1]):
+            why = (f"no state checkpoint at or after token {reused} that this prompt continues "
+                   "(a stateful model resumes only at the end of an earlier prompt or reply)")
+        elif keys[i] in self._dropped:
+            why = f"block {i} (tokens {i * bs}..{(i + 1) * bs - 1}) was evicted from the {self._dropped[keys[i]]} tier"
+        elif i == 0:
+            plain = hashlib.sha256(repr(tuple(token_ids[:bs])).encode()).digest()
+            if self._first_block_salts.get(plain, set()) - {salt}:
+                why = "cache salt differs: these tokens are cached under another API key or cache_salt"
+            else:
+                why = "no block matched: the first block was never cached"
+        else:
+            why = f"prefix diverged in block {i} (tokens {i * bs}..{(i + 1) * bs - 1}) from everything cached"
+        return f"reused {reused} of {len(token_ids)} prompt tokens; {why}"
+
+    def stats(self) -> dict:
+        tiers = {}
+        for name, tier in [("gpu", self.gpu), *((t.name, t) for t in self.tiers)]:
+            s = dict(tier.stats())
+            c = self.counters[name]
+            looked = c["hits"] + c["misses"]
+            tiers[name] = {**s, "hits": c["hits"], "misses": c["misses"], "cached_tokens": c["tokens"],
+                           "hit_rate": round(c["hits"] / looked, 4) if looked else 0.0}
+        return {"tiers": tiers, "last_miss": self.last_miss, "cached_tokens_total": self.cached_tokens_total,
+                "dropped_blocks_total": self.dropped_total,
+                "checkpoints": {"count": len(self.checkpoints), "saved": self.checkpoints.saved,
+                                "used": self.checkpoints.used} if self.stateful else None}
+
+
+def _to_host(snapshot: Any) -> Any:
+    """A state snapshot with its device tensors copied to host memory (pinned with CUDA), so
+    checkpoints do not hold GPU memory the plan did not count; load_state copies them back."""
+    if isinstance(snapshot, torch.Tensor):
+        if snapshot.device.type == "cpu":
+            return snapshot
+        host = torch.empty(snapshot.shape, dtype=snapshot.dtype, pin_memory=True)
+        return host.copy_(snapshot)
+    if isinstance(snapshot, (list, tuple)):
+        return type(snapshot)(_to_host(x) for x in snapshot)
+    return snapshot
