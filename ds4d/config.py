@@ -51,6 +51,10 @@ class Config:
     dtype: str = knob("auto", "Activation dtype: float32, bfloat16, float16; auto = float32 on cpu, bfloat16 on cuda.", section="model", choices=("auto", "float32", "bfloat16", "float16"))
     threads: int = knob(0, "CPU threads for torch; 0 = all cores.", section="model")
     weight_format: str = knob("auto", "Weights of quantised GGUF tensors: dense = dequantise to the activation dtype; int4 = keep 4-bit blocks and multiply with int4 kernels (less memory, faster decode on CPU); auto = int4 for Q4_0/Q4_1 files on the CPU, dense otherwise.", section="model", choices=("auto", "dense", "int4"))
+    expert_vram_gib: float = knob(0.0, "GPU memory for routed experts (device banks plus two staging banks); 0 keeps every expert on the device.", section="model")
+    expert_placement: str = knob("online", "Hot-expert placement: static = chosen once at start; online = moved as routing statistics change.", section="model", choices=("static", "online"))
+    expert_cpu_threads: int = knob(4, "Host threads that compute cold experts during decode.", section="model")
+    expert_decode_cold: str = knob("auto", "Decode with cold experts: cpu = compute on the host, copy = stream them in, auto = whichever the bandwidths measured at start favour.", section="model", choices=("auto", "cpu", "copy"))
     # --- engine
     max_context: int = knob(0, "Longest prompt + output in tokens; 0 = the model's own limit.", section="engine")
     prefill_chunk: int = knob(4096, "Most prompt tokens one request feeds in one engine step.", section="engine")

@@ -101,10 +101,17 @@ def snapshot(state: ServingState) -> dict:
         "gpus": gpus,
         "cache": {"hits": hits, "misses": misses, "hit_rate": round(hit_rate, 4), "evictions": pool.evictions,
                   **sched.cache.stats()},
-        "experts": None,
+        "experts": _expert_stats(core),
         "config": {"non_default": non_default},
         "plugins": state.plugins,
     }
+
+
+def _expert_stats(core) -> dict | None:
+    """Expert-offload counters when the model offloads experts (None otherwise)."""
+    stats_fn = getattr(core.runner.model, "expert_stats", None)
+    stats = stats_fn() if stats_fn is not None else None
+    return stats or None
 
 
 def _jsonable(v):

@@ -84,3 +84,16 @@ def test_buddyinfo_counts_free_2mib_blocks():
     assert huge_pages_fit(34 * 2 * (1 << 20), BUDDY)
     assert not huge_pages_fit(35 * 2 * (1 << 20), BUDDY)
     assert not huge_pages_fit(1 << 20, BUDDY)
+
+
+def test_offload_options_follow_the_config_knobs(tmp_path):
+    from ds4d.config import load_config
+    from ds4d.models.deepseek_v4.family import offload_options
+
+    env = {"DS4D_CONFIG": str(tmp_path / "none.toml")}
+    assert offload_options(load_config({}, environ=env).config, {}) is None
+    cfg = load_config({"expert_vram_gib": "2", "expert_placement": "static", "expert_decode_cold": "copy",
+                       "expert_cpu_threads": "3"}, environ=env).config
+    opts = offload_options(cfg, {})
+    assert (opts.vram_bytes, opts.placement, opts.decode_cold, opts.cpu_threads) == (2 * 2**30, "static", "copy", 3)
+    assert offload_options(cfg, {"expert_vram_gib": 0}) is None  # plugin options win over the config
