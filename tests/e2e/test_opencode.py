@@ -2,7 +2,7 @@
 
 Each scenario runs inside a loopback-only network namespace (``unshare -n`` with
 ``lo`` up), so nothing can leave the machine: this file re-runs itself there as a
-driver that starts the daemon, waits for /health, puts a small recording proxy
+driver that starts the daemon, waits for /health to say ok, puts a small recording proxy
 between OpenCode and the daemon (to see every request's status and session), and
 runs ``opencode run`` turns with a scratch HOME.  The test then checks the
 driver's report: OpenCode exited 0 and printed the model's answer, every request
@@ -249,7 +249,8 @@ async def _wait_healthy(base: str, daemon, timeout_s: float = 240.0) -> dict:
                 raise RuntimeError(f"the daemon exited with {daemon.returncode} during start")
             try:
                 async with session.get(base + "/health") as health:
-                    if health.status == 200:
+                    # 200 {"status": "loading"} while the model loads; "ok" once it serves
+                    if health.status == 200 and (await health.json()).get("status") == "ok":
                         async with session.get(base + "/v1/models") as models:
                             return (await models.json())["data"][0]
             except ClientError:
