@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--weight-format", default="auto", choices=["auto", "dense", "int4"],
+                   help="llama weight_format knob: dense float weights or the file's 4-bit blocks")
     p.add_argument("--no-peer", action="store_true", help="skip llama.cpp")
     p.add_argument("--json", default="", help="also write the results to this JSON file")
     p.set_defaults(run=run)
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     path = Path(args.model) if args.model else embedded_model_path()
-    cfg = types.SimpleNamespace(dtype=args.dtype, device="cpu", threads=threads)
+    cfg = types.SimpleNamespace(dtype=args.dtype, device="cpu", threads=threads, weight_format=args.weight_format)
     model = LlamaFamily(PluginContext(cfg, logging.getLogger("ds4d.bench")), {}).load(path)
     max_batch = max(args.batch)
     core = make_engine(model, max_num_seqs=max_batch, context_tokens=args.prompt_tokens + args.decode_tokens,
@@ -79,8 +81,9 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
 
     print()
-    print(f"# ds4d bench embedded — {path.name}, {threads} threads, {args.dtype}, {platform.processor() or platform.machine()}, "
-          f"{time.strftime('%Y-%m-%d')}")
+    weights = model.info.extra.get("weight_format", "dense")
+    print(f"# ds4d bench embedded — {path.name}, {threads} threads, {weights} weights, {args.dtype} activations, "
+          f"{platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d')}")
     print(f"# prompt {args.prompt_tokens} tokens, decode {args.decode_tokens} tokens (greedy)")
     print("| batch | ds4d prefill tok/s | llama.cpp prefill tok/s | ratio | ds4d decode tok/s | llama.cpp decode tok/s | ratio |")
     print("|---|---|---|---|---|---|---|")
@@ -89,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"| {r['batch']} | {r['ds4d_prefill_tok_s']:.1f} | {_fmt(lp)} | {_ratio(r['ds4d_prefill_tok_s'], lp)} "
               f"| {r['ds4d_decode_tok_s']:.1f} | {_fmt(ld)} | {_ratio(r['ds4d_decode_tok_s'], ld)} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "threads": threads, "model": str(path)}, indent=2))
+        Path(args.json).write_text(json.dumps({"rows": rows, "threads": threads, "model": str(path),
+                                               "weight_format": weights, "dtype": args.dtype}, indent=2))
     return 0
 
 

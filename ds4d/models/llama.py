@@ -1,8 +1,27 @@
 """The ``llama`` family: Llama-architecture GGUF checkpoints (SmolLM2, Llama 2/3, ...).
 
 This is the embedded demo model: small enough to run on the CPU in CI, and a second
-implementation of the ``Model`` contract next to DeepSeek-V4.  Weights are dequantised
-once at load into dense tensors of the configured dtype (``float32`` or ``bfloat16``).
+implementation of the ``Model`` contract next to DeepSeek-V4.
+
+Weight formats (config ``weight_format``)
+-----------------------------------------
+* ``dense``: every matrix is dequantised once at load into the activation dtype
+  (``float32`` or ``bfloat16``) and multiplied by MKL / oneDNN.
+* ``int4``: matrices stored as Q4_0, Q4_1 or Q8_0 keep the file's own 4-bit values and
+  per-block scales and run through torch's CPU int4 kernel (``cpu_linear``); any other
+  type (F16, K-quants, ...) falls back to dense for that matrix.  The kernel reads
+  bfloat16 inputs, so each matmul input is rounded to bfloat16; the residual stream,
+  norms, attention and KV cache stay in the activation dtype.
+* ``auto``: int4 on the CPU when most layer matrices are Q4_0/Q4_1, else dense.
+
+Batch-1 decode streams every weight once per token, so it is memory-bound: SmolLM2's
+Q4_1 layers are ~66 MB as 4-bit planes against ~425 MB as float32, and int4 decodes
+about 2-3x faster.  Prefill is compute-bound and the int4 kernel (one FMA chain per
+output, weights re-expanded for every 4 rows) is slower than MKL's float32 GEMM on
+dense weights: about 0.7x prefill throughput.  Keeping both representations and
+using dense weights for long chunks would not help: the two kernels round
+differently, so a decoded token would no longer equal its recomputation (see
+Invariance).  ``auto`` takes int4's decode and memory over dense's prefill.
 
 Layout and numerics
 -------------------
@@ -36,9 +55,12 @@ Hence:
   exact zeros.  (Measured: with K a multiple of 16 and at most 256, zero-padding the
   reduction does not change MKL's result; across 384 it does.)
 
-Elementwise ops (RoPE, SiLU, residual adds) and row-wise reductions (RMSNorm,
-softmax) are row-independent.  bfloat16 matmuls (oneDNN) are row-invariant for any
-M and K; bfloat16 linears use weights pre-packed for oneDNN (see ``_Linear``).
+The int4 kernel computes each output row on its own (one float32 FMA chain over the
+reduction in order) for any M, K and thread count, so with int4 weights a lone decode
+token is not duplicated.  Elementwise ops (RoPE, SiLU, residual adds) and row-wise
+reductions (RMSNorm, softmax) are row-independent.  bfloat16 matmuls (oneDNN) are
+row-invariant for any M and K; bfloat16 linears use weights pre-packed for oneDNN
+(see ``cpu_linear.DenseLinear``).
 These are properties of the BLAS kernels measured with torch 2.13 (MKL 2024.2,
 oneDNN 3.12) on 1, 2 and 4 threads; tests/unit/test_llama.py checks the result
 bitwise (chunkings 1/7/16/whole, mixed batches, decode vs recompute, prefix reuse).
@@ -57,16 +79,16 @@ import torch
 import torch.nn.functional as F
 
 from ds4d.contracts import ForwardBatch, ModelInfo, PluginContext
+from ds4d.models.cpu_linear import BlockPlanes, DenseLinear, Int4Linear, int4_kernel_available, tensor_planes
 from ds4d.models.gguf_file import GGUFFile, is_gguf_file, peek_string, torch_dtype
 from ds4d.models.gguf_tokenizer import GGUFTokenizer
 
 BLOCK_SIZE_TOKENS = 16
 KEY_TILE_TOKENS = 256
 """Attention reduction tile (a multiple of the block size, below MKL's K-blocking switch)."""
-MAX_REDUCTION = 768
-"""Longest GEMM reduction run as one call (see module docstring)."""
 SCORES_BUDGET = 1 << 24
 """Most attention scores held at once; a long chunk attends in slices of queries."""
+WEIGHT_FORMATS = ("dense", "int4", "auto")
 
 
 @dataclass(frozen=True)
@@ -111,13 +133,13 @@ class LlamaHParams:
 @dataclass(frozen=True)
 class LayerWeights:
     attn_norm: torch.Tensor
-    qkv: _Linear
+    qkv: Linear
     """hidden -> (n_heads + 2 n_kv_heads) head_dim: Q, K, V columns."""
-    out: _Linear
+    out: Linear
     ffn_norm: torch.Tensor
-    gate_up: _Linear
+    gate_up: Linear
     """hidden -> 2 ffn: gate columns, then up columns."""
-    down: _Linear
+    down: Linear
 
 
 @dataclass(frozen=True)
@@ -137,60 +159,17 @@ def _rope_unpermute(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.reshape(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def _split_rows(weight: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A row-major ``[in, out]`` matrix as near-equal pieces of at most MAX_REDUCTION rows.
-
-    Equal pieces (rather than 768 + remainder) keep every piece a real GEMM; a
-    sliver of a few rows would fall to a different small-matrix kernel.  Row slices
-    of a row-major matrix are contiguous views, so this copies nothing.
-    """
-    n_pieces = -(-weight.shape[0] // MAX_REDUCTION)
-    piece_rows = -(-weight.shape[0] // n_pieces)
-    return tuple(torch.split(weight, piece_rows, dim=0))
+def _fix_rows(weight: torch.Tensor, rotary_heads: int, factor: float) -> torch.Tensor:
+    weight = _rope_unpermute(weight, rotary_heads) if rotary_heads else weight
+    return weight * factor if factor != 1.0 else weight
 
 
-class _Linear:
-    """``residual + x @ W.T`` for one (possibly fused) weight, in the layout its GEMM wants.
+def _fix_planes(planes: BlockPlanes, rotary_heads: int, factor: float) -> BlockPlanes:
+    planes = planes.map_rows(lambda t: _rope_unpermute(t, rotary_heads)) if rotary_heads else planes
+    return planes.scaled(factor) if factor != 1.0 else planes
 
-    float32 (and any dtype off the CPU fast path): MKL on row-major ``[in, out]``
-    pieces, accumulated in a fixed order.  bfloat16 on the CPU: one oneDNN matmul on
-    a weight pre-packed at load; oneDNN's bf16 kernel is row-invariant for every M
-    and reduction length, and packing once saves re-laying the weight every call.
-    """
 
-    def __init__(self, parts_out_in: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
-        self.in_features = parts_out_in[0].shape[1]
-        self.out_features = sum(w.shape[0] for w in parts_out_in)
-        self.n_bytes = self.in_features * self.out_features * torch.empty((), dtype=dtype).element_size()
-        self._packed: torch.Tensor | None = None
-        self._pieces: tuple[torch.Tensor, ...] = ()
-        if dtype == torch.bfloat16 and device.type == "cpu" and torch.backends.mkldnn.is_available():
-            weight = torch.cat(parts_out_in, dim=0).to(dtype).contiguous()
-            try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 2)
-                return
-            except (AttributeError, RuntimeError):  # a torch build without oneDNN packing
-                self._packed = None
-        fused = torch.empty(self.in_features, self.out_features, dtype=dtype)
-        col = 0
-        for w in parts_out_in:
-            fused[:, col : col + w.shape[0]].copy_(w.t())
-            col += w.shape[0]
-        self._pieces = tuple(p.to(device) for p in _split_rows(fused))
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if self._packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
-            return y if residual is None else y.add_(residual)
-        pieces = self._pieces
-        if len(pieces) == 1:
-            return x @ pieces[0] if residual is None else torch.addmm(residual, x, pieces[0])
-        acc, row0 = residual, 0
-        for piece in pieces:
-            part = x[:, row0 : row0 + piece.shape[0]]
-            acc = part @ piece if acc is None else torch.addmm(acc, part, piece)
-            row0 += piece.shape[0]
-        return acc
+Linear = DenseLinear | Int4Linear
 
 
 class LlamaModel:
@@ -204,7 +183,7 @@ class LlamaModel:
         embed: torch.Tensor,
         layers: list[LayerWeights],
         output_norm: torch.Tensor,
-        head: _Linear,
+        head: Linear,
         rope_freq_factors: torch.Tensor | None = None,
     ) -> None:
         self.info = info
@@ -216,6 +195,9 @@ class LlamaModel:
         self._layers = layers
         self._output_norm = output_norm
         self._head = head
+        linears = [head] + [lin for w in layers for lin in (w.qkv, w.out, w.gate_up, w.down)]
+        # a batch of fewer rows is padded with a copy of its row (see module docstring)
+        self._min_rows = max(lin.min_rows for lin in linears)
         self._group = hparams.n_heads // hparams.n_kv_heads
         self._qk_cols = (hparams.n_heads + hparams.n_kv_heads) * hparams.head_dim
         self._k_cache: list[torch.Tensor] = []
@@ -326,7 +308,7 @@ class LlamaModel:
         tokens, positions, slots, chunks, logit_rows = self._plan(batch)
         if not tokens:
             return torch.zeros(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
-        if len(tokens) == 1:  # keep every GEMM at M >= 2 (see module docstring)
+        if len(tokens) < self._min_rows:
             tokens, positions = tokens * 2, positions * 2
         hp = self.hp
         n_rows, n_real = len(tokens), len(slots)
@@ -363,7 +345,7 @@ class LlamaModel:
         n_logits = len(logit_rows)
         if n_logits == 0:
             return torch.zeros(0, self.info.vocab_size, dtype=torch.float32, device=dev)
-        rows = logit_rows if n_logits > 1 else logit_rows * 2
+        rows = logit_rows if n_logits >= self._min_rows else logit_rows * 2
         h = F.rms_norm(x[rows], (hidden,), self._output_norm, eps)
         return self._head(h)[:n_logits].float()
 
@@ -425,10 +407,27 @@ class LlamaFamily:
         gguf_file = GGUFFile(path)
         if gguf_file.architecture != "llama":
             raise ValueError(f"{path}: architecture {gguf_file.architecture!r} is not llama")
-        return _load_model(gguf_file, dtype, device, self._log)
+        weight_format = _resolve_weight_format(str(getattr(config, "weight_format", "auto")), gguf_file, device)
+        return _load_model(gguf_file, dtype, device, weight_format, self._log)
 
 
-def _load_model(gguf_file: GGUFFile, dtype: torch.dtype, device: torch.device, log: logging.Logger) -> LlamaModel:
+def _resolve_weight_format(requested: str, gguf_file: GGUFFile, device: torch.device) -> str:
+    """``dense`` or ``int4``; ``auto`` is int4 for files whose layer matrices are mostly Q4_0/Q4_1, on the CPU."""
+    if requested not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format {requested!r} is not one of {', '.join(WEIGHT_FORMATS)}")
+    int4_usable = device.type == "cpu" and int4_kernel_available()
+    if requested == "int4" and not int4_usable:
+        raise ValueError(f"weight_format int4 needs torch's CPU int4 kernel; device is {device}")
+    if requested != "auto":
+        return requested
+    types = [t.quant_type for t in gguf_file.tensor_infos() if t.name.startswith("blk.") and len(t.shape) == 2]
+    mostly_q4 = 2 * sum(t in ("Q4_0", "Q4_1") for t in types) > len(types)
+    return "int4" if int4_usable and mostly_q4 else "dense"
+
+
+def _load_model(
+    gguf_file: GGUFFile, dtype: torch.dtype, device: torch.device, weight_format: str, log: logging.Logger
+) -> LlamaModel:
     hp = LlamaHParams.from_gguf(gguf_file)
     tokenizer = GGUFTokenizer.from_gguf(gguf_file, log)
 
@@ -438,33 +437,41 @@ def _load_model(gguf_file: GGUFFile, dtype: torch.dtype, device: torch.device, l
     def place(t: torch.Tensor) -> torch.Tensor:
         return t.to(dtype).contiguous().to(device)
 
-    def linear(*weights_out_in: torch.Tensor) -> _Linear:
-        return _Linear(list(weights_out_in), dtype, device)
+    def linear(*parts: tuple[str, int, float], preloaded: torch.Tensor | None = None) -> Linear:
+        """Fused ``(tensor name, rotary heads to un-permute or 0, factor)`` parts in the chosen format."""
+        if weight_format == "int4":
+            planes = [tensor_planes(gguf_file, name) for name, _, _ in parts]
+            if all(p is not None for p in planes):
+                return Int4Linear([_fix_planes(p, heads, k) for p, (_, heads, k) in zip(planes, parts)])
+        weights = [preloaded if preloaded is not None else dense(name) for name, _, _ in parts]
+        return DenseLinear([_fix_rows(w, heads, k) for w, (_, heads, k) in zip(weights, parts)], dtype, device)
 
     q_scale = 1.0 / math.sqrt(hp.head_dim)
     layers = []
     for i in range(hp.n_layers):
         prefix = f"blk.{i}."
-        wq = _rope_unpermute(dense(prefix + "attn_q.weight"), hp.n_heads) * q_scale
-        wk = _rope_unpermute(dense(prefix + "attn_k.weight"), hp.n_kv_heads)
-        wv = dense(prefix + "attn_v.weight")
-        gate, up = dense(prefix + "ffn_gate.weight"), dense(prefix + "ffn_up.weight")
         layers.append(
             LayerWeights(
                 attn_norm=place(dense(prefix + "attn_norm.weight")),
-                qkv=linear(wq, wk, wv),
-                out=linear(dense(prefix + "attn_output.weight")),
+                qkv=linear(
+                    (prefix + "attn_q.weight", hp.n_heads, q_scale),
+                    (prefix + "attn_k.weight", hp.n_kv_heads, 1.0),
+                    (prefix + "attn_v.weight", 0, 1.0),
+                ),
+                out=linear((prefix + "attn_output.weight", 0, 1.0)),
                 ffn_norm=place(dense(prefix + "ffn_norm.weight")),
-                gate_up=linear(gate, up),
-                down=linear(dense(prefix + "ffn_down.weight")),
+                gate_up=linear((prefix + "ffn_gate.weight", 0, 1.0), (prefix + "ffn_up.weight", 0, 1.0)),
+                down=linear((prefix + "ffn_down.weight", 0, 1.0)),
             )
         )
     embed_f32 = dense("token_embd.weight")
-    head_f32 = dense("output.weight") if gguf_file.has_tensor("output.weight") else embed_f32
-    vocab_rows = head_f32.shape[0]
+    if gguf_file.has_tensor("output.weight"):
+        head = linear(("output.weight", 0, 1.0))
+    else:  # tied embedding
+        head = linear(("token_embd.weight", 0, 1.0), preloaded=embed_f32)
+    vocab_rows = head.out_features
     embed = place(embed_f32)
-    head = linear(head_f32)
-    del embed_f32, head_f32
+    del embed_f32
     output_norm = place(dense("output_norm.weight"))
 
     itemsize = torch.tensor([], dtype=dtype).element_size()
@@ -493,14 +500,16 @@ def _load_model(gguf_file: GGUFFile, dtype: torch.dtype, device: torch.device, l
             "n_kv_heads": hp.n_kv_heads,
             "head_dim": hp.head_dim,
             "file_type": gguf_file.get("general.file_type"),
+            "weight_format": weight_format,
         },
     )
     log.info(
-        "loaded %s: %d layers, hidden %d, vocab %d, %s on %s (%.0f MiB)",
+        "loaded %s: %d layers, hidden %d, vocab %d, %s weights, %s activations on %s (%.0f MiB)",
         info.name,
         hp.n_layers,
         hp.hidden,
         vocab_rows,
+        weight_format,
         info.dtype,
         info.device,
         info.parameter_bytes / 2**20,

