@@ -52,6 +52,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ds4d.contracts import ChatRenderRequest, ModelInfo, PluginContext, RenderedPrompt, Tokenizer
+from ds4d.plugins.dsv4_encoder import content_text
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -79,25 +80,8 @@ def _json(value: Any) -> str:
 
 
 def message_text(content: Any) -> str:
-    """OpenAI ``content`` (string, null or a list of parts) as one string."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, Sequence):
-        parts = []
-        for part in content:
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, Mapping) and part.get("type", "text") == "text":
-                parts.append(str(part.get("text") or ""))
-            elif isinstance(part, Mapping):
-                parts.append(f"[Unsupported {part.get('type')}]")
-            else:
-                raise ValueError(f"unsupported content part {part!r}")
-        return "".join(parts)
-    raise ValueError(f"unsupported message content of type {type(content).__name__}")
-
+    """OpenAI ``content`` (string, null or a list of parts) as one string, parts joined directly."""
+    return content_text(content, "")
 
 def _tool_object(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     """An OpenAI tool object (a bare function schema is wrapped as one)."""

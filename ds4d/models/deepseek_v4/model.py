@@ -152,20 +152,7 @@ class DeepseekV4Model:
         return self._run(ForwardBatch(chunks=(chunk,)), scratch)
 
     def _check(self, batch: ForwardBatch, cache: DeepseekV4Cache) -> None:
-        block = self.cfg.block_size_tokens
-        slots = [c.state_slot for c in batch.chunks]
-        if len(set(slots)) != len(slots):
-            raise ValueError("two chunks in one step share a state slot")
-        for chunk in batch.chunks:
-            end = chunk.start_pos + len(chunk.token_ids)
-            if not 0 <= chunk.state_slot < cache.max_seqs:
-                raise ValueError(f"state slot {chunk.state_slot} outside 0..{cache.max_seqs - 1}")
-            if len(chunk.block_ids) < -(-end // block):
-                raise ValueError(f"{len(chunk.block_ids)} blocks cannot hold positions up to {end}")
-            if not 0 <= chunk.logits_tokens <= len(chunk.token_ids):
-                raise ValueError("logits_tokens exceeds the chunk length")
-            if end > self.cfg.max_position_embeddings:
-                raise ValueError(f"position {end} beyond max_position_embeddings")
+        check_batch(batch, self.cfg, cache.max_seqs)
 
     def _run(self, batch: ForwardBatch, cache: DeepseekV4Cache) -> torch.Tensor:
         cfg, device = self.cfg, self.device
@@ -286,3 +273,23 @@ def _holds_bf16_values(tensor: torch.Tensor) -> bool:
 def _bucket(n: int) -> int:
     """The next power of two (decode batches and block tables are padded to these sizes)."""
     return 1 << max(0, n - 1).bit_length()
+
+
+def check_batch(batch: ForwardBatch, cfg, max_seqs: int, num_blocks: int | None = None) -> None:
+    """Refuse a batch the engine contract rules out, before any state is touched."""
+    block = cfg.block_size_tokens
+    slots = [c.state_slot for c in batch.chunks]
+    if len(set(slots)) != len(slots):
+        raise ValueError("two chunks in one step share a state slot")
+    for chunk in batch.chunks:
+        end = chunk.start_pos + len(chunk.token_ids)
+        if not 0 <= chunk.state_slot < max_seqs:
+            raise ValueError(f"state slot {chunk.state_slot} outside 0..{max_seqs - 1}")
+        if len(chunk.block_ids) < -(-end // block):
+            raise ValueError(f"{len(chunk.block_ids)} blocks cannot hold positions up to {end}")
+        if num_blocks is not None and any(not 0 <= b < num_blocks for b in chunk.block_ids):
+            raise ValueError(f"block id outside 0..{num_blocks - 1}")
+        if not 0 <= chunk.logits_tokens <= len(chunk.token_ids):
+            raise ValueError("logits_tokens exceeds the chunk length")
+        if end > cfg.max_position_embeddings:
+            raise ValueError(f"position {end} beyond max_position_embeddings")

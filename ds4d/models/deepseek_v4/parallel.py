@@ -41,6 +41,7 @@ import torch.distributed as dist
 from ds4d.contracts import ForwardBatch, ModelInfo
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.family import _dtype, load_tokenizer
+from ds4d.models.deepseek_v4.model import check_batch
 from ds4d.models.deepseek_v4.shard import ShardRunner, read_shard, shard_layout
 from ds4d.parallel.launch import (
     ParallelGroups,
@@ -224,23 +225,7 @@ class ParallelDeepseekV4Model:
     def _check(self, batch: ForwardBatch) -> None:
         if self.runner.cache is None:
             raise RuntimeError("allocate_cache() must run before forward()")
-        block = self.cfg.block_size_tokens
-        slots = [c.state_slot for c in batch.chunks]
-        if len(set(slots)) != len(slots):
-            raise ValueError("two chunks in one step share a state slot")
-        for chunk in batch.chunks:
-            end = chunk.start_pos + len(chunk.token_ids)
-            if not 0 <= chunk.state_slot < self._max_seqs:
-                raise ValueError(f"state slot {chunk.state_slot} outside 0..{self._max_seqs - 1}")
-            if len(chunk.block_ids) < -(-end // block):
-                raise ValueError(f"{len(chunk.block_ids)} blocks cannot hold positions up to {end}")
-            if any(not 0 <= b < self._num_blocks for b in chunk.block_ids):
-                raise ValueError(f"block id outside 0..{self._num_blocks - 1}")
-            if not 0 <= chunk.logits_tokens <= len(chunk.token_ids):
-                raise ValueError("logits_tokens exceeds the chunk length")
-            if end > self.cfg.max_position_embeddings:
-                raise ValueError(f"position {end} beyond max_position_embeddings")
-
+        check_batch(batch, self.cfg, self._max_seqs, self._num_blocks)
 
 def build_parallel_model(
     path: str | Path,
