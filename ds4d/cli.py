@@ -1,10 +1,11 @@
-"""Command line: ds4d serve | config | plugins | console | bench | make-tiny."""
+"""Command line: ds4d serve | config | doctor | plugins | console | bench | make-tiny."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,8 @@ def _loaded(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     from ds4d.kernel import Kernel
 
+    # GPU indices (--gpus, cuda:N) in the order nvidia-smi and NVML use, not CUDA's fastest-first
+    os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     loaded = _loaded(args)
     logging.basicConfig(level=loaded.config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -30,6 +33,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_config(args: argparse.Namespace) -> int:
     print(describe(_loaded(args)))
     return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from ds4d.doctor import main as doctor_main
+
+    return doctor_main(_loaded(args).config, as_json=args.json)
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -75,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     config = sub.add_parser("config", help="print the effective configuration and where each value came from")
     add_cli_flags(config)
     config.set_defaults(func=cmd_config)
+
+    doctor = sub.add_parser("doctor", help="check the machine for what serve would use, and say how to fix problems")
+    add_cli_flags(doctor)
+    doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
+    doctor.set_defaults(func=cmd_doctor)
 
     plugins = sub.add_parser("plugins", help="list installed plugins")
     plugins.set_defaults(func=cmd_plugins)
