@@ -51,6 +51,23 @@ def embedded_model_path() -> Path:
     return path
 
 
+def parse_gpus(text: str) -> list[int] | int:
+    """``gpus`` knob: ``"0,1,2,3"`` -> GPU indices; ``"cpu:2"`` -> 2 CPU processes."""
+    text = text.strip().lower()
+    if text.startswith("cpu:"):
+        count = text[4:]
+        if not count.isdigit() or int(count) < 1:
+            raise PluginError(f"gpus={text!r}: cpu:N needs a process count N >= 1")
+        return int(count)
+    try:
+        ranks = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise PluginError(f"gpus={text!r}: give GPU indices such as 0,1,2,3 (or cpu:N)") from None
+    if not ranks or len(set(ranks)) != len(ranks) or min(ranks) < 0:
+        raise PluginError(f"gpus={text!r}: give distinct GPU indices such as 0,1,2,3")
+    return ranks
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     model: Model
@@ -87,9 +104,26 @@ class Kernel:
         name = self.config.model_family
         if name == "auto":
             name = self._detect_family(path)
+        if self.config.gpus:
+            return LoadedModel(self._load_parallel(path, name), name, path)
         family = resolve("model_family", name)(self.ctx, {})
         log.info("loading %s model from %s", name, path)
         return LoadedModel(family.load(path), name, path)
+
+    def _load_parallel(self, path: Path, family: str) -> Model:
+        """One model over several processes (``gpus`` knob): GPU indices, or ``cpu:N`` gloo processes."""
+        from ds4d.models.deepseek_v4.parallel import build_parallel_model
+
+        if family != "deepseek_v4":
+            raise PluginError(f"gpus={self.config.gpus!r}: only the deepseek_v4 family can be split over processes")
+        ranks = parse_gpus(self.config.gpus)
+        log.info("loading deepseek_v4 from %s over %s (layout %s)", path,
+                 f"{ranks} CPU processes" if isinstance(ranks, int) else f"GPUs {ranks}", self.config.parallel_layout)
+        threads = self.config.threads or None
+        model = build_parallel_model(path, ranks, self.config.parallel_layout, dtype=self.ctx.config.dtype,
+                                     threads=threads)
+        self.on_shutdown.append(lambda: asyncio.to_thread(model.close))
+        return model
 
     def _detect_family(self, path: Path) -> str:
         for name, spec in available("model_family").items():
@@ -110,6 +144,7 @@ class Kernel:
         from ds4d.engine.runner import ModelRunner
         from ds4d.engine.sampler import Sampler
         from ds4d.engine.scheduler import Scheduler
+        from ds4d.server.sessions import SessionMemory
         from ds4d.server.state import ServingState
 
         cfg = self.config
@@ -143,16 +178,17 @@ class Kernel:
         scheduler = Scheduler(pool, policy, max_num_seqs=cfg.max_num_seqs, step_tokens=cfg.step_tokens,
                               prefill_chunk=cfg.prefill_chunk, namespace=namespace, cache=cache)
         if not scheduler.prefix_reuse:
-            log.warning("prefix reuse is off: %s", scheduler.reuse_off_reason)
+            log.warning("%s", scheduler.reuse_off_reason)
         core = EngineCore(scheduler, ModelRunner(model, Sampler(info.device)), model.tokenizer.eos_token_ids,
                           publish=lambda outputs: None, queue_timeout_s=cfg.queue_timeout_s,
                           request_timeout_s=cfg.request_timeout_s)
         client = EngineClient(core, loop)
         core.start()
-        self.on_shutdown.append(lambda: asyncio.to_thread(core.flush_cache))
+        self.on_shutdown.insert(0, lambda: asyncio.to_thread(core.flush_cache))  # before any model close
         served = cfg.served_model_name or _served_name(loaded_model.path)
+        sessions = SessionMemory(model.tokenizer, block_size=info.block_size_tokens)
         self.state = ServingState(self.loaded, info, model.tokenizer, encoder, reasoning, tools, core, client,
-                                  served, max_context, plugins)
+                                  served, max_context, plugins, sessions)
         return self.state
 
     def _prefix_cache(self, pool: BlockPool, model: Model, namespace: bytes):

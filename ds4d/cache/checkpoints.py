@@ -15,14 +15,34 @@ after it (``tail``) and a copy of that block's KV (``partial``).  A lookup walks
 the new prompt's matched blocks from the longest down and takes the first
 checkpoint whose tail equals the prompt's tokens there, so a hit is exact:
 every full block was verified token by token and the tail is compared here.
+
+With a persistent tier (disk), a graceful shutdown also writes the checkpoints
+to ``checkpoints.safetensors`` in that tier's directory (temporary file, then
+rename) and the next start reads them back, so a restarted daemon resumes a
+sequence from blocks on disk.  The file carries a format version, the model
+compatibility hash and a SHA-256 over every tensor; a file that fails any check
+is deleted and logged, never used.  Only snapshots made of tensors (as
+DeepSeek-V4's are) are written.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import torch
+
+log = logging.getLogger("ds4d.cache")
+
+FILE_FORMAT = "ds4d-checkpoints"
+FILE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -52,6 +72,10 @@ class CheckpointStore:
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def items(self) -> list[Checkpoint]:
+        """Every checkpoint, least recently used first."""
+        return list(self._items.values())
 
     def add(self, checkpoint: Checkpoint) -> None:
         if self.capacity <= 0:
@@ -92,3 +116,87 @@ class CheckpointStore:
                 self.used += 1
                 return self._items[(anchor, best)]
         return None
+
+
+# --------------------------------------------------------------------------- persistence
+
+
+def _tensors_of(state: Any) -> list[torch.Tensor] | None:
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in state):
+        return list(state)
+    return None
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(tensors[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_checkpoints(store: CheckpointStore, path: Path, compat: bytes) -> int:
+    """Write every checkpoint whose state is tensors to ``path``; how many were written."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    entries = []
+    for ckpt in store.items():
+        state = _tensors_of(ckpt.state)
+        if state is None:
+            continue
+        n = len(entries)
+        for j, t in enumerate(state):
+            tensors[f"{n}.state.{j}"] = t.detach().to("cpu").contiguous().clone()
+        if ckpt.partial is not None:
+            raw = ckpt.partial if isinstance(ckpt.partial, torch.Tensor) else torch.frombuffer(
+                bytearray(ckpt.partial), dtype=torch.uint8)
+            tensors[f"{n}.partial"] = raw.to("cpu").contiguous().clone()
+        entries.append({"anchor": ckpt.anchor.hex(), "tail": list(ckpt.tail), "num_tokens": ckpt.num_tokens,
+                        "full_blocks": ckpt.full_blocks, "state": len(state),
+                        "list": not isinstance(ckpt.state, torch.Tensor)})
+    meta = {"format": FILE_FORMAT, "version": str(FILE_VERSION), "compat": compat.hex(),
+            "entries": json.dumps(entries), "sha256": _digest(tensors)}
+    tmp = path.with_suffix(".tmp")
+    try:
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot write state checkpoints to %s: %s", path, exc)
+        tmp.unlink(missing_ok=True)
+        return 0
+    return len(entries)
+
+
+def load_checkpoints(store: CheckpointStore, path: Path, compat: bytes) -> int:
+    """Add the checkpoints saved in ``path`` to ``store``; a damaged or foreign file is deleted."""
+    from safetensors import safe_open
+
+    if not path.exists():
+        return 0
+    try:
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+            tensors = {name: fh.get_tensor(name) for name in fh.keys()}  # noqa: SIM118 - not a dict
+        problem = None
+        if meta.get("format") != FILE_FORMAT or meta.get("version") != str(FILE_VERSION):
+            problem = "not a ds4d checkpoint file of this version"
+        elif meta.get("compat") != compat.hex():
+            problem = "written for another model (compatibility hash differs)"
+        elif meta.get("sha256") != _digest(tensors):
+            problem = "checksum mismatch"
+        entries = json.loads(meta.get("entries", "[]")) if problem is None else []
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for a damaged file
+        problem, entries = f"unreadable ({type(exc).__name__}: {exc})", []
+    if problem is not None:
+        log.warning("state checkpoints %s: deleting: %s", path, problem)
+        path.unlink(missing_ok=True)
+        return 0
+    for n, e in enumerate(entries):
+        state = [tensors[f"{n}.state.{j}"] for j in range(e["state"])]
+        partial = tensors.get(f"{n}.partial")
+        store.add(Checkpoint(bytes.fromhex(e["anchor"]), tuple(e["tail"]), e["num_tokens"],
+                             state if e["list"] else state[0], partial, e["full_blocks"]))
+    return len(entries)

@@ -31,12 +31,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ds4d.cache.blocks import BlockPool, PrefixMatch
-from ds4d.cache.checkpoints import Checkpoint, CheckpointStore
+from ds4d.cache.checkpoints import Checkpoint, CheckpointStore, load_checkpoints, save_checkpoints
 from ds4d.cache.tiers import GpuTier
 from ds4d.contracts import BlockCopyModel, CacheTier, DemotingCacheTier, StatefulModel
 
@@ -86,6 +87,11 @@ class PrefixCache:
         self.gpu.bind(pool, block_bytes)
         pool.keep_evicted = True  # demoted to the tiers, or remembered to explain a later miss
         self.checkpoints = CheckpointStore(checkpoints if self.stateful else 0, self.block_size)
+        self.checkpoint_file = self._checkpoint_file()
+        if self.checkpoint_file is not None:
+            loaded = load_checkpoints(self.checkpoints, *self.checkpoint_file)
+            if loaded:
+                log.info("prefix cache: %d state checkpoints read from %s", loaded, self.checkpoint_file[0])
         self.mem_available = mem_available
         self.mem_watermark_bytes = mem_watermark_bytes
         self._mem_checked = 0.0
@@ -96,6 +102,16 @@ class PrefixCache:
         self._pending: list[tuple[bytes, tuple[int, ...], Any]] = []
         self._dropped: OrderedDict[bytes, str] = OrderedDict()  # key -> tier it was last evicted from
         self._first_block_salts: OrderedDict[bytes, set[str]] = OrderedDict()
+
+    def _checkpoint_file(self) -> tuple[Path, bytes] | None:
+        """Where the persistent tier keeps state checkpoints across restarts (path, compat hash)."""
+        if not self.stateful or self.checkpoints.capacity <= 0 or not self.tiers:
+            return None
+        last = self.tiers[-1]
+        root, compat = getattr(last, "root", None), getattr(last, "compat_hash", None)
+        if not last.stats().get("persistent") or root is None or compat is None:
+            return None
+        return Path(root) / "checkpoints.safetensors", compat
 
     @property
     def tier_names(self) -> list[str]:
@@ -300,6 +316,9 @@ class PrefixCache:
                 for (_, key, tokens), payload in zip(part, self.mover.export_blocks([b for b, _, _ in part])):
                     written += target.put(key, tokens, payload)
             log.info("prefix cache: flushed %d blocks to the %s tier", written, target.name)
+        if self.checkpoint_file is not None and len(self.checkpoints):
+            saved = save_checkpoints(self.checkpoints, *self.checkpoint_file)
+            log.info("prefix cache: %d state checkpoints written to %s", saved, self.checkpoint_file[0])
         for tier in self.tiers:
             if isinstance(tier, DemotingCacheTier):
                 tier.close()

@@ -176,7 +176,8 @@ class EngineCore:
             if result.token_id is None:
                 if prompt_lp:
                     outputs.append(StepOutput(seq.request_id, prompt_logprobs=prompt_lp,
-                                              cached_tokens=seq.cached_tokens, cached_by_tier=_by_tier(seq)))
+                                              cached_tokens=seq.cached_tokens, cached_by_tier=_by_tier(seq),
+                                              cache_note=seq.cache_note))
                 continue
             first = not seq.output_ids
             if first:
@@ -191,7 +192,7 @@ class EngineCore:
                 prompt_logprobs=prompt_lp,
                 finish_reason=finish,
                 cached_tokens=seq.cached_tokens,
-                cached_by_tier=_by_tier(seq),
+                cached_by_tier=_by_tier(seq), cache_note=seq.cache_note,
                 first_token=first,
             ))
             if finish is not None:
@@ -216,7 +217,7 @@ class EngineCore:
         self.stats.on_finish()
         if publish:
             self.publish([StepOutput(seq.request_id, finish_reason=reason, error=error, cached_tokens=seq.cached_tokens,
-                                     cached_by_tier=_by_tier(seq))])
+                                     cached_by_tier=_by_tier(seq), cache_note=seq.cache_note)])
 
     def _fail_all(self, message: str) -> None:
         seqs = list(self._seqs.values())

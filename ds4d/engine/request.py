@@ -90,6 +90,8 @@ class StepOutput:
     """Prompt tokens served from the prefix cache (final once prefill starts)."""
     cached_by_tier: tuple[tuple[str, int], ...] = ()
     """``cached_tokens`` split by the tier that served them (tiers with 0 left out)."""
+    cache_note: str = ""
+    """Why the prefix cache did not reuse more of the prompt ("" when it reused all it could)."""
     first_token: bool = False
 
 
@@ -112,6 +114,7 @@ class Sequence:
         self.cached_tokens = 0
         self.cached_by_tier: dict[str, int] = {}
         """Reused prompt tokens per cache tier (gpu, ram, disk)."""
+        self.cache_note = ""
         self.block_ids: list[int] = []
         self.state_slot: int | None = None
         self.preemptions = 0

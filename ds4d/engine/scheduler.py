@@ -170,10 +170,13 @@ class Scheduler:
         tokens = seq.all_token_ids
         seq.state_slot = self._free_slots.pop()
         reuse = None
+        note = ""
         if not self.prefix_reuse:
-            self.cache.note_miss(self.reuse_off_reason)
+            note = self.reuse_off_reason
         elif seq.request.params.prompt_logprobs is not None:
-            self.cache.note_miss("prompt_logprobs asked for: every prompt token is computed")
+            note = "prompt_logprobs asked for: every prompt token is computed"
+        if note:
+            self.cache.note_miss(note)
         else:
             namespace = self._namespace(seq)
             keys = block_keys(tokens, self.pool.block_size, namespace)
@@ -183,6 +186,7 @@ class Scheduler:
         if not seq.output_ids:
             seq.cached_tokens = seq.num_computed_tokens
             seq.cached_by_tier = dict(reuse.by_tier) if reuse else {}
+            seq.cache_note = reuse.why_not_more if reuse else note
         seq.status = SeqStatus.RUNNING
         self.waiting.remove(seq)
         self.running.append(seq)

@@ -11,6 +11,7 @@ from aiohttp import web
 from ds4d import __version__
 from ds4d.config import GIB
 from ds4d.cuda.devices import gpu_memory
+from ds4d.server.openapi import openapi_document
 from ds4d.server.state import LIFECYCLE, ServingState, serving_state
 
 routes = web.RouteTableDef()
@@ -101,6 +102,7 @@ def snapshot(state: ServingState) -> dict:
         "gpus": gpus,
         "cache": {"hits": hits, "misses": misses, "hit_rate": round(hit_rate, 4), "evictions": pool.evictions,
                   **sched.cache.stats()},
+        "sessions": state.sessions.stats(),
         "experts": _expert_stats(core),
         "config": {"non_default": non_default},
         "plugins": state.plugins,
@@ -116,6 +118,12 @@ def _expert_stats(core) -> dict | None:
 
 def _jsonable(v):
     return list(v) if isinstance(v, tuple) else v
+
+
+@routes.get("/openapi.json")
+async def openapi(request: web.Request) -> web.Response:
+    """The OpenAPI document of this API (served without an API key, like /health)."""
+    return web.json_response(openapi_document())
 
 
 @routes.get("/v1/ds4d/stats")
@@ -158,6 +166,14 @@ async def metrics(request: web.Request) -> web.Response:
         name = f"cache_tier_{key}" + ("_total" if kind == "counter" else "")
         lines += [f"# HELP ds4d_{name} {help_text}", f"# TYPE ds4d_{name} {kind}"]
         lines += [f'ds4d_{name}{{tier="{tier}"}} {values.get(key, 0)}' for tier, values in s["cache"]["tiers"].items()]
+    metric("session_reuse_misses_total", "counter",
+           "Requests that reused less than their session's previous prompt and output.",
+           s["sessions"]["reuse_misses_total"])
+    metric("prompts_continued_total", "counter",
+           "Prompts tokenised with the ids of their session's previous turn.", s["sessions"]["prompts_continued_total"])
+    metric("tool_calls_malformed_total", "counter",
+           "Responses whose tool-call markup did not parse and was returned as content.",
+           state.malformed_tool_calls_total)
     metric("throughput_prefill_tok_s", "gauge", "Recent prefill tokens per second.",
            s["throughput"]["prefill_tok_s"])
     metric("throughput_decode_tok_s", "gauge", "Recent decode tokens per second.", s["throughput"]["decode_tok_s"])

@@ -16,7 +16,7 @@ from ds4d.server import admin, openai_routes
 from ds4d.server.errors import ApiError, error_middleware, error_response
 from ds4d.server.state import API_KEY, LIFECYCLE, Lifecycle, ServingState
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/openapi.json"})
 MAX_HEADER_BYTES = 16384  # one header line or value; more gets aiohttp's 400 before any route
 CORS_METHODS = "GET, POST, OPTIONS"
 CORS_MAX_AGE_S = "600"

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from ds4d.contracts import ReasoningStream, ToolCall, ToolCallDelta, ToolCallStream, Tokenizer
+from ds4d.contracts import ReasoningStream, Tokenizer, ToolCall, ToolCallDelta, ToolCallStream
 from ds4d.engine.client import RequestStream
 from ds4d.engine.output import IncrementalDetokenizer, StopMatcher
 from ds4d.engine.request import FinishReason, TokenLogprob
@@ -69,6 +69,7 @@ class Generation:
         reasoning: ReasoningStream | None = None,
         tools: ToolCallStream | None = None,
         drop_output_tokens: bool = False,
+        on_finish: Callable[[Generation], None] | None = None,
     ) -> None:
         self.stream = stream
         self.tokenizer = tokenizer
@@ -80,9 +81,14 @@ class Generation:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.error_code = "generation_failed"
+        self.output_ids: list[int] = []
+        """Every generated token id, the final stop token included."""
+        self.cache_note = ""
         self.calls: tuple[ToolCall, ...] = ()
         self.tool_error: str | None = None
         self.drop_output_tokens = drop_output_tokens
+        self.on_finish = on_finish
+        """Called once when the request ends without an error, before its last delta is yielded."""
         self.started = time.monotonic()
         self.first_token_at: float | None = None
 
@@ -97,11 +103,13 @@ class Generation:
                     continue
                 self.usage.cached_tokens = out.cached_tokens
                 self.usage.cached_by_tier = dict(out.cached_by_tier)
+                self.cache_note = out.cache_note
                 delta = Delta(prompt_logprobs=list(out.prompt_logprobs))
                 ids = [] if self.drop_output_tokens else list(out.new_token_ids)
                 if ids and self.first_token_at is None:
                     self.first_token_at = time.monotonic()
                 self.usage.completion_tokens += len(ids)
+                self.output_ids += ids
                 delta.logprobs = list(out.logprobs) if not self.drop_output_tokens else []
                 text_ids = [t for t in ids if t not in eos or out.finish_reason is None]
                 text = self.detok.add(text_ids) if text_ids else ""
@@ -121,15 +129,25 @@ class Generation:
                             self.error_code = "timeout"
                 if delta.reasoning and not delta.content:
                     self.usage.reasoning_tokens += len(ids)
-                if not delta.empty():
-                    yield delta
-                if stopped or out.finish_reason is not None:
+                done = stopped or out.finish_reason is not None
+                if done:
                     if self.calls:
                         self.finish_reason = "tool_calls"
+                    if self.on_finish is not None and self.error is None:
+                        self._call_on_finish()
+                if not delta.empty():
+                    yield delta
+                if done:
                     return
         finally:
             self.stream.close()
             self._log()
+
+    def _call_on_finish(self) -> None:
+        try:
+            self.on_finish(self)
+        except Exception:  # bookkeeping must never fail a finished request
+            log.exception("%s: finish hook failed", self.stream.request_id)
 
     def _route(self, text: str, delta: Delta, *, final: bool) -> None:
         content = text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 
 from aiohttp import web
@@ -18,6 +19,7 @@ from ds4d.server.schemas import ChatCompletionRequest, CompletionRequest, Detoke
 from ds4d.server.sse import SseWriter
 from ds4d.server.state import API_KEY, ServingState, serving_state
 
+log = logging.getLogger("ds4d.requests")
 routes = web.RouteTableDef()
 
 
@@ -87,7 +89,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.check_model(body.model)
     state.check_alive()
     rendered = _render(state, body.messages, body.tools, body.chat_template_kwargs, body.reasoning_effort)
-    prompt_ids = rendered.token_ids
+    salt = _salt(request, body)
+    session = state.sessions.key(request.headers, salt)
+    previous = state.sessions.last(session)
+    prompt_ids = state.sessions.tokenize(session, rendered.text, rendered.token_ids).token_ids
     max_tokens = state.output_budget(len(prompt_ids), body.output_limit())
     state.check_queue_room(len(prompt_ids))
     top = body.top_logprobs or 0
@@ -99,9 +104,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     tools_stream = state.tools.stream(tools=body.tools or (), parallel_tool_calls=body.parallel_tool_calls) \
         if body.tools and body.tool_choice != "none" else None
     reasoning_stream = state.reasoning.stream(prompt_ends_in_reasoning=rendered.ends_in_reasoning)
-    gen = Generation(_open(state, request_id, prompt_ids, params, _salt(request, body)), state.tokenizer,
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+
+    def finished(g: Generation) -> None:  # before the last chunk goes out: the agent's next turn may follow at once
+        state.sessions.explain(session, previous, request_id=request_id, messages=messages, prompt_ids=prompt_ids,
+                               cached_tokens=g.usage.cached_tokens, cache_note=g.cache_note,
+                               exact=state.core.scheduler.cache.stateful)
+        state.sessions.remember(session, request_id, messages, rendered.text, prompt_ids, g.output_ids)
+        if g.tool_error:
+            state.malformed_tool_calls_total += 1
+            log.warning("%s: malformed tool-call markup returned as content: %s", request_id, g.tool_error)
+
+    gen = Generation(_open(state, request_id, prompt_ids, params, salt), state.tokenizer,
                      prompt_tokens=len(prompt_ids), stops=[] if constraint is not None else body.stop_list(),
-                     reasoning=reasoning_stream, tools=tools_stream)
+                     reasoning=reasoning_stream, tools=tools_stream, on_finish=finished)
     created = int(time.time())
     base = {"id": request_id, "created": created, "model": state.served_model_name}
     try:

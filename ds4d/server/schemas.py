@@ -105,3 +105,122 @@ class TokenizeRequest(_Base):
 class DetokenizeRequest(_Base):
     model: str | None = None
     tokens: list[int]
+
+
+# --------------------------------------------------------------------------- response shapes (documentation)
+#
+# The handlers build their JSON directly; these models only describe it for the
+# OpenAPI document (ds4d/server/openapi.py), and the fuzz tests check every
+# response against them.
+
+
+class ErrorDetail(_Base):
+    message: str
+    type: str
+    param: str | None
+    code: str
+
+
+class ErrorResponse(_Base):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(_Base):
+    cached_tokens: int
+
+
+class CompletionTokensDetails(_Base):
+    reasoning_tokens: int
+
+
+class Usage(_Base):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
+    ds4d: dict[str, Any] | None = None
+
+
+class ToolCallFunction(_Base):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Base):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class AssistantMessage(_Base):
+    role: Literal["assistant"]
+    content: str
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+class ChatChoice(_Base):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None
+
+
+class ChatCompletion(_Base):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionChoice(_Base):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None
+
+
+class Completion(_Base):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(_Base):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(_Base):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Base):
+    tokens: list[int]
+    count: int
+    prompt: str
+    max_model_len: int
+
+
+class DetokenizeResponse(_Base):
+    prompt: str
+
+
+class HealthResponse(_Base):
+    status: str
+    reason: str | None = None
+
+
+class ReadyResponse(_Base):
+    ready: bool
+    reasons: list[str]

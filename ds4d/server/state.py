@@ -23,6 +23,7 @@ from ds4d.contracts import ChatEncoder, ModelInfo, ReasoningParser, Tokenizer, T
 from ds4d.engine.client import EngineClient
 from ds4d.engine.core import EngineCore
 from ds4d.server.errors import ApiError
+from ds4d.server.sessions import SessionMemory
 
 
 def host_mem_available_bytes() -> int:
@@ -42,8 +43,10 @@ class ServingState:
     served_model_name: str
     max_context_tokens: int
     plugins: dict[str, str]
+    sessions: SessionMemory
     started_at: float = field(default_factory=time.time)
     draining: bool = False
+    malformed_tool_calls_total: int = 0
     _ids: Any = field(default_factory=lambda: itertools.count(1))
 
     @property

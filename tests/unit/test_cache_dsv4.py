@@ -1,11 +1,10 @@
 """Prefix reuse on a tiny DeepSeek-V4 through the engine: state checkpoints plus block copies.
 
-``V4BlockCopy`` adds :class:`~ds4d.contracts.BlockCopyModel` around the V4 model
-by copying each layer's compressed-KV (and lightning-indexer) pool rows of a
-block; it is the reference for the model's own ``export_blocks`` /
-``import_blocks``.  Greedy output of an agent's second turn must be the same
-with reuse (checkpoint at the end of turn 1, blocks from the pool or RAM) as
-computed from scratch.
+The model copies a block's compressed-KV (and lightning-indexer) pool rows of
+every layer out of and into its pool (``export_blocks`` / ``import_blocks``),
+so blocks demoted to RAM come back bit-identical.  Greedy output of an agent's
+second turn must be the same with reuse (checkpoint at the end of turn 1,
+blocks from the pool or RAM) as computed from scratch.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import pytest
 import torch
 
 from ds4d.cache.blocks import BlockPool
+from ds4d.cache.disk import DiskTier
 from ds4d.cache.manager import PrefixCache
 from ds4d.cache.ram import RamTier
 from ds4d.contracts import BlockCopyModel, PluginContext, StatefulModel
@@ -29,60 +29,41 @@ from tests.unit.test_dsv4_model import _one_thread, _tokens, checkpoint, model  
 from tests.unit.test_engine import req, run
 
 
-class V4BlockCopy:
-    def __init__(self, v4) -> None:
-        self.model = v4
-        self.info = v4.info
-        self.tokenizer = v4.tokenizer
-
-    def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
-        self.model.allocate_cache(num_blocks, max_seqs)
-
-    def forward(self, batch):
-        return self.model.forward(batch)
-
-    def save_state(self, slot):
-        return self.model.save_state(slot)
-
-    def load_state(self, slot, snapshot) -> None:
-        self.model.load_state(slot, snapshot)
-
-    def _pools(self) -> list[torch.Tensor]:
-        out = []
-        for layer in self.model.cache.layers:
-            out += [s.pool for s in (layer.compressor, layer.indexer) if s is not None]
-        return out
-
-    def export_blocks(self, block_ids):
-        index = torch.tensor(list(block_ids), dtype=torch.long)
-        parts = [pool.index_select(0, index).reshape(len(block_ids), -1).view(torch.uint8) for pool in self._pools()]
-        return [row.clone() for row in torch.cat(parts, dim=1)]
-
-    def import_blocks(self, block_ids, payloads) -> None:
-        index = torch.tensor(list(block_ids), dtype=torch.long)
-        rows = torch.stack([p if isinstance(p, torch.Tensor) else torch.frombuffer(bytearray(p), dtype=torch.uint8)
-                            for p in payloads])
-        offset = 0
-        for pool in self._pools():
-            width = pool[0].numel() * pool.element_size()
-            values = rows[:, offset:offset + width].contiguous().view(pool.dtype).view(len(block_ids), *pool.shape[1:])
-            pool.index_copy_(0, index, values)
-            offset += width
+def test_v4_block_copy_round_trip(model):  # noqa: F811
+    assert isinstance(model, StatefulModel) and isinstance(model, BlockCopyModel)
+    model.allocate_cache(6, 2)
+    pools = model.cache.block_pools()
+    assert pools, "the tiny checkpoint has compressed layers"
+    generator = torch.Generator().manual_seed(3)
+    for pool in pools:
+        pool.copy_(torch.randn(pool.shape, generator=generator).to(pool.dtype))
+    before = [pool.clone() for pool in pools]
+    payloads = model.export_blocks([1, 4])
+    assert [p.numel() for p in payloads] == [model.info.cache_bytes_per_block] * 2
+    assert all(p.dtype == torch.uint8 and p.device.type == "cpu" for p in payloads)
+    model.import_blocks([0, 2], [payloads[1], bytes(payloads[0].numpy())])  # tensors and plain bytes
+    for old, new in zip(before, pools):
+        assert torch.equal(new[0], old[4]) and torch.equal(new[2], old[1])
+        assert torch.equal(new[[1, 3, 4, 5]], old[[1, 3, 4, 5]])
+    with pytest.raises(ValueError, match="expected"):
+        model.import_blocks([0], [b"short"])
+    with pytest.raises(ValueError, match="payloads"):
+        model.import_blocks([0, 1], payloads[:1])
 
 
-def engine(v4, *, num_blocks=12, ram_blocks=0, prefix=True):
-    wrapped = V4BlockCopy(v4)
-    assert isinstance(wrapped, StatefulModel) and isinstance(wrapped, BlockCopyModel)
-    wrapped.allocate_cache(num_blocks, 2)
+def engine(v4, *, num_blocks=12, ram_blocks=0, prefix=True, disk_dir=None):
+    v4.allocate_cache(num_blocks, 2)
     info = v4.info
     pool = BlockPool(num_blocks, info.block_size_tokens, prefix_caching=prefix)
     tiers = [RamTier(None, {"budget_bytes": ram_blocks * info.cache_bytes_per_block})] if ram_blocks else []
-    cache = PrefixCache(pool, tiers=tiers, model=wrapped, block_bytes=info.cache_bytes_per_block)
+    if disk_dir is not None:
+        tiers.append(DiskTier(None, {"directory": str(disk_dir), "budget_bytes": 1 << 30, "compat_hash": b"v4"}))
+    cache = PrefixCache(pool, tiers=tiers, model=v4, block_bytes=info.cache_bytes_per_block)
     policy = FcfsPolicy(PluginContext(types.SimpleNamespace(), logging.getLogger("t")), {})
     sched = Scheduler(pool, policy, max_num_seqs=2, step_tokens=512, prefill_chunk=512, namespace=b"v4",
                       cache=cache)
     outputs = []
-    return EngineCore(sched, ModelRunner(wrapped, Sampler()), frozenset(), publish=outputs.extend), outputs
+    return EngineCore(sched, ModelRunner(v4, Sampler()), frozenset(), publish=outputs.extend), outputs
 
 
 def serve(core, outputs, rid, prompt, n):
@@ -108,3 +89,30 @@ def test_agent_second_turn_on_v4_equals_recompute(model, ram_blocks):  # noqa: F
 
     cold, cold_outputs = engine(model, prefix=False)
     assert serve(cold, cold_outputs, "cold", turn2, 6)[0] == gen2
+
+
+def test_restart_resumes_from_disk_blocks_and_saved_checkpoints(model, tmp_path, caplog):  # noqa: F811
+    turn1 = _tokens(model, 200, 60)
+    core, outputs = engine(model, disk_dir=tmp_path)
+    gen1, _, _ = serve(core, outputs, "t1", turn1, 6)
+    core.scheduler.cache.flush()  # what a graceful shutdown does once the engine thread stopped
+    path = core.scheduler.cache.checkpoint_file[0]
+    assert path.parent.parent == tmp_path and path.exists()
+
+    turn2 = turn1 + gen1 + _tokens(model, 40, 62)
+    restarted, restarted_outputs = engine(model, disk_dir=tmp_path)  # a fresh pool: only the disk remembers
+    gen2, cached2, by_tier = serve(restarted, restarted_outputs, "t2", turn2, 6)
+    assert cached2 == len(turn1) + len(gen1) - 1
+    assert by_tier.get("disk") == 128, by_tier
+    cold, cold_outputs = engine(model, prefix=False)
+    assert serve(cold, cold_outputs, "cold", turn2, 6)[0] == gen2
+
+    # a damaged checkpoint file is deleted and logged; blocks alone do not resume a stateful model
+    restarted.scheduler.cache.flush()
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="ds4d.cache"):
+        again, again_outputs = engine(model, disk_dir=tmp_path)
+    assert "checksum mismatch" in caplog.text and not path.exists()
+    assert serve(again, again_outputs, "t3", turn2, 6)[1] == 0

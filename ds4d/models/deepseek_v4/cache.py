@@ -9,6 +9,9 @@ parts age differently, so they live in different places:
   compressed layer (32 for CSA, plus 32 lightning-indexer keys; 1 for HCA).
   An entry is written once, when the last token of its window arrives, and never
   changes, so full blocks can be shared between sequences (prefix caching).
+  A block's bytes (every compressed layer's pool rows, indexer rows after the
+  compressor's, layer by layer) are what ``export_blocks`` hands the prefix
+  cache's lower tiers and ``import_blocks`` writes back.
 * **State slot** (one per running sequence, fixed size): for every layer a ring
   of the last ``sliding_window`` token KVs, and for every compressor a ring of
   the last ``c * ratio`` tokens' projected (kv, score) pairs — the tokens of the
@@ -26,7 +29,9 @@ step's shapes never depend on the data.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -133,3 +138,52 @@ class DeepseekV4Cache:
             raise ValueError("state snapshot does not match this model's state layout")
         for view, saved in zip(views, snapshot):
             view.copy_(saved)
+
+    # ------------------------------------------------------------------ block copies (prefix cache tiers)
+
+    def block_pools(self) -> list[torch.Tensor]:
+        """The paged tensors, in payload order: per layer the compressor pool, then the indexer pool."""
+        pools = []
+        for layer in self.layers:
+            pools += [state.pool for state in (layer.compressor, layer.indexer) if state is not None]
+        return pools
+
+    def export_blocks(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """Each block as one contiguous uint8 host tensor (see the module doc for the layout)."""
+        if not block_ids:
+            return []
+        pools = self.block_pools()
+        if not pools:  # no compressed layer: a block holds nothing
+            return [torch.empty(0, dtype=torch.uint8) for _ in block_ids]
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=pools[0].device)
+        rows = torch.cat([pool.index_select(0, index).reshape(len(block_ids), -1).view(torch.uint8)
+                          for pool in pools], dim=1)
+        host = rows.cpu()
+        return [host[i].clone() for i in range(len(block_ids))]
+
+    def import_blocks(self, block_ids: Sequence[int], payloads: Sequence[Any]) -> None:
+        """Write payloads made by :meth:`export_blocks` into the given blocks."""
+        if len(block_ids) != len(payloads):
+            raise ValueError(f"{len(block_ids)} block ids for {len(payloads)} payloads")
+        if not block_ids:
+            return
+        pools = self.block_pools()
+        width = sum(pool[0].numel() * pool.element_size() for pool in pools)
+        raw = []
+        for payload in payloads:
+            row = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(bytearray(payload),
+                                                                                      dtype=torch.uint8)
+            if row.dtype != torch.uint8 or row.numel() != width:
+                raise ValueError(f"block payload of {row.numel()} bytes, expected {width}")
+            raw.append(row.reshape(-1))
+        if not pools:
+            return
+        device = pools[0].device
+        rows = torch.stack(raw).to(device, non_blocking=True)
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+        offset = 0
+        for pool in pools:
+            size = pool[0].numel() * pool.element_size()
+            values = rows[:, offset:offset + size].contiguous().view(pool.dtype).view(len(block_ids), *pool.shape[1:])
+            pool.index_copy_(0, index, values)
+            offset += size

@@ -26,7 +26,9 @@ default on CUDA, off on the CPU, where the reference path is kept exact):
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -116,6 +118,18 @@ class DeepseekV4Model:
     def expert_stats(self) -> dict:
         """Routed-expert placement and traffic (``ExpertOffload.expert_stats``); empty when all sit on the device."""
         return self.expert_offload.expert_stats() if self.expert_offload is not None else {}
+
+    def export_blocks(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """``BlockCopyModel``: each block's compressed KV of every layer as one uint8 host tensor."""
+        if self.cache is None:
+            raise RuntimeError("allocate_cache() must run first")
+        return self.cache.export_blocks(block_ids)
+
+    def import_blocks(self, block_ids: Sequence[int], payloads: Sequence[Any]) -> None:
+        """``BlockCopyModel``: write payloads made by :meth:`export_blocks` back into the pool."""
+        if self.cache is None:
+            raise RuntimeError("allocate_cache() must run first")
+        self.cache.import_blocks(block_ids, payloads)
 
     def save_state(self, slot: int) -> list[torch.Tensor]:
         """A copy of ``slot``'s state (window ring and compressor tails).

@@ -1,0 +1,226 @@
+"""What ds4d remembers of each agent session: its last turns, to reuse them exactly and to explain misses.
+
+An agent's next request repeats its previous prompt and the reply it got,
+rendered as text again.  Tokenising that text afresh need not give back the
+token ids the model generated: a sampled sequence of tokens is not always the
+one the tokenizer would choose for the same text, and the reply's last token
+may merge with the markup after it.  The prefix cache matches token ids, so it
+would lose everything after the first difference, and a model with
+per-sequence state (DeepSeek-V4) everything after the end of the previous
+prompt.
+
+So for each session (``x-session-id`` header, else ``x-session-affinity``,
+else one per cache salt; sessions of different salts never meet) ds4d keeps
+its last few turns as text and token ids: the rendered prompt followed by the
+generated text, and the prompt ids followed by the generated ids.  A new
+prompt whose text begins with a remembered prompt plus the first ``k``
+generated tokens' text is tokenised as those ids followed by the tokenisation
+of the rest.  The ids decode to exactly the same text (checked when the turn is
+remembered), so the model reads the same prompt, split into tokens the way it
+produced them.
+
+The same memory explains misses: when a request reuses less than its
+session's previous prompt and output (less one block of slack for models that
+reuse whole blocks), a record says where the new prompt diverged (message
+index and role, token offset, a short excerpt of both sides) or, when it did
+not, what the prefix cache said.  Records are logged and the latest are kept
+for ``/v1/ds4d/stats``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ds4d.contracts import Tokenizer
+
+log = logging.getLogger("ds4d.sessions")
+
+SESSION_HEADERS = ("x-session-id", "x-session-affinity")
+EXCERPT_TOKENS = 12
+EXCERPT_CHARS = 80
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One finished request of a session."""
+
+    request_id: str
+    messages: tuple[tuple[str, str], ...]
+    """(role, digest) per request message, to name the first message that changed."""
+    prompt_text: str
+    prompt_ids: array
+    output_text: str
+    output_ids: array
+
+    @property
+    def fed_tokens(self) -> int:
+        """Tokens whose KV the model computed: the prompt and every generated token but the last."""
+        return len(self.prompt_ids) + max(len(self.output_ids) - 1, 0)
+
+
+@dataclass(frozen=True)
+class Tokenized:
+    token_ids: tuple[int, ...]
+    reused_tokens: int = 0
+    """Leading tokens taken from a remembered turn instead of the tokenizer (0: plain tokenisation)."""
+
+
+def message_digests(messages: Sequence[Mapping[str, Any]]) -> tuple[tuple[str, str], ...]:
+    return tuple((str(m.get("role", "")),
+                  hashlib.sha256(json.dumps(m, sort_keys=True, default=str).encode()).hexdigest()[:16])
+                 for m in messages)
+
+
+class SessionMemory:
+    def __init__(self, tokenizer: Tokenizer, *, block_size: int, max_sessions: int = 256,
+                 turns_per_session: int = 4, recent_misses: int = 32) -> None:
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.max_sessions = max_sessions
+        self.turns_per_session = turns_per_session
+        self._sessions: OrderedDict[tuple[str, str], deque[Turn]] = OrderedDict()
+        self.misses: deque[dict] = deque(maxlen=recent_misses)
+        self.misses_total = 0
+        self.continued_total = 0
+        self.continued_tokens_total = 0
+
+    @staticmethod
+    def key(headers: Mapping[str, str], salt: str) -> tuple[str, str]:
+        for name in SESSION_HEADERS:
+            if headers.get(name):
+                return salt, headers[name][:128]
+        return salt, ""
+
+    def last(self, key: tuple[str, str]) -> Turn | None:
+        turns = self._sessions.get(key)
+        return turns[0] if turns else None
+
+    # ------------------------------------------------------------------ tokenisation
+
+    def tokenize(self, key: tuple[str, str], text: str, plain_ids: Sequence[int]) -> Tokenized:
+        """``text`` as token ids, reusing a remembered turn's ids for the part of it that turn covers."""
+        best: tuple[int, Turn, int] | None = None  # (tokens reused, turn, generated tokens used)
+        for turn in self._sessions.get(key, ()):
+            if not text.startswith(turn.prompt_text):
+                continue
+            k = self._generated_prefix(turn, text)
+            reused = len(turn.prompt_ids) + k
+            if best is None or reused > best[0]:
+                best = (reused, turn, k)
+        if best is None:
+            return Tokenized(tuple(plain_ids))
+        reused, turn, k = best
+        head = [*turn.prompt_ids, *turn.output_ids[:k]]
+        if list(plain_ids[:reused]) == head:
+            return Tokenized(tuple(plain_ids))  # the tokenizer agrees: nothing to substitute
+        covered = len(turn.prompt_text) + len(self._decode(turn.output_ids[:k]))
+        rest = self.tokenizer.encode(text[covered:], add_special_tokens=False) if covered < len(text) else []
+        self.continued_total += 1
+        self.continued_tokens_total += reused
+        return Tokenized(tuple(head + list(rest)), reused)
+
+    def _generated_prefix(self, turn: Turn, text: str) -> int:
+        """The most generated tokens of ``turn`` whose text continues its prompt text in ``text``."""
+        start = len(turn.prompt_text)
+        if text.startswith(turn.output_text, start):
+            return len(turn.output_ids)
+        low, high = 0, len(turn.output_ids) - 1  # low always fits
+        while low < high:
+            mid = (low + high + 1) // 2
+            if text.startswith(self._decode(turn.output_ids[:mid]), start):
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False) if len(ids) else ""
+
+    # ------------------------------------------------------------------ remembering and explaining
+
+    def remember(self, key: tuple[str, str], request_id: str, messages: Sequence[Mapping[str, Any]],
+                 prompt_text: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        output_text = self._decode(output_ids)
+        if self._decode([*prompt_ids, *output_ids]) != prompt_text + output_text:
+            log.debug("%s: token ids do not decode to the prompt text; turn not remembered", request_id)
+            return
+        turn = Turn(request_id, message_digests(messages), prompt_text, array("l", prompt_ids), output_text,
+                    array("l", output_ids))
+        turns = self._sessions.pop(key, None) or deque(maxlen=self.turns_per_session)
+        turns.appendleft(turn)
+        self._sessions[key] = turns
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+
+    def explain(self, key: tuple[str, str], previous: Turn | None, *, request_id: str,
+                messages: Sequence[Mapping[str, Any]], prompt_ids: Sequence[int], cached_tokens: int,
+                cache_note: str, exact: bool) -> dict | None:
+        """A miss record when this request reused less than ``previous`` (its session's last turn) fed.
+
+        ``exact``: the model reuses up to any token (state checkpoints) rather than whole blocks."""
+        if previous is None:
+            return None
+        fed = previous.fed_tokens
+        slack = 0 if exact else self.block_size - 1
+        if cached_tokens + slack >= fed:
+            return None
+        old = [*previous.prompt_ids, *previous.output_ids]
+        offset = _common_prefix(old, prompt_ids)
+        record: dict[str, Any] = {
+            "session": key[1] or "(no session id)", "request_id": request_id, "previous_request_id":
+            previous.request_id, "previous_tokens": fed, "reused_tokens": cached_tokens,
+        }
+        if offset >= fed:
+            record["diverged_at_token"] = None
+            record["reason"] = cache_note or "the prompt repeats the previous turn; the cache no longer held it"
+        else:
+            index, role = _first_changed_message(previous.messages, message_digests(messages))
+            record.update({
+                "diverged_at_token": offset, "message_index": index, "role": role,
+                "previous_excerpt": self._excerpt(old[offset:]),
+                "new_excerpt": self._excerpt(prompt_ids[offset:]),
+                "reason": f"the prompt differs from the previous turn at token {offset} "
+                          f"(message {index}, {role})",
+            })
+        self.misses.append(record)
+        self.misses_total += 1
+        log.warning("session %s: %s reused %d of the %d tokens its previous turn left: %s%s",
+                    record["session"], request_id, cached_tokens, fed, record["reason"],
+                    f"; was {record['previous_excerpt']!r}, now {record['new_excerpt']!r}"
+                    if record["diverged_at_token"] is not None else "")
+        return record
+
+    def _excerpt(self, ids: Sequence[int]) -> str:
+        return self._decode(ids[:EXCERPT_TOKENS])[:EXCERPT_CHARS]
+
+    def stats(self) -> dict:
+        return {"tracked": len(self._sessions), "prompts_continued_total": self.continued_total,
+                "continued_tokens_total": self.continued_tokens_total, "reuse_misses_total": self.misses_total,
+                "recent_misses": list(self.misses)}
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _first_changed_message(old: Sequence[tuple[str, str]], new: Sequence[tuple[str, str]]) -> tuple[int, str]:
+    for i, (before, now) in enumerate(zip(old, new)):
+        if before != now:
+            return i, now[0]
+    if len(new) > len(old):
+        role = new[len(old)][0]
+        return len(old), "assistant (the previous reply as sent back)" if role == "assistant" else role
+    if len(new) < len(old):
+        return len(new), "(messages removed)"
+    return len(new), "(same messages: tools or template switches changed)"

@@ -1,0 +1,134 @@
+"""Session memory with the real DeepSeek-V4 tokenizer and chat encoder.
+
+A reply the model produced in a token split the tokenizer would not choose
+must still be read back as the model's own ids when the agent sends it again;
+a changed reply is reused up to the change; other salts never see a session;
+misses name the message where the new prompt diverged.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from ds4d.contracts import ChatRenderRequest, PluginContext
+from ds4d.models.hf_tokenizer import deepseek_v4_tokenizer
+from ds4d.plugins.dsv4_encoder import DeepseekV4ChatEncoder
+from ds4d.server.sessions import SessionMemory
+
+SYSTEM = {"role": "system", "content": "You are a coding agent. Keep answers short."}
+USER = {"role": "user", "content": "Name a sorting algorithm."}
+REPLY = "Merge sort, which splits the list in halves."
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return deepseek_v4_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def encoder(tok):
+    import logging
+
+    ctx = PluginContext(types.SimpleNamespace(), logging.getLogger("t"))
+    return DeepseekV4ChatEncoder(ctx, {}, tok, None)
+
+
+def render(encoder, messages):
+    return encoder.render(ChatRenderRequest(messages=tuple(messages), thinking=False))
+
+
+def odd_split(tok, text: str) -> list[int]:
+    """``text`` as single-character tokens: decodes to ``text``, differs from ``encode(text)``."""
+    ids = [tok.encode(ch)[0] for ch in text]
+    assert len(ids) > len(tok.encode(text)) and tok.decode(ids) == text
+    return ids
+
+
+def first_turn(tok, encoder, memory, key=("", "s1")):
+    messages = [SYSTEM, USER]
+    prompt = render(encoder, messages)
+    eos = tok.token_to_id("<｜end▁of▁sentence｜>")
+    output = odd_split(tok, REPLY) + [eos]
+    memory.remember(key, "r1", messages, prompt.text, prompt.token_ids, output)
+    return messages, prompt, output
+
+
+def test_replayed_reply_keeps_the_generated_ids(tok, encoder):
+    memory = SessionMemory(tok, block_size=128)
+    messages, prompt, output = first_turn(tok, encoder, memory)
+    second = render(encoder, [*messages, {"role": "assistant", "content": REPLY},
+                              {"role": "user", "content": "And its complexity?"}])
+    assert second.text.startswith(prompt.text + tok.decode(output))  # the encoder replays the reply verbatim
+    assert list(second.token_ids[:len(prompt.token_ids) + len(output)]) != [*prompt.token_ids, *output]
+
+    got = memory.tokenize(("", "s1"), second.text, second.token_ids)
+    head = [*prompt.token_ids, *output]
+    assert got.reused_tokens == len(head)
+    assert list(got.token_ids[:len(head)]) == head
+    assert tok.decode(list(got.token_ids)) == second.text
+    assert memory.stats()["prompts_continued_total"] == 1
+
+
+def test_a_changed_reply_is_reused_up_to_the_change(tok, encoder):
+    memory = SessionMemory(tok, block_size=128)
+    messages, prompt, _output = first_turn(tok, encoder, memory)
+    edited = REPLY.replace("halves", "two parts")
+    second = render(encoder, [*messages, {"role": "assistant", "content": edited},
+                              {"role": "user", "content": "Thanks."}])
+    got = memory.tokenize(("", "s1"), second.text, second.token_ids)
+    same_chars = REPLY.index("halves")
+    assert got.reused_tokens == len(prompt.token_ids) + same_chars  # one generated token per character
+    assert tok.decode(list(got.token_ids)) == second.text
+
+
+def test_sessions_of_other_salts_or_ids_are_not_used(tok, encoder):
+    memory = SessionMemory(tok, block_size=128)
+    messages, _prompt, _ = first_turn(tok, encoder, memory, key=("key-a\x00", "s1"))
+    second = render(encoder, [*messages, {"role": "assistant", "content": REPLY}, {"role": "user", "content": "?"}])
+    for key in (("key-b\x00", "s1"), ("key-a\x00", "s2"), ("", "s1")):
+        got = memory.tokenize(key, second.text, second.token_ids)
+        assert got.reused_tokens == 0 and got.token_ids == second.token_ids
+
+
+def test_session_key_prefers_the_session_header():
+    assert SessionMemory.key({"x-session-id": "abc", "x-session-affinity": "zzz"}, "salt") == ("salt", "abc")
+    assert SessionMemory.key({"x-session-affinity": "zzz"}, "") == ("", "zzz")
+    assert SessionMemory.key({}, "salt") == ("salt", "")
+
+
+def test_miss_names_the_changed_message(tok, encoder):
+    memory = SessionMemory(tok, block_size=16)
+    _messages, prompt, _output = first_turn(tok, encoder, memory)
+    previous = memory.last(("", "s1"))
+    changed = [SYSTEM, {"role": "user", "content": "Name a search algorithm."},
+               {"role": "assistant", "content": REPLY}, {"role": "user", "content": "More?"}]
+    new = render(encoder, changed)
+    ids = memory.tokenize(("", "s1"), new.text, new.token_ids).token_ids
+    offset = next(i for i, (a, b) in enumerate(zip(ids, prompt.token_ids)) if a != b)
+    record = memory.explain(("", "s1"), previous, request_id="r2", messages=changed, prompt_ids=ids,
+                            cached_tokens=offset // 16 * 16, cache_note="", exact=False)
+    assert record is not None
+    assert record["message_index"] == 1 and record["role"] == "user"
+    assert record["diverged_at_token"] == offset
+    assert "sorting" in record["previous_excerpt"] or "sort" in record["previous_excerpt"]
+    assert "search" in record["new_excerpt"]
+    assert memory.stats()["reuse_misses_total"] == 1 and memory.stats()["recent_misses"][0]["request_id"] == "r2"
+
+
+def test_full_reuse_is_not_a_miss_and_cache_losses_are_explained(tok, encoder):
+    memory = SessionMemory(tok, block_size=16)
+    messages, _prompt, _output = first_turn(tok, encoder, memory)
+    previous = memory.last(("", "s1"))
+    nxt = [*messages, {"role": "assistant", "content": REPLY}, {"role": "user", "content": "Go on."}]
+    new = render(encoder, nxt)
+    ids = memory.tokenize(("", "s1"), new.text, new.token_ids).token_ids
+    fed = previous.fed_tokens
+    assert memory.explain(("", "s1"), previous, request_id="r2", messages=nxt, prompt_ids=ids, cached_tokens=fed,
+                          cache_note="", exact=True) is None
+    assert memory.explain(("", "s1"), previous, request_id="r2", messages=nxt, prompt_ids=ids,
+                          cached_tokens=fed - 15, cache_note="", exact=False) is None  # within one block
+    record = memory.explain(("", "s1"), previous, request_id="r3", messages=nxt, prompt_ids=ids, cached_tokens=0,
+                            cache_note="block 0 was evicted from the ram tier", exact=True)
+    assert record["diverged_at_token"] is None and "evicted" in record["reason"]
