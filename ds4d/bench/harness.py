@@ -50,8 +50,11 @@ def make_engine(model: Model, *, max_num_seqs: int, context_tokens: int, prefill
     return EngineCore(scheduler, ModelRunner(model, Sampler(info.device)), frozenset(), publish=lambda _: None)
 
 
-def run_batch(core: EngineCore, prompts: list[list[int]], max_tokens: int, sync=lambda: None) -> RunTiming:
-    """Greedy-generate ``max_tokens`` for every prompt at once; time prefill and decode steps."""
+def run_batch(core: EngineCore, prompts: list[list[int]], max_tokens: int, sync=lambda: None,
+              after_decode_step=None) -> RunTiming:
+    """Greedy-generate ``max_tokens`` for every prompt at once; time prefill and decode steps.
+
+    ``after_decode_step``: called after each decode step (e.g. a profiler's ``step``)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for i, p in enumerate(prompts):
         core.submit(EngineRequest(f"bench-{time.monotonic_ns()}-{i}", tuple(p), params))
@@ -72,4 +75,6 @@ def run_batch(core: EngineCore, prompts: list[list[int]], max_tokens: int, sync=
         else:
             decode_s += dt
             decode_tokens += dd
+            if after_decode_step is not None:
+                after_decode_step()
     return RunTiming(prefill_tokens, prefill_s, decode_tokens, decode_s)

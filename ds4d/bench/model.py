@@ -58,6 +58,9 @@ def add_parser(sub) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the HF peer")
     p.add_argument("--no-reference", action="store_true", help="skip ds4d's reference-path rows")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="decode steps through torch.compile (inside the graphs)")
+    p.add_argument("--profile", action="store_true",
+                   help="only profile decode at batch 1 (1K context) per path: time and kernels per step, top kernels")
     p.add_argument("--json", default="", help="also write the results here")
     p.add_argument("--expert-gpu-fraction", default="",
                    help="e.g. 1,0.5,0.25: share of routed experts kept on the device, the rest in pinned host RAM "
@@ -272,6 +275,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     cfg, reader, model, hf, hf_note = build(torch, args, device)
     floors = Floors(cfg, reader.issued, bandwidth, matmul)
+    if args.compile:
+        model.compile_decode()
     _say(f"built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}, HF {hf_note}, "
          f"hyper-connection kernel {'on' if model.fused_hc else 'off'}")
     gen = torch.Generator().manual_seed(args.seed)
@@ -280,6 +285,11 @@ def run(args: argparse.Namespace) -> int:
         return torch.randint(100, cfg.vocab_size, (batch, length), generator=gen).tolist()
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if args.profile:
+        for path in ("graphs", "eager"):
+            _set_path(model, path)
+            _profile_decode(torch, model, prompts(1, 1024)[0], path, sync)
+        return 0
     check = _parity(torch, model, hf, prompts(1, 256)[0], device) if hf is not None else "no HF peer"
     _say(f"same weights check (256-token prompt, logits ds4d vs HF): {check}")
     paths = ["graphs", "plain-hc", "eager"] + ([] if args.no_reference else ["reference"])
@@ -330,6 +340,30 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps({"rows": [r.__dict__ for r in rows], "hf": hf_note,
                                                "bandwidth": bandwidth, "matmul": matmul, "check": check}, indent=2))
     return 0
+
+
+def _profile_decode(torch, model, prompt, path: str, sync, steps: int = 8) -> None:
+    """Profile ``steps`` decode steps (after warm-up) and print where the device time goes."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from ds4d.bench.harness import make_engine, run_batch
+
+    core = make_engine(model, max_num_seqs=1, context_tokens=len(prompt) + 3 * steps + 8, prefill_chunk=2048)
+    run_batch(core, [prompt[:64]], 4, sync)  # kernels, graph capture
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, schedule=schedule(wait=1, warmup=2, active=steps, repeat=1),
+                 acc_events=True) as prof:
+        timing = run_batch(core, [prompt], 3 + steps + 2, sync, after_decode_step=prof.step)
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and not e.key.startswith("ProfilerStep")]
+    device_us = sum(e.self_device_time_total for e in events) / steps
+    kernels = sum(e.count for e in events) / steps
+    _say(f"\n## decode b1 @1K, {path}: {1e3 / timing.decode_tok_s:.3f} ms/step wall, "
+         f"{device_us / 1e3:.3f} ms/step of device work in {kernels:.0f} kernels/step")
+    _say("| kernel | calls/step | us/step | share |")
+    _say("|---|---|---|---|")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+        _say(f"| {e.key[:90]} | {e.count / steps:.0f} | {e.self_device_time_total / steps:.1f} | "
+             f"{e.self_device_time_total / steps / max(device_us, 1e-9):.1%} |")
 
 
 def _parity(torch, model, hf, ids, device) -> str:

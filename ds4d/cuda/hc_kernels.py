@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 MAX_STREAMS = 8  # m * m cells must fit in one block
 _THREADS = 128
 _state: dict[str, object] = {}
@@ -40,8 +42,6 @@ def available() -> bool:
     """Numba CUDA is installed, sees the device, and the kernel compiles and runs (checked once)."""
     if "available" not in _state:
         try:
-            import torch
-
             ok = _cuda().is_available() and torch.cuda.is_available()
             if ok:
                 m = 4
@@ -131,10 +131,9 @@ def launch(mixes, base, scale, hc_eps: float, iters: int, m: int, pre, post, com
     kernel()[blocks, _THREADS, stream](mixes, base, scale, hc_eps, iters, m, pre, post, comb)
 
 
+@torch.compiler.disable  # a launch through the driver: torch.compile leaves it as a call of its own
 def hc_mix_torch(mixes, base, scale, hc_eps: float, iters: int, m: int):
     """(pre ``[T, m]``, post ``[T, m]``, comb ``[T, m, m]``) from float32 CUDA ``mixes [T, (2 + m) * m]``."""
-    import torch
-
     numba_cuda = _cuda()
     tokens = mixes.shape[0]
     pre = torch.empty(tokens, m, dtype=torch.float32, device=mixes.device)

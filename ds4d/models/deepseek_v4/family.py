@@ -111,6 +111,9 @@ class DeepseekV4Family:
             list(model.cfg.compress_ratios),
             model.info.parameter_bytes / 2**20,
         )
+        if getattr(self.ctx.config, "compile_decode", False) and model.device.type == "cuda":
+            model.compile_decode()
+            self.ctx.log.info("decode steps go through torch.compile (each new bucket compiles on first use)")
         if model.expert_offload is not None:
             plan = model.expert_offload.memory_plan()
             expert_bytes = sum(part.get("ram_bytes", 0) for part in plan.values())

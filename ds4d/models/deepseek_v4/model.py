@@ -99,6 +99,19 @@ class DeepseekV4Model:
             },
         )
 
+    def compile_decode(self) -> None:
+        """Run decode steps through ``torch.compile`` (inductor fuses the many small elementwise
+        kernels of a step), still captured per bucket in CUDA graphs.  Each new bucket compiles
+        once (tens of seconds); the fused hyper-connection kernel stays a call of its own."""
+        import torch._dynamo
+
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        compiled = torch.compile(self._decode_step, dynamic=False)
+        if self._graphs is not None:
+            from ds4d.cuda.graphs import GraphCache
+
+            self._graphs = GraphCache(compiled)
+
     # ------------------------------------------------------------------ contract
 
     def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
