@@ -150,9 +150,12 @@ def test_opencode_on_a_tiny_deepseek_v4(tmp_path, opencode_binary):
         pytest.skip(f"ds4d.models.deepseek_v4 cannot load a tiny checkpoint yet: {problem}")
     report = run_scenario(tmp_path, opencode_binary, ["--model", str(checkpoint), "--threads", "2",
                                                       "--max-num-seqs", "4"],
-                          [["Reply", "with", "one", "short", "sentence."], ["--continue", "Once", "more."]])
+                          [["--thinking", "Reply", "with", "one", "short", "sentence."],
+                           ["--thinking", "--continue", "Once", "more."]])  # a random model mostly reasons
     first_prompt, reused = check_session(report)
     assert reused > first_prompt // 2, describe(report)
+    for run in report["runs"]:
+        assert ANSI.sub("", run["stdout"]).strip(), describe(report)  # the model's answer was printed
 
 
 # --------------------------------------------------------------------------- driver (inside the namespace)
