@@ -20,6 +20,13 @@ so a crash never leaves a half-written ``.blk`` file::
 
 A file that is truncated, fails its checksum, has another magic, version,
 compatibility hash or key, is a miss: it is deleted and logged, never served.
+
+Writes run on a writer thread of the tier's own (``background_writes``, on by
+default), so a demotion costs the engine step only the bookkeeping: ``put``
+indexes the block at once and queues it; until its file is in place, ``get``
+serves it from the queued payload and ``evict`` simply drops it.  At most
+``max_pending_bytes`` wait at a time; past that ``put`` writes synchronously.
+``close`` (at shutdown) waits until every queued block is on disk.
 At start, leftover ``.tmp`` files are removed and the index is rebuilt from the
 headers (least recently used first, by modification time); a hit refreshes the
 file's modification time, so the LRU order survives a restart.
@@ -30,7 +37,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import queue
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -67,6 +76,13 @@ class DiskTier:
         self.evictions = 0
         self.damaged = 0
         self._evicted: list[CacheEntry] = []
+        self.background = bool(options.get("background_writes", True))
+        self.max_pending_bytes = int(options.get("max_pending_bytes", 256 * 2**20))
+        self._lock = threading.Lock()
+        self._pending: dict[bytes, tuple[tuple[int, ...], Any, int]] = {}  # key -> (tokens, payload, file bytes)
+        self._pending_bytes = 0
+        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
         if not directory:
             self.budget_bytes = 0
             return
@@ -144,13 +160,29 @@ class DiskTier:
         if key in self._index:
             self._index.move_to_end(key)
             return True
-        tokens = np.asarray(token_ids, dtype="<i4").tobytes()
-        data = payload_view(payload)
-        size = HEADER.size + len(tokens) + payload_nbytes(payload)
+        size = HEADER.size + 4 * len(token_ids) + payload_nbytes(payload)
         if size > self.budget_bytes:
             return False
         if self.bytes + size > self.budget_bytes:
             self.evict(self.bytes + size - self.budget_bytes)
+        if self.background and self._pending_bytes + size <= self.max_pending_bytes:
+            with self._lock:
+                self._pending[key] = (tuple(token_ids), payload, size)
+                self._pending_bytes += size
+            self._start_writer()
+            self._queue.put(key)
+        elif not self._write(key, token_ids, payload):
+            return False
+        self._index[key] = size
+        self.bytes += size
+        self.bytes_in += size
+        return True
+
+    def _write(self, key: bytes, token_ids: Sequence[int], payload: Any, *, queued: bool = False) -> bool:
+        """Write one block file (temporary file, then rename).  ``queued``: only if the key is still
+        pending when the file is complete (an eviction meanwhile drops it), then mark it written."""
+        tokens = np.asarray(token_ids, dtype="<i4").tobytes()
+        data = payload_view(payload)
         checksum = hashlib.sha256(tokens)
         checksum.update(data)
         header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, self.compat_hash, key, len(token_ids), len(data),
@@ -162,19 +194,65 @@ class DiskTier:
                 fh.write(header)
                 fh.write(tokens)
                 fh.write(data)
-            os.replace(tmp, path)
+            if not queued:
+                os.replace(tmp, path)
+                return True
+            with self._lock:
+                item = self._pending.pop(key, None)
+                if item is not None:
+                    self._pending_bytes -= item[2]
+                    os.replace(tmp, path)
+            if item is None:
+                tmp.unlink(missing_ok=True)
+            return True
         except OSError as exc:
             log.warning("disk cache: cannot write %s: %s", path, exc)
             tmp.unlink(missing_ok=True)
+            if queued:
+                self._forget_pending(key)
             return False
-        self._index[key] = size
-        self.bytes += size
-        self.bytes_in += size
-        return True
+
+    def _start_writer(self) -> None:
+        if self._writer is None or not self._writer.is_alive():
+            self._writer = threading.Thread(target=self._write_queued, name="ds4d-disk-cache", daemon=True)
+            self._writer.start()
+
+    def _write_queued(self) -> None:
+        while True:
+            key = self._queue.get()
+            try:
+                if key is None:
+                    return
+                with self._lock:
+                    item = self._pending.get(key)
+                if item is not None:
+                    self._write(key, item[0], item[1], queued=True)
+            finally:
+                self._queue.task_done()
+
+    def _forget_pending(self, key: bytes) -> None:
+        with self._lock:
+            item = self._pending.pop(key, None)
+            if item is not None:
+                self._pending_bytes -= item[2]
+
+    def drain(self) -> None:
+        """Wait until every queued block is on disk (or dropped)."""
+        if self._writer is not None:
+            self._queue.join()
 
     def get(self, key: bytes, token_ids: Sequence[int]) -> bytes | None:
         if key not in self._index:
             return None
+        with self._lock:
+            queued = self._pending.get(key)
+        if queued is not None:  # not on disk yet: serve the payload waiting to be written
+            tokens, payload, size = queued
+            if tokens != tuple(token_ids):
+                return None
+            self._index.move_to_end(key)
+            self.bytes_out += size
+            return bytes(payload_view(payload))
         path = self._path(key)
         try:
             raw = path.read_bytes()
@@ -212,6 +290,7 @@ class DiskTier:
         freed = 0
         while freed < nbytes and self._index:
             key, size = self._index.popitem(last=False)
+            self._forget_pending(key)
             self._path(key).unlink(missing_ok=True)
             freed += size
             self.bytes -= size
@@ -228,10 +307,14 @@ class DiskTier:
         return [CacheEntry(key, (), None) for key in self._index]
 
     def close(self) -> None:
-        pass  # writes are synchronous: every .blk file is complete once put() returns
+        """Finish the queued writes and stop the writer thread."""
+        if self._writer is not None and self._writer.is_alive():
+            self._queue.put(None)
+            self._writer.join()
+        self._writer = None
 
     def stats(self) -> Mapping[str, Any]:
         return {"bytes": self.bytes, "blocks": len(self._index), "budget_bytes": self.budget_bytes,
                 "evictions": self.evictions, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-                "damaged_files": self.damaged, "persistent": True,
+                "damaged_files": self.damaged, "persistent": True, "pending_writes": len(self._pending),
                 "directory": str(self.root) if self.root else ""}

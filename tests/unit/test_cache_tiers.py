@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import pytest
@@ -69,8 +70,10 @@ def test_ram_budget_from_config_gib():
 # --------------------------------------------------------------------------- disk
 
 
-def disk(tmp_path, budget=10_000, compat=b"model-a") -> DiskTier:
-    return DiskTier(None, {"directory": str(tmp_path), "budget_bytes": budget, "compat_hash": compat})
+def disk(tmp_path, budget=10_000, compat=b"model-a", background=False) -> DiskTier:
+    """Synchronous writes by default, so a test can look at the files right after put()."""
+    return DiskTier(None, {"directory": str(tmp_path), "budget_bytes": budget, "compat_hash": compat,
+                           "background_writes": background})
 
 
 def file_of(tier: DiskTier, k: bytes):
@@ -158,6 +161,37 @@ def test_disk_other_model_uses_another_subdirectory(tmp_path):
     b = disk(tmp_path, compat=b"model-b")
     assert not b.contains(key(1)) and b.root != a.root
     assert a.get(key(1), [1]) == payload(1)
+
+
+def test_background_writes_serve_queued_blocks_and_finish_on_close(tmp_path, monkeypatch):
+    d = disk(tmp_path, background=True)
+    gate = threading.Event()
+    write = DiskTier._write
+
+    def held_write(self, *args, **kwargs):  # the writer thread waits until the test lets it go
+        gate.wait(10)
+        return write(self, *args, **kwargs)
+
+    monkeypatch.setattr(DiskTier, "_write", held_write)
+    for i in range(3):
+        assert d.put(key(i), [i, i + 1], payload(i))
+    assert all(d.contains(key(i)) for i in range(3)) and d.stats()["pending_writes"] >= 2
+    assert not file_of(d, key(1)).exists()
+    assert d.get(key(1), [1, 2]) == payload(1)           # served from the queue, before its file exists
+    assert d.get(key(1), [1, 3]) is None                  # and verified like a file
+    d.evict(1)                                            # drops block 0 (least recently used)
+    gate.set()
+    d.close()
+    assert d.stats()["pending_writes"] == 0
+    assert sorted(p.name for p in d.root.iterdir()) == sorted(f"{key(i).hex()}.blk" for i in (1, 2))
+    again = disk(tmp_path)
+    assert again.get(key(2), [2, 3]) == payload(2) and not again.contains(key(0))
+
+
+def test_background_writes_fall_back_to_synchronous_past_the_queue_cap(tmp_path):
+    d = DiskTier(None, {"directory": str(tmp_path), "budget_bytes": 10_000, "compat_hash": b"model-a",
+                        "max_pending_bytes": 0})
+    assert d.put(key(1), [1], payload(1)) and file_of(d, key(1)).exists() and d.stats()["pending_writes"] == 0
 
 
 def test_disk_off_without_directory():
