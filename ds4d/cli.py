@@ -1,4 +1,4 @@
-"""Command line: ds4d serve | config | doctor | plugins | console | bench | make-tiny."""
+"""Command line: ds4d serve | config | doctor | calibrate | plugins | console | bench | make-tiny."""
 
 from __future__ import annotations
 
@@ -39,6 +39,34 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from ds4d.doctor import main as doctor_main
 
     return doctor_main(_loaded(args).config, as_json=args.json)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from ds4d.kernel import Kernel
+    from ds4d.models.deepseek_v4.calibrate import read_prompts, routing_counts, write_counts
+    from ds4d.registry import resolve
+
+    loaded = _loaded(args)
+    logging.basicConfig(level=loaded.config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kernel = Kernel(loaded)
+    model = kernel.load_model().model
+    if not hasattr(model, "routing_tally"):
+        print("ds4d: calibrate needs a DeepSeek-V4 model loaded in this process (no --gpus split)", file=sys.stderr)
+        return 2
+    encoder = resolve("chat_encoder", model.info.default_chat_encoder)(kernel.ctx, {}, model.tokenizer, model.info)
+
+    def render(messages):
+        from ds4d.contracts import ChatRenderRequest
+
+        return encoder.render(ChatRenderRequest(messages=tuple(messages))).token_ids
+
+    prompts = read_prompts(Path(args.prompts), model.tokenizer, render, max_tokens=args.max_prompt_tokens)
+    counts = routing_counts(model, prompts)
+    write_counts(Path(args.out), counts, model_name=model.info.name, prompts=len(prompts))
+    print(f"{len(prompts)} prompts, {sum(len(p) for p in prompts)} tokens: routing counts of "
+          f"{len(counts)} layers written to {args.out} (use expert_calibration = \"{args.out}\")")
+    return 0
 
 
 def cmd_plugins(args: argparse.Namespace) -> int:
@@ -89,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_cli_flags(doctor)
     doctor.add_argument("--json", action="store_true", help="print the checks as JSON")
     doctor.set_defaults(func=cmd_doctor)
+
+    calibrate = sub.add_parser("calibrate", help="DeepSeek-V4: expert routing counts of a prompt set, for the "
+                                                 "hot-expert placement (expert_calibration)")
+    add_cli_flags(calibrate)
+    calibrate.add_argument("--prompts", required=True, help=".jsonl of {prompt} or {messages}, or one prompt a line")
+    calibrate.add_argument("--out", required=True, help="where to write the counts (JSON)")
+    calibrate.add_argument("--max-prompt-tokens", type=int, default=8192, help="cut longer prompts (0 = no cut)")
+    calibrate.set_defaults(func=cmd_calibrate)
 
     plugins = sub.add_parser("plugins", help="list installed plugins")
     plugins.set_defaults(func=cmd_plugins)

@@ -57,6 +57,7 @@ class Config:
     expert_vram_gib: float = knob(0.0, "GPU memory for routed experts (device banks plus two staging banks); 0 keeps every expert on the device.", section="model")
     expert_placement: str = knob("online", "Hot-expert placement: static = chosen once at start; online = moved as routing statistics change.", section="model", choices=("static", "online"))
     expert_cpu_threads: int = knob(4, "Host threads that compute cold experts during decode.", section="model")
+    expert_calibration: str = knob("", "Routing counts written by `ds4d calibrate` that seed the hot-expert placement; empty = start from no counts.", section="model")
     expert_decode_cold: str = knob("auto", "Decode with cold experts: cpu = compute on the host, copy = stream them in, auto = whichever the bandwidths measured at start favour.", section="model", choices=("auto", "cpu", "copy"))
     # --- engine
     max_context: int = knob(0, "Longest prompt + output in tokens; 0 = the model's own limit.", section="engine")

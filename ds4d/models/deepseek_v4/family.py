@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ds4d.contracts import PluginContext
+from ds4d.models.deepseek_v4.calibrate import read_counts
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
@@ -71,12 +72,14 @@ def offload_options(config: Any, options: Mapping[str, Any]) -> OffloadOptions |
     vram_gib = float(knob("expert_vram_gib", 0) or 0)
     if vram_gib <= 0:
         return None
+    calibration_file = str(knob("expert_calibration", "") or "")
     return OffloadOptions(
         vram_bytes=int(vram_gib * 2**30),
         placement=str(knob("expert_placement", "online")),
         cpu_threads=int(knob("expert_cpu_threads", 4)),
         decode_cold=str(knob("expert_decode_cold", "auto")),
         mem_watermark_bytes=int(float(knob("mem_watermark_gib", 15)) * 2**30),
+        calibration=read_counts(calibration_file) if calibration_file else None,
     )
 
 

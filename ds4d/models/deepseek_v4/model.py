@@ -66,6 +66,8 @@ class DeepseekV4Model:
         self.rope_main, self.rope_compress = Rope.for_layers(cfg, self.device)
         self.cache: DeepseekV4Cache | None = None
         self.expert_offload = None  # an ExpertOffload (offload.py) when routed experts are split over device and host
+        self.routing_tally: torch.Tensor | None = None
+        """``[layers, experts]`` float32: when set, every routed (token, expert) pair adds one (calibrate.py)."""
         on_gpu = self.device.type == "cuda"
         self.fast_path = on_gpu
         self.use_graphs = on_gpu
@@ -278,7 +280,7 @@ class DeepseekV4Model:
         else:
             attend = partial(attention_forward, local_window=self.fast_path)
         fused = self.fast_path and self.fused_hc
-        offload = self.expert_offload
+        offload, tally = self.expert_offload, self.routing_tally
         for index, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache.layers)):
             x, post, comb = hc_pre(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, fused=fused)
             x = attend(rms_norm(x, layer.attn_norm, eps), step, layer.attn, layer_cache, cfg, self.rope_compress)
@@ -286,9 +288,11 @@ class DeepseekV4Model:
             x, post, comb = hc_pre(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, fused=fused)
             if offload is not None:
                 x = offload.moe_forward(index, rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn, cfg,
-                                        decode=isinstance(step, DecodeInputs))
+                                        decode=isinstance(step, DecodeInputs),
+                                        tally=None if tally is None else tally[index])
             else:
-                x = moe_forward(rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn, cfg, grouped=self.fast_path)
+                x = moe_forward(rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn, cfg, grouped=self.fast_path,
+                                tally=None if tally is None else tally[index])
             streams = hc_post(x, streams, post, comb)
         return streams
 

@@ -114,10 +114,19 @@ def _routed_grouped(
     return combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
 
 
+def tally_routing(tally: torch.Tensor | None, indices: torch.Tensor) -> None:
+    """Add one to ``tally[e]`` (a float ``[E]`` tensor) per (token, expert ``e``) pair; None: nothing."""
+    if tally is not None:
+        flat = indices.reshape(-1).to(tally.device)
+        tally.index_add_(0, flat, torch.ones(flat.shape[0], dtype=tally.dtype, device=tally.device))
+
+
 def moe_forward(
-    x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config, *, grouped: bool = False
+    x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config, *, grouped: bool = False,
+    tally: torch.Tensor | None = None,
 ) -> torch.Tensor:
     expert_weights, indices = route(x, token_ids, weights, cfg)
+    tally_routing(tally, indices)
     limit = cfg.swiglu_limit
     if grouped:
         shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit)

@@ -49,7 +49,7 @@ from ds4d.cuda.host_memory import (
     mem_available_bytes,
 )
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
-from ds4d.models.deepseek_v4.moe import _swiglu, combine_sorted, expert_ffn, route
+from ds4d.models.deepseek_v4.moe import _swiglu, combine_sorted, expert_ffn, route, tally_routing
 from ds4d.models.deepseek_v4.placement import PlacementPolicy, capacity_for_budget
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4
 from ds4d.models.deepseek_v4.weights import ExpertBank, ModelWeights, MoEWeights
@@ -163,6 +163,12 @@ class ExpertOffload:
         self.staging_bytes = 2 * stage_n * (self.device_expert_bytes + quantised_stage)
         capacity = capacity_for_budget(options.vram_bytes, self.device_expert_bytes, self.staging_bytes,
                                        self.layers * self.experts)
+        calibration = options.calibration
+        if calibration is not None and (len(calibration) != self.layers
+                                        or any(len(row) != self.experts for row in calibration)):
+            raise ValueError(f"expert calibration counts are {len(calibration)} layers x "
+                             f"{len(calibration[0]) if calibration else 0} experts; this model has "
+                             f"{self.layers} x {self.experts}")
         self.policy = PlacementPolicy(self.layers, self.experts, capacity, mode=options.placement,
                                       replan_tokens=options.replan_tokens, calibration=options.calibration)
         self.stats = [LayerStats() for _ in range(self.layers)]
@@ -265,10 +271,11 @@ class ExpertOffload:
 
     def moe_forward(
         self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config,
-        *, decode: bool = False,
+        *, decode: bool = False, tally: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``moe.moe_forward(grouped=True)`` with this layer's routed experts wherever they sit."""
         expert_weights, indices = route(x, token_ids, weights, cfg)
+        tally_routing(tally, indices)
         limit = cfg.swiglu_limit
         shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit)
         return self._routed(layer, x, expert_weights, indices, limit, decode) + shared
