@@ -15,7 +15,9 @@ Two ways to run the routed experts, with the same arithmetic per expert:
   token costs nothing.  The loop needs the routing on the host.
 * ``grouped=True`` (the GPU path): the (token, expert) pairs are sorted by
   expert and both projections run as one grouped matmul each over the whole
-  bank, the kernel reading each used expert's weights by offset; nothing waits
+  bank, the kernel reading each used expert's weights by offset; up to
+  ``moe_gemv.MAX_ROWS`` pairs (small-batch decode) a Triton GEMV per pair
+  reads its expert by index instead (``ds4d.cuda.moe_gemv``).  Nothing waits
   for the host, so a step can be captured in a CUDA graph.
 """
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ds4d.cuda import moe_gemv
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.weights import MoEWeights
 
@@ -61,9 +64,15 @@ def route(
     return chosen * cfg.routed_scaling_factor, indices
 
 
-def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor):
-    """Rows of ``x`` (sorted by expert, group ends ``offsets``) times their expert's ``weight [E, out, in]``."""
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor,
+                    step_rows: int):
+    """Rows of ``x`` (sorted by expert, group ends ``offsets``) times their expert's ``weight [E, out, in]``.
+
+    ``step_rows``: the (token, expert) rows of the whole MoE call this is part of; the kernel is
+    chosen by it, so every bank of one call (device, staging) uses the same arithmetic."""
     if x.is_cuda and x.dtype == torch.bfloat16:
+        if step_rows <= moe_gemv.MAX_ROWS and moe_gemv.available():  # a few rows: one GEMV per row
+            return moe_gemv.expert_rows(x, weight, expert_of_row)
         return _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
     # no grouped kernel for this device or dtype: one batched product over per-row weights
     if x.shape[0] == 1:  # bmm rounds a lone product differently; two keep each row's result independent of the batch
@@ -76,18 +85,20 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 
 def expert_ffn(
     rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offsets: torch.Tensor,
-    expert_of_row: torch.Tensor, limit: float,
+    expert_of_row: torch.Tensor, limit: float, *, step_rows: int | None = None,
 ) -> torch.Tensor:
     """SwiGLU of ``rows`` (sorted by expert; group ends ``offsets``) through a bank's experts.
 
-    Each row's result depends only on that row and its expert's weights, so any
-    split of the rows into banks (device, staging) gives the same rows back."""
-    hidden = _grouped_linear(rows, gate_up, offsets, expert_of_row)
+    Each row's result depends only on that row, its expert's weights and ``step_rows``
+    (all rows of the MoE call; default: these rows), so any split of one call's rows
+    into banks (device, staging) gives the same rows back."""
+    step_rows = rows.shape[0] if step_rows is None else step_rows
+    hidden = _grouped_linear(rows, gate_up, offsets, expert_of_row, step_rows)
     gate, up = hidden.chunk(2, dim=-1)
     if limit > 0:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
-    return _grouped_linear(F.silu(gate) * up, down, offsets, expert_of_row)
+    return _grouped_linear(F.silu(gate) * up, down, offsets, expert_of_row, step_rows)
 
 
 def combine_sorted(

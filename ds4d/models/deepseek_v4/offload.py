@@ -320,9 +320,9 @@ class ExpertOffload:
         if hot_rows:
             offsets = self._offsets([counts[e] for e in bank.ids], len(bank.ids), x.device)
             pieces.append(expert_ffn(rows[:hot_rows], bank.gate_up, bank.down, offsets, sorted_key[:hot_rows],
-                                     limit))
+                                     limit, step_rows=tokens * k))
         pieces.extend(self._staged(layer, copied, counts, rows[hot_rows:begin], sorted_key[hot_rows:begin] - base,
-                                   limit))
+                                   limit, tokens * k))
         if on_host:  # the device works through the launches above meanwhile
             began = time.perf_counter()
             pieces.append(self._host_experts(layer, on_host, counts, host_rows).to(x.device))
@@ -354,7 +354,7 @@ class ExpertOffload:
         stats.copied_experts += len(experts)
         stats.bytes_copied += len(experts) * self.host_expert_bytes
 
-    def _staged(self, layer, copied, counts, rows, slots, limit) -> list[torch.Tensor]:
+    def _staged(self, layer, copied, counts, rows, slots, limit, step_rows) -> list[torch.Tensor]:
         """Cold experts through the double-buffered staging banks, copy of batch j + 1 under compute of j."""
         size = self.stages[0].gate_up.shape[0]
         batches = [copied[at : at + size] for at in range(0, len(copied), size)]
@@ -375,7 +375,7 @@ class ExpertOffload:
             n = sum(counts[e] for e in batch)
             offsets = self._offsets([counts[e] for e in batch], size, rows.device)
             out.append(expert_ffn(rows[row : row + n], stage.gate_up, stage.down, offsets,
-                                  slots[row : row + n] - index * size, limit))
+                                  slots[row : row + n] - index * size, limit, step_rows=step_rows))
             stage.free = self.copier.compute_event()
             row += n
         return out
