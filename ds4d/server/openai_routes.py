@@ -107,9 +107,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
 
     def finished(g: Generation) -> None:  # before the last chunk goes out: the agent's next turn may follow at once
-        state.sessions.explain(session, previous, request_id=request_id, messages=messages, prompt_ids=prompt_ids,
-                               cached_tokens=g.usage.cached_tokens, cache_note=g.cache_note,
-                               exact=state.core.scheduler.cache.stateful)
+        if state.core.scheduler.prefix_reuse:  # (when it is off, the startup log said why, once)
+            state.sessions.explain(session, previous, request_id=request_id, messages=messages,
+                                   prompt_ids=prompt_ids, cached_tokens=g.usage.cached_tokens,
+                                   cache_note=g.cache_note, exact=state.core.scheduler.cache.stateful)
         state.sessions.remember(session, request_id, messages, rendered.text, prompt_ids, g.output_ids)
         if g.tool_error:
             state.malformed_tool_calls_total += 1
