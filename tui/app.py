@@ -14,6 +14,7 @@ from typing import ClassVar
 from textual.app import App, ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.css.query import NoMatches
 from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
 
@@ -146,7 +147,11 @@ class ConsoleApp(App[int]):
 
     def redraw(self) -> None:
         snapshot = self.state.snapshot
-        self.query_one("#experts").display = fields.present(snapshot, "experts")
+        try:
+            experts = self.query_one("#experts")
+        except NoMatches:  # a poll that ended while the app closes: its widgets are gone
+            return
+        experts.display = fields.present(snapshot, "experts")
         status = self.query_one(StatusLine)
         status.paused = self.paused
         status.refresh()
