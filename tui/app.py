@@ -146,12 +146,14 @@ class ConsoleApp(App[int]):
             self.redraw()
 
     def redraw(self) -> None:
-        snapshot = self.state.snapshot
         try:
-            experts = self.query_one("#experts")
-        except NoMatches:  # a poll that ended while the app closes: its widgets are gone
-            return
-        experts.display = fields.present(snapshot, "experts")
+            self._redraw()
+        except NoMatches:  # a poll that ended while the app closes: its widgets are (partly) gone
+            pass
+
+    def _redraw(self) -> None:
+        snapshot = self.state.snapshot
+        self.query_one("#experts").display = fields.present(snapshot, "experts")
         status = self.query_one(StatusLine)
         status.paused = self.paused
         status.refresh()
