@@ -187,6 +187,17 @@ class Kernel:
         self.on_shutdown.insert(0, lambda: asyncio.to_thread(core.flush_cache))  # before any model close
         served = cfg.served_model_name or _served_name(loaded_model.path)
         sessions = SessionMemory(model.tokenizer, block_size=info.block_size_tokens)
+        disk = next((t for t in cache.tiers if t.stats().get("persistent") and getattr(t, "root", None)), None)
+        if disk is not None:  # sessions survive a restart next to the disk tier's blocks (same model only)
+            sessions_file = Path(disk.root) / "sessions.json"
+            if loaded_sessions := sessions.load(sessions_file):
+                log.info("session memory: %d sessions read from %s", loaded_sessions, sessions_file)
+
+            async def save_sessions() -> None:
+                saved = await asyncio.to_thread(sessions.save, sessions_file)
+                log.info("session memory: %d sessions written to %s", saved, sessions_file)
+
+            self.on_shutdown.append(save_sessions)
         self.state = ServingState(self.loaded, info, model.tokenizer, encoder, reasoning, tools, core, client,
                                   served, max_context, plugins, sessions)
         return self.state

@@ -25,6 +25,11 @@ reuse whole blocks), a record says where the new prompt diverged (message
 index and role, token offset, a short excerpt of both sides) or, when it did
 not, what the prefix cache said.  Records are logged and the latest are kept
 for ``/v1/ds4d/stats``.
+
+With a disk cache tier, a graceful shutdown writes each session's latest turn
+next to the tier's blocks (``sessions.json``; tenants as digests of their cache
+salt, never the API key) and the next start reads it back, so a restarted
+daemon still resumes an agent's session at the end of its last reply.
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ds4d.contracts import Tokenizer
@@ -45,6 +52,8 @@ log = logging.getLogger("ds4d.sessions")
 SESSION_HEADERS = ("x-session-id", "x-session-affinity")
 EXCERPT_TOKENS = 12
 EXCERPT_CHARS = 80
+FILE_FORMAT = "ds4d-sessions"
+FILE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -93,10 +102,12 @@ class SessionMemory:
 
     @staticmethod
     def key(headers: Mapping[str, str], salt: str) -> tuple[str, str]:
+        """(digest of the cache salt, session id): the salt holds the API key, which is never kept."""
+        tenant = hashlib.sha256(salt.encode()).hexdigest()[:32] if salt else ""
         for name in SESSION_HEADERS:
             if headers.get(name):
-                return salt, headers[name][:128]
-        return salt, ""
+                return tenant, headers[name][:128]
+        return tenant, ""
 
     def last(self, key: tuple[str, str]) -> Turn | None:
         turns = self._sessions.get(key)
@@ -199,6 +210,52 @@ class SessionMemory:
 
     def _excerpt(self, ids: Sequence[int]) -> str:
         return self._decode(ids[:EXCERPT_TOKENS])[:EXCERPT_CHARS]
+
+    # ------------------------------------------------------------------ persistence
+
+    def save(self, path: Path) -> int:
+        """Write each session's latest turn to ``path`` (temporary file, then rename); sessions written."""
+        sessions = []
+        for (tenant, session), turns in self._sessions.items():
+            t = turns[0]
+            sessions.append({"tenant": tenant, "session": session, "request_id": t.request_id,
+                             "messages": [list(m) for m in t.messages], "prompt_text": t.prompt_text,
+                             "prompt_ids": t.prompt_ids.tolist(), "output_text": t.output_text,
+                             "output_ids": t.output_ids.tolist()})
+        tmp = path.with_suffix(".tmp")
+        try:
+            tmp.write_text(json.dumps({"format": FILE_FORMAT, "version": FILE_VERSION, "sessions": sessions}))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("cannot write session memory to %s: %s", path, exc)
+            tmp.unlink(missing_ok=True)
+            return 0
+        return len(sessions)
+
+    def load(self, path: Path) -> int:
+        """Read what :meth:`save` wrote (oldest session first); a damaged file is deleted and logged."""
+        if not path.exists():
+            return 0
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if data.get("format") != FILE_FORMAT or data.get("version") != FILE_VERSION:
+                raise ValueError("not a ds4d session file of this version")
+            turns = []
+            for item in data["sessions"]:
+                turn = Turn(str(item["request_id"]), tuple((str(r), str(d)) for r, d in item["messages"]),
+                            str(item["prompt_text"]), array("l", item["prompt_ids"]), str(item["output_text"]),
+                            array("l", item["output_ids"]))
+                turns.append(((str(item["tenant"]), str(item["session"])), turn))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("session memory %s: deleting: %s", path, exc)
+            path.unlink(missing_ok=True)
+            return 0
+        for key, turn in turns:
+            self._sessions[key] = deque([turn], maxlen=self.turns_per_session)
+            self._sessions.move_to_end(key)
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+        return len(turns)
 
     def stats(self) -> dict:
         return {"tracked": len(self._sessions), "prompts_continued_total": self.continued_total,

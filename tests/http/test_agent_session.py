@@ -132,6 +132,7 @@ def test_session_survives_a_restart_through_the_disk_tier(tmp_path):
     finally:
         assert d.stop() == 0
     assert any("state checkpoints written" in line for line in d.log_lines), d.log
+    assert any("session memory: 1 sessions written" in line for line in d.log_lines), d.log
 
     restarted = Daemon(*args)
     try:
@@ -139,9 +140,8 @@ def test_session_survives_a_restart_through_the_disk_tier(tmp_path):
         follow = [*body["messages"], message, *follow_up(message, 1)]
         _, usage = stream_step(client, body, follow, SESSION)
         by_tier = usage.model_dump()["ds4d"]["cached_tokens_by_tier"]
-        # a new process has no session memory: the replayed reply is re-tokenised, so reuse reaches at
-        # least the end of the first prompt (its checkpoint and blocks came back from disk)
-        assert usage.prompt_tokens_details.cached_tokens >= first.prompt_tokens, usage
+        # blocks, the checkpoint at the end of the reply and the session memory all came back from disk
+        assert usage.prompt_tokens_details.cached_tokens == first.prompt_tokens + first.completion_tokens - 1, usage
         assert by_tier["disk"] >= first.prompt_tokens // 128 * 128 and by_tier["gpu"] < 128, by_tier
     finally:
         restarted.stop()

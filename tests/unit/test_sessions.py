@@ -92,10 +92,26 @@ def test_sessions_of_other_salts_or_ids_are_not_used(tok, encoder):
         assert got.reused_tokens == 0 and got.token_ids == second.token_ids
 
 
-def test_session_key_prefers_the_session_header():
-    assert SessionMemory.key({"x-session-id": "abc", "x-session-affinity": "zzz"}, "salt") == ("salt", "abc")
+def test_session_key_prefers_the_session_header_and_never_keeps_the_salt():
+    tenant, session = SessionMemory.key({"x-session-id": "abc", "x-session-affinity": "zzz"}, "sk-secret\x00")
+    assert session == "abc" and "secret" not in tenant and len(tenant) == 32
     assert SessionMemory.key({"x-session-affinity": "zzz"}, "") == ("", "zzz")
-    assert SessionMemory.key({}, "salt") == ("salt", "")
+    assert SessionMemory.key({}, "sk-secret\x00") == (tenant, "")
+    assert SessionMemory.key({}, "sk-other\x00")[0] != tenant
+
+
+def test_saved_sessions_continue_after_a_restart(tok, encoder, tmp_path):
+    memory = SessionMemory(tok, block_size=128)
+    messages, prompt, output = first_turn(tok, encoder, memory)
+    path = tmp_path / "sessions.json"
+    assert memory.save(path) == 1 and not (tmp_path / "sessions.tmp").exists()
+    restarted = SessionMemory(tok, block_size=128)
+    assert restarted.load(path) == 1
+    second = render(encoder, [*messages, {"role": "assistant", "content": REPLY}, {"role": "user", "content": "?"}])
+    got = restarted.tokenize(("", "s1"), second.text, second.token_ids)
+    assert got.reused_tokens == len(prompt.token_ids) + len(output)
+    path.write_text('{"format": "ds4d-sessions", "version": 1, "sessions": [{"tenant": 1}]}')
+    assert SessionMemory(tok, block_size=128).load(path) == 0 and not path.exists()  # damaged: deleted
 
 
 def test_miss_names_the_changed_message(tok, encoder):
