@@ -91,8 +91,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     rendered = _render(state, body.messages, body.tools, body.chat_template_kwargs, body.reasoning_effort)
     salt = _salt(request, body)
     session = state.sessions.key(request.headers, salt)
-    previous = state.sessions.last(session)
     prompt_ids = state.sessions.tokenize(session, rendered.text, rendered.token_ids).token_ids
+    previous = state.sessions.closest(session, prompt_ids)
     max_tokens = state.output_budget(len(prompt_ids), body.output_limit())
     state.check_queue_room(len(prompt_ids))
     top = body.top_logprobs or 0

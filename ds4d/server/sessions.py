@@ -113,6 +113,16 @@ class SessionMemory:
         turns = self._sessions.get(key)
         return turns[0] if turns else None
 
+    def closest(self, key: tuple[str, str], prompt_ids: Sequence[int]) -> Turn | None:
+        """The remembered turn this prompt continues furthest (the latest on a tie): the one a miss is
+        measured against, so a side request of the same session (e.g. a title) is not taken for it."""
+        best, best_len = None, -1
+        for turn in self._sessions.get(key, ()):  # latest first
+            common = _common_prefix([*turn.prompt_ids, *turn.output_ids], prompt_ids)
+            if common > best_len:
+                best, best_len = turn, common
+        return best
+
     # ------------------------------------------------------------------ tokenisation
 
     def tokenize(self, key: tuple[str, str], text: str, plain_ids: Sequence[int]) -> Tokenized:

@@ -148,3 +148,16 @@ def test_full_reuse_is_not_a_miss_and_cache_losses_are_explained(tok, encoder):
     record = memory.explain(("", "s1"), previous, request_id="r3", messages=nxt, prompt_ids=ids, cached_tokens=0,
                             cache_note="block 0 was evicted from the ram tier", exact=True)
     assert record["diverged_at_token"] is None and "evicted" in record["reason"]
+
+
+def test_a_side_request_of_the_session_is_not_taken_for_the_previous_turn(tok, encoder):
+    memory = SessionMemory(tok, block_size=16)
+    messages, _prompt, _output = first_turn(tok, encoder, memory)
+    title = render(encoder, [{"role": "user", "content": "Write a title for this conversation."}])
+    memory.remember(("", "s1"), "title", [{"role": "user", "content": "t"}], title.text, title.token_ids,
+                    tok.encode("Sorting"))
+    nxt = [*messages, {"role": "assistant", "content": REPLY}, {"role": "user", "content": "Go on."}]
+    new = render(encoder, nxt)
+    ids = memory.tokenize(("", "s1"), new.text, new.token_ids).token_ids
+    assert memory.last(("", "s1")).request_id == "title"
+    assert memory.closest(("", "s1"), ids).request_id == "r1"
