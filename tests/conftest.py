@@ -1,4 +1,4 @@
-"""Session-wide test setup.
+"""Session-wide test setup and shared fixtures.
 
 Without a CUDA device, Triton kernels run in Triton's CPU interpreter, which
 must be chosen before Triton is first imported (tests/unit/test_moe_gemv.py).
@@ -8,7 +8,18 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matrices: one intra-op thread is several times faster than two contending.
+    Modules of tiny-model tests use it with ``pytest.mark.usefixtures("one_torch_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

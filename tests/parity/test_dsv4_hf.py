@@ -36,13 +36,8 @@ CONFIGS = {
 PROMPT = "The quick brown fox jumps over the lazy dog; DeepSeek-V4 parity check number "
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: one intra-op thread is several times faster than two contending."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

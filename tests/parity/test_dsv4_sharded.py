@@ -29,6 +29,9 @@ RELATIVE_TOLERANCE = 1e-4  # of the largest |logit|
 PROCESS_TIMEOUT_S = 150
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
 class Driver:
     """Hands out state slots and block ids the way the engine's block manager does."""
 
@@ -134,13 +137,6 @@ def _rank0(path: str, ranks: int, layout: str, fast_path: bool, result: str) -> 
         model.close()
     torch.save(out, result)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

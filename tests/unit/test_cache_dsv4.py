@@ -25,8 +25,10 @@ from ds4d.engine.runner import ModelRunner
 from ds4d.engine.sampler import Sampler
 from ds4d.engine.scheduler import Scheduler
 from ds4d.plugins.scheduler_fcfs import FcfsPolicy
-from tests.unit.test_dsv4_model import _one_thread, _tokens, checkpoint, model  # noqa: F401 - fixtures
+from tests.unit.test_dsv4_model import _tokens, checkpoint, model  # noqa: F401 - fixtures
 from tests.unit.test_engine import req, run
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_v4_block_copy_round_trip(model):  # noqa: F811

@@ -29,13 +29,8 @@ from ds4d.models.deepseek_v4.loader import (
 REFERENCE = Path("/work/shared/reference/dsv4")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: one intra-op thread is several times faster than two contending."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 
 @pytest.fixture(scope="module")

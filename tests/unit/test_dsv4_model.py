@@ -24,13 +24,8 @@ from ds4d.models.deepseek_v4 import DeepseekV4Family, write_tiny_checkpoint
 TOLERANCE = 2e-4  # absolute, on logits of unit scale
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matrices: one intra-op thread is several times faster than two contending."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 
 class Driver:

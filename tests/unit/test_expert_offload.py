@@ -21,12 +21,8 @@ from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
 LAYERS = [0, 4, 128, 4]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 
 @pytest.fixture(scope="module")
