@@ -279,11 +279,11 @@ class Kernel:
     async def _listen(self, lifecycle) -> int:
         from aiohttp import web
 
-        from ds4d.server.app import build_app
+        from ds4d.server.app import ApiRunner, build_app
 
         # a client that disconnects cancels its handler, which aborts its request in the engine
-        self._runner = web.AppRunner(build_app(lifecycle), access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=SERVER_CLOSE_TIMEOUT_S)
+        self._runner = ApiRunner(build_app(lifecycle), access_log=None, handler_cancellation=True,
+                                 shutdown_timeout=SERVER_CLOSE_TIMEOUT_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port)
         await site.start()

@@ -8,8 +8,11 @@ added in ``on_response_prepare`` so streams and errors carry them too.
 from __future__ import annotations
 
 import hmac
+import re
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.web_protocol import RequestHandler
 
 from ds4d.config import Config
 from ds4d.server import admin, openai_routes
@@ -17,7 +20,7 @@ from ds4d.server.errors import ApiError, error_middleware, error_response
 from ds4d.server.state import API_KEY, LIFECYCLE, Lifecycle, ServingState
 
 OPEN_PATHS = frozenset({"/health", "/openapi.json"})
-MAX_HEADER_BYTES = 16384  # one header line or value; more gets aiohttp's 400 before any route
+MAX_HEADER_BYTES = 16384  # the request line, one header line or value; more gets 414/431 before any route
 CORS_METHODS = "GET, POST, OPTIONS"
 CORS_MAX_AGE_S = "600"
 
@@ -70,6 +73,57 @@ class Cors:
         if self.allowed(origin):
             response.headers["Access-Control-Allow-Origin"] = origin
             response.headers["Vary"] = "Origin"
+
+
+def _parser_error(status: int, exc: BaseException | None) -> ApiError:
+    """The JSON error for a request aiohttp answered itself: one its HTTP parser refused, or one whose
+    handler raised past the error middleware.  Bounded: at most the first line of the parser's reason."""
+    if isinstance(exc, LineTooLong):
+        line = bytes(exc.args[0]) if exc.args else b""
+        # the C parser reports the request target it was reading, the pure-Python one the whole line
+        if line.startswith(b"/") or re.match(rb"[A-Z]+ ", line):
+            return ApiError(414, f"the request line is longer than {MAX_HEADER_BYTES} bytes",
+                            code="request_uri_too_long")
+        return ApiError(431, f"a request header line or value is longer than {MAX_HEADER_BYTES} bytes",
+                        code="request_header_too_large")
+    if isinstance(exc, HttpProcessingError):
+        if exc.message == "Too many headers received":
+            return ApiError(431, "too many request headers", code="request_header_too_large")
+        first_line = exc.message.splitlines()[0] if exc.message else "unparsable request"
+        return ApiError(400, f"malformed HTTP request: {first_line[:200]}", code="bad_request")
+    if status == 504:
+        return ApiError(504, "request handler timed out", type="server_error", code="timeout")
+    if status >= 500:
+        return ApiError(status, "internal server error", type="server_error", code="internal_error")
+    return ApiError(status, "bad request", code="bad_request")
+
+
+class JsonErrorRequestHandler(RequestHandler):
+    """aiohttp answers a request its HTTP parser refuses (header or request line over the limits,
+    bad request line, invalid header characters) in ``handle_error`` with plain text, before any
+    route or middleware runs.  This keeps its logging and connection closing, and answers with the
+    API's OpenAI-shaped JSON error instead."""
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logs; raises if a response was already sent
+        resp = error_response(_parser_error(status, exc))
+        resp.force_close()
+        return resp
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return JsonErrorRequestHandler(self, loop=self._loop, **self._kwargs)
+
+
+class ApiRunner(web.AppRunner):
+    """``web.AppRunner`` whose connections use :class:`JsonErrorRequestHandler`."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer  # the same server, only its protocol factory differs
+        return server
 
 
 def load_api_keys(api_keys: tuple[str, ...], api_key_file: str) -> tuple[str, ...]:
