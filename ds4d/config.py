@@ -53,7 +53,7 @@ class Config:
     compile_decode: bool = knob(False, "DeepSeek-V4 on CUDA: decode steps through torch.compile inside the CUDA graphs (about 1.6x faster at batch 1; each new batch/context bucket compiles once, tens of seconds, on first use).", section="model")
     gpus: str = knob("", "Split one DeepSeek-V4 model over several processes: GPU indices such as 0,1,2,3 (one process per GPU, NCCL), or cpu:N for N CPU processes over gloo; empty = one process on `device`.", section="model")
     parallel_layout: str = knob("auto", "How `gpus` share the model: auto (widest expert parallelism whose groups are NVLink cliques), ep (experts split), pp (layers split), or SxE such as 2x2 (S layer stages of E expert-parallel GPUs).", section="model")
-    weight_format: str = knob("auto", "Weights of quantised GGUF tensors: dense = dequantise to the activation dtype; int4 = keep 4-bit blocks and multiply with int4 kernels (less memory, faster decode on CPU); auto = int4 for Q4_0/Q4_1 files on the CPU, dense otherwise.", section="model", choices=("auto", "dense", "int4"))
+    weight_format: str = knob("auto", "Weights of quantised tensors: dense = dequantise to the activation dtype at load; int4 = GGUF Q4_0/Q4_1 blocks kept and multiplied with int4 kernels (less memory, faster decode on CPU); native = DeepSeek-V4 FP8 linears and MXFP4 experts kept as stored and multiplied by Triton kernels that read those bytes (CUDA, bfloat16); auto = int4 for Q4_0/Q4_1 files on the CPU, native for DeepSeek-V4 in bfloat16 on CUDA, dense otherwise.", section="model", choices=("auto", "dense", "int4", "native"))
     expert_vram_gib: float = knob(0.0, "GPU memory for routed experts (device banks plus two staging banks); 0 keeps every expert on the device.", section="model")
     expert_placement: str = knob("online", "Hot-expert placement: static = chosen once at start; online = moved as routing statistics change.", section="model", choices=("static", "online"))
     expert_cpu_threads: int = knob(4, "Host threads that compute cold experts during decode.", section="model")
@@ -72,6 +72,7 @@ class Config:
     cache_ram_gib: float = knob(4.0, "Host-RAM tier budget in GiB (pinned memory with CUDA); 0 = off. Shed when MemAvailable falls below mem_watermark_gib.", section="cache")
     cache_disk_dir: str = knob("", "Directory of the disk tier (one file per block, kept across restarts); empty = off.", section="cache")
     cache_disk_gib: float = knob(64.0, "Disk tier budget in GiB.", section="cache")
+    cache_disk_read_ahead_gib: float = knob(1.0, "Host memory in GiB for disk-tier blocks read in the background for requests waiting to be admitted (reads in flight or loaded, not yet promoted); past it a block is read on the engine thread at admission. 0 = every disk read on the engine thread.", section="cache")
     cache_checkpoints: int = knob(64, "State checkpoints kept at request boundaries for models with per-sequence state (DeepSeek-V4); 0 = no prefix reuse for them.", section="cache")
     # --- plugins
     chat_encoder: str = knob("auto", "ChatEncoder plugin; auto = the model family's default.", section="plugins")
@@ -235,7 +236,7 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"config knob {name!r} must be positive")
     if config.mem_floor_gib > config.mem_watermark_gib:
         raise ConfigError("mem_floor_gib must not exceed mem_watermark_gib")
-    for name in ("cache_ram_gib", "cache_disk_gib", "cache_checkpoints"):
+    for name in ("cache_ram_gib", "cache_disk_gib", "cache_disk_read_ahead_gib", "cache_checkpoints"):
         if getattr(config, name) < 0:
             raise ConfigError(f"config knob {name!r} must not be negative")
     if config.step_tokens < config.max_num_seqs:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -364,6 +365,32 @@ class DemotingCacheTier(CacheTier, Protocol):
 
 
 @runtime_checkable
+class ReadAheadCacheTier(CacheTier, Protocol):
+    """A tier whose reads are slow (disk), read ahead of the promotion that needs them.
+
+    The engine thread asks for the blocks a waiting request would promote
+    (``read_ahead``), keeps stepping the running requests while a thread of the
+    tier reads them (file read and integrity check), and admits the request once
+    every future is done; the promotion's ``get`` then takes the loaded payload
+    without touching the disk.  ``get`` stays correct on its own: a block read
+    ahead but not finished is waited for, one never read ahead is read at once.
+    A block that fails its check is a miss at ``get`` (deleted and logged there),
+    exactly as without read-ahead.  Called from the engine thread only.
+    """
+
+    def read_ahead(self, key: bytes) -> Future | None:
+        """Start loading ``key`` in the background, or join the load already started.
+
+        The future is done when ``get`` will answer without reading the disk.
+        None when no background read is needed or possible: the block is unknown
+        or already in memory, reads ahead are off, or the bytes held by reads
+        ahead are at their cap (``get`` then reads it synchronously)."""
+
+    def cancel_read(self, key: bytes) -> None:
+        """Drop a read ahead that ``get`` did not take (in flight or loaded); its memory is freed."""
+
+
+@runtime_checkable
 class BlockCopyModel(Protocol):
     """A model whose KV blocks can be copied out of and into its pool.
 
@@ -371,9 +398,11 @@ class BlockCopyModel(Protocol):
     opaque to the engine, of equal size for every block of one model, and only
     ever imported into the same model (same compatibility hash).  With a GPU,
     ``import_blocks`` may return before the copy ends provided the next
-    :meth:`Model.forward` observes it (a copy stream plus an event the forward
-    waits on), which overlaps promotions with compute; ``export_blocks`` returns
-    complete host copies (the pool block may be overwritten right after).
+    :meth:`Model.forward` observes it (a ``non_blocking`` copy from pinned memory
+    on the compute stream, as the built-in models do, or a copy stream plus an
+    event the forward waits on), so the engine thread does not wait for
+    promotions; ``export_blocks`` returns complete host copies (the pool block
+    may be overwritten right after).
     """
 
     def export_blocks(self, block_ids: Sequence[int]) -> list[Any]:

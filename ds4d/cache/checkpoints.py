@@ -95,9 +95,10 @@ class CheckpointStore:
                 del self._by_anchor[anchor]
 
     def find(self, token_ids: Sequence[int], keys: Sequence[bytes], root: bytes, *, max_full_blocks: int,
-             max_tokens: int) -> Checkpoint | None:
+             max_tokens: int, touch: bool = True) -> Checkpoint | None:
         """The checkpoint reaching furthest into ``token_ids`` using at most ``max_full_blocks``
-        of its leading (already verified) blocks and at most ``max_tokens`` tokens."""
+        of its leading (already verified) blocks and at most ``max_tokens`` tokens.  With
+        ``touch`` (a lookup that uses it) it becomes the most recently used and is counted."""
         bs = self.block_size
         for j in range(min(max_full_blocks, len(keys)), -1, -1):
             anchor = keys[j - 1] if j else root
@@ -112,8 +113,9 @@ class CheckpointStore:
                 if best is None or len(tail) > len(best):
                     best = tail
             if best is not None:
-                self._items.move_to_end((anchor, best))
-                self.used += 1
+                if touch:
+                    self._items.move_to_end((anchor, best))
+                    self.used += 1
                 return self._items[(anchor, best)]
         return None
 

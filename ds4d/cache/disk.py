@@ -27,9 +27,20 @@ indexes the block at once and queues it; until its file is in place, ``get``
 serves it from the queued payload and ``evict`` simply drops it.  At most
 ``max_pending_bytes`` wait at a time; past that ``put`` writes synchronously.
 ``close`` (at shutdown) waits until every queued block is on disk.
+
 At start, leftover ``.tmp`` files are removed and the index is rebuilt from the
 headers (least recently used first, by modification time); a hit refreshes the
 file's modification time, so the LRU order survives a restart.
+
+Reads of blocks a waiting request will promote run on reader threads of the
+tier too (``read_ahead``, on by default; ``ReadAheadCacheTier``): a thread
+reads the file and checks its header and checksum, and the promotion's ``get``
+then only compares the token ids and takes the payload.  At most
+``max_read_bytes`` (config ``cache_disk_read_ahead_gib``) are held by reads in
+flight or loaded and not yet taken; past that ``read_ahead`` declines and
+``get`` reads the file itself.  A damaged file found by a reader is deleted and
+logged by the ``get`` that takes the result, as a damaged file read
+synchronously is.
 """
 
 from __future__ import annotations
@@ -42,6 +53,8 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +69,17 @@ FORMAT_VERSION = 1
 HEADER = struct.Struct("<8sHH32s32sIQ32s")
 
 log = logging.getLogger("ds4d.cache.disk")
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """One block file read and checked (by a reader thread or the engine thread)."""
+
+    tokens: list[int] | None = None
+    payload: bytes | None = None
+    file_bytes: int = 0
+    problem: str | None = None
+    """Why the file cannot be served (it is then deleted and logged by ``get``)."""
 
 
 class DiskTier:
@@ -83,6 +107,19 @@ class DiskTier:
         self._pending_bytes = 0
         self._queue: queue.Queue[bytes | None] = queue.Queue()
         self._writer: threading.Thread | None = None
+        if "max_read_bytes" in options:
+            self.max_read_bytes = int(options["max_read_bytes"])
+        else:
+            self.max_read_bytes = int(float(option(ctx, options, "read_ahead_gib", "cache_disk_read_ahead_gib", 1.0))
+                                      * GIB)
+        if not options.get("background_reads", True):
+            self.max_read_bytes = 0
+        self.read_threads = int(options.get("read_threads", 2))
+        self._readers: ThreadPoolExecutor | None = None
+        self._reads: dict[bytes, tuple[Future[_Loaded], int]] = {}  # key -> (read ahead, bytes reserved)
+        self._read_reserved = 0  # bytes of reads ahead in flight or loaded (under self._lock)
+        self.reads_ahead_done = 0
+        self.read_ahead_bytes = 0
         if not directory:
             self.budget_bytes = 0
             return
@@ -253,33 +290,84 @@ class DiskTier:
             self._index.move_to_end(key)
             self.bytes_out += size
             return bytes(payload_view(payload))
+        ahead = self._reads.pop(key, None)
+        if ahead is not None:  # read ahead: done, unless the caller did not wait for it
+            loaded = ahead[0].result()
+            self._unreserve(ahead[1])
+        else:
+            loaded = self._load(key)
         path = self._path(key)
-        try:
-            raw = path.read_bytes()
-        except OSError as exc:
-            self._drop(key, path, f"unreadable ({exc})")
+        if loaded.problem is not None:
+            self._drop(key, path, loaded.problem)
             return None
-        problem = self._check_header(raw[:HEADER.size], key, len(raw))
-        if problem is None:
-            _, _, _, _, _, ntokens, _, checksum = HEADER.unpack(raw[:HEADER.size])
-            body = memoryview(raw)[HEADER.size:]
-            if hashlib.sha256(body).digest() != checksum:
-                problem = "checksum mismatch"
-        if problem is not None:
-            self._drop(key, path, problem)
-            return None
-        stored = np.frombuffer(body[:4 * ntokens], dtype="<i4")
-        if ntokens != len(token_ids) or stored.tolist() != list(token_ids):
+        if loaded.tokens != list(token_ids):
             return None  # a hash collision: the file is fine, it just holds other tokens
         self._index.move_to_end(key)
         try:
             os.utime(path)
         except OSError:
             pass
-        self.bytes_out += len(raw)
-        return bytes(body[4 * ntokens:])
+        self.bytes_out += loaded.file_bytes
+        return loaded.payload
+
+    def _load(self, key: bytes) -> _Loaded:
+        """Read one block file and check it (any thread: touches no index)."""
+        try:
+            raw = self._path(key).read_bytes()
+        except OSError as exc:
+            return _Loaded(problem=f"unreadable ({exc})")
+        problem = self._check_header(raw[:HEADER.size], key, len(raw))
+        if problem is not None:
+            return _Loaded(problem=problem)
+        _, _, _, _, _, ntokens, _, checksum = HEADER.unpack(raw[:HEADER.size])
+        body = memoryview(raw)[HEADER.size:]
+        if hashlib.sha256(body).digest() != checksum:
+            return _Loaded(problem="checksum mismatch")
+        tokens = np.frombuffer(body[:4 * ntokens], dtype="<i4").tolist()
+        return _Loaded(tokens, bytes(body[4 * ntokens:]), len(raw))
+
+    # ------------------------------------------------------------------ reads ahead
+
+    def read_ahead(self, key: bytes) -> Future[_Loaded] | None:
+        """Start reading ``key``'s file on a reader thread (``ReadAheadCacheTier``)."""
+        ahead = self._reads.get(key)
+        if ahead is not None:
+            return ahead[0]
+        size = self._index.get(key)
+        if size is None or self.max_read_bytes <= 0:
+            return None
+        with self._lock:
+            if key in self._pending or self._read_reserved + size > self.max_read_bytes:
+                return None  # served from the write queue, or over the cap: get reads it
+            self._read_reserved += size
+        if self._readers is None:
+            self._readers = ThreadPoolExecutor(self.read_threads, thread_name_prefix="ds4d-disk-read")
+        future = self._readers.submit(self._load_ahead, key)
+        self._reads[key] = (future, size)
+        return future
+
+    def _load_ahead(self, key: bytes) -> _Loaded:
+        loaded = self._load(key)
+        with self._lock:
+            self.reads_ahead_done += 1
+            self.read_ahead_bytes += loaded.file_bytes
+        return loaded
+
+    def cancel_read(self, key: bytes) -> None:
+        """Drop a read ahead nobody will take; its bytes count against the cap until it ends."""
+        ahead = self._reads.pop(key, None)
+        if ahead is None:
+            return
+        future, size = ahead
+        future.cancel()
+        future.add_done_callback(lambda _: self._unreserve(size))
+
+    def _unreserve(self, size: int) -> None:
+        with self._lock:
+            self._read_reserved -= size
 
     def _drop(self, key: bytes, path: Path, why: str) -> None:
+        self.cancel_read(key)
         self.bytes -= self._index.pop(key, 0)
         self._discard(path, why)
 
@@ -291,6 +379,7 @@ class DiskTier:
         while freed < nbytes and self._index:
             key, size = self._index.popitem(last=False)
             self._forget_pending(key)
+            self.cancel_read(key)
             self._path(key).unlink(missing_ok=True)
             freed += size
             self.bytes -= size
@@ -307,7 +396,12 @@ class DiskTier:
         return [CacheEntry(key, (), None) for key in self._index]
 
     def close(self) -> None:
-        """Finish the queued writes and stop the writer thread."""
+        """Drop the reads ahead, finish the queued writes, stop the tier's threads."""
+        for key in list(self._reads):
+            self.cancel_read(key)
+        if self._readers is not None:
+            self._readers.shutdown(wait=True, cancel_futures=True)
+            self._readers = None
         if self._writer is not None and self._writer.is_alive():
             self._queue.put(None)
             self._writer.join()
@@ -317,4 +411,6 @@ class DiskTier:
         return {"bytes": self.bytes, "blocks": len(self._index), "budget_bytes": self.budget_bytes,
                 "evictions": self.evictions, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
                 "damaged_files": self.damaged, "persistent": True, "pending_writes": len(self._pending),
+                "pending_reads": len(self._reads), "background_reads": self.reads_ahead_done,
+                "background_read_bytes": self.read_ahead_bytes,
                 "directory": str(self.root) if self.root else ""}

@@ -14,6 +14,13 @@ state, saves and loads state (:class:`~ds4d.contracts.StatefulModel`).
 * **Promotion**: blocks found below the pool get fresh pool blocks and are
   copied in; they stay in the tier that served them (inclusive tiers), so a
   later eviction costs no copy.
+* **Reads ahead** (``prefetch``): before a waiting sequence is admitted, the
+  blocks it would promote from a slow tier (disk,
+  :class:`~ds4d.contracts.ReadAheadCacheTier`) are read on that tier's threads;
+  the scheduler leaves the sequence waiting, and keeps stepping the running
+  ones, until every read is done, then admits it through ``acquire``, whose
+  promotion takes the loaded payloads.  Reads wanted by no waiting sequence any
+  more (admitted, aborted, or now found higher up) are cancelled.
 * **Demotion**: a block evicted from the pool is copied out before its new
   owner's forward step and stored in the first lower tier; what that tier
   evicts goes to the next; what the last tier evicts is gone.
@@ -30,6 +37,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +47,7 @@ import torch
 from ds4d.cache.blocks import BlockPool, PrefixMatch
 from ds4d.cache.checkpoints import Checkpoint, CheckpointStore, load_checkpoints, save_checkpoints
 from ds4d.cache.tiers import GpuTier
-from ds4d.contracts import BlockCopyModel, CacheTier, DemotingCacheTier, StatefulModel
+from ds4d.contracts import BlockCopyModel, CacheTier, DemotingCacheTier, ReadAheadCacheTier, StatefulModel
 
 log = logging.getLogger("ds4d.cache")
 
@@ -102,6 +110,10 @@ class PrefixCache:
         self._pending: list[tuple[bytes, tuple[int, ...], Any]] = []
         self._dropped: OrderedDict[bytes, str] = OrderedDict()  # key -> tier it was last evicted from
         self._first_block_salts: OrderedDict[bytes, set[str]] = OrderedDict()
+        self.reads_ahead = any(isinstance(t, ReadAheadCacheTier) for t in self.tiers)
+        self._reads_of: dict[str, dict[bytes, tuple[ReadAheadCacheTier, Future]]] = {}  # owner -> its reads
+        self._read_owners: dict[bytes, set[str]] = {}  # key read ahead -> waiting owners
+        self.promotions_completed = 0
 
     def _checkpoint_file(self) -> tuple[Path, bytes] | None:
         """Where the persistent tier keeps state checkpoints across restarts (path, compat hash)."""
@@ -128,23 +140,8 @@ class PrefixCache:
                 slot: int) -> Reuse:
         """Take every reusable leading block for a new sequence (state loaded into ``slot``)."""
         bs = self.block_size
-        limit = min((len(token_ids) - 1) // bs, len(keys))
         self._note_first_block(token_ids, salt)
-        gpu = self.pool.match(token_ids, keys[:limit])
-        found: list[int] = []  # index into self.tiers, per block after the pool's
-        for i in range(gpu.num_blocks, limit):
-            where = next((t for t, tier in enumerate(self.tiers) if tier.contains(keys[i])), None)
-            if where is None:
-                break
-            found.append(where)
-        available = gpu.num_blocks + len(found)
-        ckpt = None
-        if self.stateful:
-            ckpt = self.checkpoints.find(token_ids, keys, self.root(namespace), max_full_blocks=available,
-                                         max_tokens=len(token_ids) - 1)
-            use = ckpt.full_blocks if ckpt else 0
-        else:
-            use = available
+        gpu, found, limit, ckpt, use = self._walk(token_ids, keys, namespace)
         lookups = self._count(gpu.num_blocks, found, limit)
         shared = gpu.block_ids[:use]
         self.pool.acquire(PrefixMatch(shared, list(keys[:len(shared)])))
@@ -171,6 +168,26 @@ class PrefixCache:
         num_tokens = ckpt.num_tokens if ckpt is not None else len(blocks) * bs
         why = self._explain(token_ids, keys, limit, num_tokens, salt)
         return Reuse(blocks, num_tokens, {k: v for k, v in by_tier.items() if v}, lookups, why)
+
+    def _walk(self, token_ids: Sequence[int], keys: Sequence[bytes], namespace: bytes, *,
+              touch: bool = True) -> tuple[PrefixMatch, list[int], int, Checkpoint | None, int]:
+        """Where the prompt's leading blocks are: the pool's match, then per further block the
+        index of the first lower tier holding it; the block limit; the checkpoint (stateful
+        models); and how many leading blocks are worth taking."""
+        limit = min((len(token_ids) - 1) // self.block_size, len(keys))
+        gpu = self.pool.match(token_ids, keys[:limit])
+        found: list[int] = []  # index into self.tiers, per block after the pool's
+        for i in range(gpu.num_blocks, limit):
+            where = next((t for t, tier in enumerate(self.tiers) if tier.contains(keys[i])), None)
+            if where is None:
+                break
+            found.append(where)
+        available = gpu.num_blocks + len(found)
+        if not self.stateful:
+            return gpu, found, limit, None, available
+        ckpt = self.checkpoints.find(token_ids, keys, self.root(namespace), max_full_blocks=available,
+                                     max_tokens=len(token_ids) - 1, touch=touch)
+        return gpu, found, limit, ckpt, ckpt.full_blocks if ckpt else 0
 
     def commit(self, reuse: Reuse) -> None:
         """Account a lookup whose sequence was admitted (a sequence sent back to wait for
@@ -203,6 +220,8 @@ class PrefixCache:
                 payload = tier.get(keys[i], tokens)
                 if payload is not None:
                     break
+            if payload is not None and keys[i] in self._read_owners:
+                self.promotions_completed += 1
             if payload is None:
                 break
             payloads.append(payload)
@@ -218,6 +237,47 @@ class PrefixCache:
         if unused:
             self.pool.release(unused)
         return fresh[:len(payloads)], blank
+
+    # ------------------------------------------------------------------ reads ahead
+
+    def prefetch(self, owner: str, token_ids: Sequence[int], keys: Sequence[bytes], namespace: bytes) -> bool:
+        """Start background reads of the blocks a waiting sequence (``owner``) would promote from
+        a tier that reads ahead; True when none of them is still in flight (admit it now)."""
+        if not self.reads_ahead:
+            return True
+        gpu, found, _, _, use = self._walk(token_ids, keys, namespace, touch=False)
+        wanted: dict[bytes, tuple[ReadAheadCacheTier, Future]] = {}
+        for n, t in enumerate(found[:max(0, use - gpu.num_blocks)]):
+            tier, key = self.tiers[t], keys[gpu.num_blocks + n]
+            if isinstance(tier, ReadAheadCacheTier) and (future := tier.read_ahead(key)) is not None:
+                wanted[key] = (tier, future)
+        before = self._reads_of.pop(owner, {})
+        for key in wanted:
+            self._read_owners.setdefault(key, set()).add(owner)
+        if wanted:
+            self._reads_of[owner] = wanted
+        for key in before.keys() - wanted.keys():
+            self._unwant(owner, key, before[key][0])
+        return all(future.done() for _, future in wanted.values())
+
+    def release_reads(self, owner: str) -> None:
+        """``owner`` was admitted or removed: cancel its reads ahead that nobody else waits for
+        (those its promotion took are gone already)."""
+        for key, (tier, _) in self._reads_of.pop(owner, {}).items():
+            self._unwant(owner, key, tier)
+
+    def _unwant(self, owner: str, key: bytes, tier: ReadAheadCacheTier) -> None:
+        owners = self._read_owners.get(key)
+        if owners is None:
+            return
+        owners.discard(owner)
+        if not owners:
+            del self._read_owners[key]
+            tier.cancel_read(key)
+
+    def reading(self, owner: str) -> bool:
+        """``owner`` waits for a read ahead still in flight."""
+        return any(not future.done() for _, future in self._reads_of.get(owner, {}).values())
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -386,8 +446,13 @@ class PrefixCache:
             looked = c["hits"] + c["misses"]
             tiers[name] = {**s, "hits": c["hits"], "misses": c["misses"], "cached_tokens": c["tokens"],
                            "hit_rate": round(c["hits"] / looked, 4) if looked else 0.0}
+        promotions = {"pending_blocks": len(self._read_owners),
+                      "waiting_requests": sum(self.reading(owner) for owner in list(self._reads_of)),
+                      "completed_blocks": self.promotions_completed,
+                      "background_read_bytes": sum(tiers[t.name].get("background_read_bytes", 0)
+                                                   for t in self.tiers if isinstance(t, ReadAheadCacheTier))}
         return {"tiers": tiers, "last_miss": self.last_miss, "cached_tokens_total": self.cached_tokens_total,
-                "dropped_blocks_total": self.dropped_total,
+                "dropped_blocks_total": self.dropped_total, "promotions": promotions,
                 "checkpoints": {"count": len(self.checkpoints), "saved": self.checkpoints.saved,
                                 "used": self.checkpoints.used} if self.stateful else None}
 

@@ -249,7 +249,7 @@ class EngineCore:
         for seq in list(self._seqs.values()):
             uncomputed_prompt = max(0, seq.num_prompt_tokens - max(seq.num_computed_tokens, seq.cached_tokens))
             if seq.state_slot is None:
-                phase = "queued"
+                phase = "reading" if self.scheduler.cache.reading(seq.request_id) else "queued"
             elif not seq.output_ids:
                 phase = "prefill"
             else:

@@ -13,6 +13,9 @@ everything that guarantees progress lives here:
   preempt/restart loop can starve everyone.
 * A request that could never fit (more tokens than the whole pool) is refused
   by :meth:`Scheduler.check_fits` before it is queued.
+* A waiting request whose cached prefix is being read from disk in the
+  background (:meth:`PrefixCache.prefetch`) is skipped until the reads are
+  done; the running requests and the requests behind it go on meanwhile.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._free_slots = list(range(max_num_seqs - 1, -1, -1))
         self.preemptions_total = 0
+        self._waiting_keys: dict[str, list[bytes]] = {}
+        """Block keys of waiting sequences already looked up (their tokens do not change while waiting)."""
 
     # ------------------------------------------------------------------ queue
 
@@ -111,6 +116,7 @@ class Scheduler:
         if checkpoint:
             self._checkpoint(seq)
         self._release(seq)
+        self._forget_lookup(seq)
         seq.status = SeqStatus.FINISHED
 
     @property
@@ -139,6 +145,8 @@ class Scheduler:
             for seq in self.policy.order_waiting(self.waiting):
                 if budget == 0 or len(self.running) >= self.max_num_seqs:
                     break
+                if not self._prefix_ready(seq):
+                    continue  # its cached prefix is still being read from disk
                 reuse = self._admit(seq)
                 n = min(seq.num_uncomputed_tokens, self.prefill_chunk, budget)
                 if not self._grow(seq, seq.num_computed_tokens + n, None):
@@ -165,6 +173,23 @@ class Scheduler:
         logits_tokens = n if wants_prompt else (1 if sample else 0)
         return ScheduledChunk(seq, start, n, sample, logits_tokens)
 
+    def _keys(self, seq: Sequence) -> list[bytes]:
+        keys = self._waiting_keys.get(seq.request_id)
+        if keys is None:
+            keys = block_keys(seq.all_token_ids, self.pool.block_size, self._namespace(seq))
+            self._waiting_keys[seq.request_id] = keys
+        return keys
+
+    def _prefix_ready(self, seq: Sequence) -> bool:
+        """Start background reads of the sequence's prefix blocks; True once none is in flight."""
+        if not self.prefix_reuse or seq.request.params.prompt_logprobs is not None:
+            return True
+        return self.cache.prefetch(seq.request_id, seq.all_token_ids, self._keys(seq), self._namespace(seq))
+
+    def _forget_lookup(self, seq: Sequence) -> None:
+        self._waiting_keys.pop(seq.request_id, None)
+        self.cache.release_reads(seq.request_id)
+
     def _admit(self, seq: Sequence) -> Reuse | None:
         """Move from waiting to running: state slot plus any prefix-cache hit (returned)."""
         tokens = seq.all_token_ids
@@ -179,8 +204,8 @@ class Scheduler:
             self.cache.note_miss(note)
         else:
             namespace = self._namespace(seq)
-            keys = block_keys(tokens, self.pool.block_size, namespace)
-            reuse = self.cache.acquire(tokens, keys, namespace, seq.request.cache_salt, seq.state_slot)
+            reuse = self.cache.acquire(tokens, self._keys(seq), namespace, seq.request.cache_salt, seq.state_slot)
+        self._forget_lookup(seq)
         seq.block_ids = list(reuse.block_ids) if reuse else []
         seq.num_computed_tokens = reuse.num_tokens if reuse else 0
         if not seq.output_ids:

@@ -240,7 +240,12 @@ class LlamaModel:
         return [block.reshape(-1).view(torch.uint8).clone() for block in blocks]
 
     def import_blocks(self, block_ids: Sequence[int], payloads: Sequence[Any]) -> None:
-        """``BlockCopyModel``: write payloads made by :meth:`export_blocks` back into the pool."""
+        """``BlockCopyModel``: write payloads made by :meth:`export_blocks` back into the pool.
+
+        With CUDA the payloads are gathered into one pinned buffer and copied without a host
+        sync (``non_blocking``) on the current stream, so the pool writes and the next forward
+        are ordered after the copy while this thread goes on; the caching host allocator keeps
+        the buffer until the copy is done."""
         if len(block_ids) != len(payloads):
             raise ValueError(f"{len(block_ids)} block ids for {len(payloads)} payloads")
         if not block_ids:
@@ -256,8 +261,11 @@ class LlamaModel:
             if raw.numel() != self.info.cache_bytes_per_block:
                 raise ValueError(f"payload of {raw.numel()} bytes, expected {self.info.cache_bytes_per_block}")
             rows.append(raw.view(self.dtype).view(2 * hp.n_layers, BLOCK_SIZE_TOKENS, hp.n_kv_heads, hp.head_dim))
-        blocks = torch.stack(rows).to(self.device)
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        pinned = self.device.type == "cuda"
+        staged = torch.stack(rows, out=torch.empty((len(rows), *rows[0].shape), dtype=self.dtype, pin_memory=pinned))
+        index = torch.tensor(list(block_ids), dtype=torch.long, pin_memory=pinned)
+        blocks = staged.to(self.device, non_blocking=True)
+        index = index.to(self.device, non_blocking=True)
         for layer, (k_pool, v_pool) in enumerate(zip(self._k_cache, self._v_cache)):
             k_pool.index_copy_(0, index, blocks[:, 2 * layer])
             v_pool.index_copy_(0, index, blocks[:, 2 * layer + 1])

@@ -156,6 +156,14 @@ async def metrics(request: web.Request) -> web.Response:
     metric("kv_blocks_free", "gauge", "KV blocks free or evictable.", s["kv"]["free_blocks"])
     metric("prefix_cache_hits_total", "counter", "Requests that reused cached blocks.", s["cache"]["hits"])
     metric("prefix_cache_misses_total", "counter", "Requests that reused nothing.", s["cache"]["misses"])
+    promotions = s["cache"]["promotions"]
+    metric("cache_promotions_pending", "gauge",
+           "Blocks read from disk in the background for waiting requests, not yet promoted.",
+           promotions["pending_blocks"])
+    metric("cache_promotions_completed_total", "counter",
+           "Blocks promoted into the KV pool after a background disk read.", promotions["completed_blocks"])
+    metric("cache_background_read_bytes_total", "counter", "Bytes read from the disk tier in the background.",
+           promotions["background_read_bytes"])
     tier_metric = {"hits": ("counter", "Blocks served by the tier."),
                    "misses": ("counter", "Block lookups that reached the tier and missed."),
                    "bytes_in": ("counter", "Bytes written into the tier."),

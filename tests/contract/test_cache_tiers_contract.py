@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from ds4d.contracts import CacheEntry, DemotingCacheTier, PluginContext
+from ds4d.contracts import CacheEntry, DemotingCacheTier, PluginContext, ReadAheadCacheTier
 from ds4d.registry import available
 
 CTX = PluginContext(config=types.SimpleNamespace(device="cpu"), log=logging.getLogger("t"))
@@ -69,4 +69,24 @@ def test_budget_and_evict(tmp_path):
             evicted = tier.take_evicted()
             assert all(isinstance(e, CacheEntry) for e in evicted)
             assert evicted[-1].key == stored[-1] and tier.take_evicted() == [], name
+            tier.close()
+
+
+def test_read_ahead_then_get_is_exact(tmp_path):
+    data = bytes(range(256)) * 2
+    for name, tier in tiers(tmp_path):
+        if not isinstance(tier, ReadAheadCacheTier):
+            continue
+        key, other = bytes([7]) * 32, bytes([8]) * 32
+        assert tier.read_ahead(key) is None, name            # unknown block: nothing to read
+        if not (tier.put(key, [1, 2, 3], data) and tier.put(other, [4], data)):
+            continue
+        future = tier.read_ahead(key)
+        if future is not None:
+            future.result(30)
+        assert as_bytes(tier.get(key, [1, 2, 3])) == data, name
+        tier.read_ahead(other)
+        tier.cancel_read(other)                              # dropped: get still answers, exactly
+        assert as_bytes(tier.get(other, [4])) == data, name
+        if isinstance(tier, DemotingCacheTier):
             tier.close()

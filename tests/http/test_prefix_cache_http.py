@@ -93,7 +93,12 @@ def test_evicted_prompt_comes_back_from_ram_and_disk_then_survives_restart(disk_
         resp, by_tier = ask(c, prompt(TOPICS[0]))
         assert resp.choices[0].message.content == reply
         assert by_tier["disk"] >= resp.usage.prompt_tokens - 16 - 16 and by_tier["gpu"] == 0, by_tier
-        assert stats(restarted)["tiers"]["disk"]["hits"] > 0
+        s = stats(restarted)
+        assert s["tiers"]["disk"]["hits"] > 0
+        # the disk blocks were read on the tier's reader threads, then promoted
+        assert s["promotions"]["completed_blocks"] == s["tiers"]["disk"]["hits"], s["promotions"]
+        assert s["promotions"]["pending_blocks"] == 0 and s["promotions"]["background_read_bytes"] > 0
+        assert "ds4d_cache_promotions_completed_total" in metrics(restarted)
     finally:
         restarted.stop()
 

@@ -71,9 +71,9 @@ def test_ram_budget_from_config_gib():
 
 
 def disk(tmp_path, budget=10_000, compat=b"model-a", background=False) -> DiskTier:
-    """Synchronous writes by default, so a test can look at the files right after put()."""
+    """Synchronous writes and reads by default, so a test can look at the files right after put()."""
     return DiskTier(None, {"directory": str(tmp_path), "budget_bytes": budget, "compat_hash": compat,
-                           "background_writes": background})
+                           "background_writes": background, "background_reads": background})
 
 
 def file_of(tier: DiskTier, k: bytes):
@@ -192,6 +192,57 @@ def test_background_writes_fall_back_to_synchronous_past_the_queue_cap(tmp_path)
     d = DiskTier(None, {"directory": str(tmp_path), "budget_bytes": 10_000, "compat_hash": b"model-a",
                         "max_pending_bytes": 0})
     assert d.put(key(1), [1], payload(1)) and file_of(d, key(1)).exists() and d.stats()["pending_writes"] == 0
+
+
+def test_read_ahead_loads_off_thread_and_get_takes_it(tmp_path, monkeypatch):
+    d = disk(tmp_path)
+    d.put(key(1), [1, 2], payload(1))
+    d.put(key(2), [3, 4], payload(2))
+    size = HEADER.size + 8 + 100
+    d.max_read_bytes = 10 * size                          # reads ahead on; both files are written
+    gate = threading.Event()
+    load = DiskTier._load_ahead
+
+    def held_load(self, k):
+        gate.wait(10)
+        return load(self, k)
+
+    monkeypatch.setattr(DiskTier, "_load_ahead", held_load)
+    first = d.read_ahead(key(1))
+    assert first is not None and not first.done() and d.read_ahead(key(1)) is first
+    assert d.read_ahead(bytes(32)) is None                # unknown: nothing to read
+    second = d.read_ahead(key(2))
+    assert d.stats()["pending_reads"] == 2 and d._read_reserved == 2 * size
+    d.cancel_read(key(2))
+    assert d.stats()["pending_reads"] == 1 and second is not None
+    gate.set()
+    assert d.get(key(1), [1, 2]) == payload(1)            # taken from the read ahead
+    s = d.stats()
+    assert s["pending_reads"] == 0 and s["bytes_out"] == size
+    assert s["background_reads"] >= 1 and s["background_read_bytes"] >= size
+    assert d.get(key(2), [3, 4]) == payload(2)            # cancelled: read at once, still exact
+    d.read_ahead(key(1)).result(10)
+    assert d.get(key(1), [1, 9]) is None and file_of(d, key(1)).exists()  # other tokens: a miss
+    d.close()                                             # waits for the reader threads
+    assert d._read_reserved == 0
+
+
+def test_read_ahead_declines_past_the_cap_and_for_queued_writes(tmp_path, monkeypatch):
+    d = disk(tmp_path)
+    d.put(key(1), [1], payload(1))
+    d.put(key(2), [2], payload(2))
+    assert d.read_ahead(key(1)) is None                   # reads ahead off (background=False)
+    d.max_read_bytes = HEADER.size + 4 + 100              # room for one block
+    assert d.read_ahead(key(1)) is not None and d.read_ahead(key(2)) is None
+    assert d.get(key(2), [2]) == payload(2)               # read synchronously
+    d.evict(1)                                            # key 1 (LRU) goes, its read ahead with it
+    assert d.stats()["pending_reads"] == 0
+    d.close()
+    assert d._read_reserved == 0
+    w = disk(tmp_path / "w", background=True)
+    monkeypatch.setattr(DiskTier, "_start_writer", lambda self: None)
+    w.put(key(3), [3], payload(3))                        # queued for a writer that never runs
+    assert w.read_ahead(key(3)) is None and w.get(key(3), [3]) == payload(3)
 
 
 def test_disk_off_without_directory():

@@ -162,7 +162,12 @@ class DeepseekV4Cache:
         return [host[i].clone() for i in range(len(block_ids))]
 
     def import_blocks(self, block_ids: Sequence[int], payloads: Sequence[Any]) -> None:
-        """Write payloads made by :meth:`export_blocks` into the given blocks."""
+        """Write payloads made by :meth:`export_blocks` into the given blocks.
+
+        With CUDA the payloads are gathered into one pinned buffer and copied without a host
+        sync (``non_blocking``) on the current stream, so the pool writes and the next forward
+        are ordered after the copy while the engine thread goes on; the caching host allocator
+        keeps the buffer until the copy is done."""
         if len(block_ids) != len(payloads):
             raise ValueError(f"{len(block_ids)} block ids for {len(payloads)} payloads")
         if not block_ids:
@@ -179,8 +184,11 @@ class DeepseekV4Cache:
         if not pools:
             return
         device = pools[0].device
-        rows = torch.stack(raw).to(device, non_blocking=True)
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+        pinned = device.type == "cuda"
+        staged = torch.stack(raw, out=torch.empty((len(raw), width), dtype=torch.uint8, pin_memory=pinned))
+        index = torch.tensor(list(block_ids), dtype=torch.long, pin_memory=pinned)
+        rows = staged.to(device, non_blocking=True)
+        index = index.to(device, non_blocking=True)
         offset = 0
         for pool in pools:
             size = pool[0].numel() * pool.element_size()
