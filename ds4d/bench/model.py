@@ -61,6 +61,11 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", action="store_true", help="decode steps through torch.compile (inside the graphs)")
     p.add_argument("--profile", action="store_true",
                    help="only profile decode at batch 1 (1K context) per path: time and kernels per step, top kernels")
+    p.add_argument("--native", action="store_true",
+                   help="FP8 linears and MXFP4 experts as the release stores them (weight_format native)")
+    p.add_argument("--kernels", action="store_true",
+                   help="first time the FP8/MXFP4 weight kernels against bf16 at Flash shapes")
+    p.add_argument("--sweep", action="store_true", help="first time the candidate tile settings of the FP8/MXFP4 kernels; use the best")
     p.add_argument("--json", default="", help="also write the results here")
     p.add_argument("--expert-gpu-fraction", default="",
                    help="e.g. 1,0.5,0.25: share of routed experts kept on the device, the rest in pinned host RAM "
@@ -114,14 +119,21 @@ def measure_ceilings(torch, device) -> tuple[float, float]:
 
 
 class Floors:
-    """BENCH.md's floors for one model, from its issued tensors (bf16 bytes: 2 per parameter)."""
+    """BENCH.md's floors for one model, from its issued tensors: 2 bytes per parameter, except
+    with ``native`` weights, where FP8 linears take 1 byte (plus a float32 scale per 128 x 128)
+    and MXFP4 experts 17/32 of a byte."""
 
-    def __init__(self, cfg, issued, bandwidth: float, matmul: float) -> None:
+    def __init__(self, cfg, issued, bandwidth: float, matmul: float, native: bool = False) -> None:
+        from ds4d.models.deepseek_v4.random_init import FP8_IN_RELEASE
+
         self.cfg, self.bandwidth, self.matmul = cfg, bandwidth, matmul
-        dense = sum(t.numel() for n, t in issued.items() if ".experts." not in n and not n.endswith("tid2eid"))
-        self.dense_params = dense - issued["embed.weight"].numel() + cfg.hidden_size  # one embedding row
+        dense = {n: t.numel() for n, t in issued.items() if ".experts." not in n and not n.endswith("tid2eid")}
+        self.dense_params = sum(dense.values()) - issued["embed.weight"].numel() + cfg.hidden_size  # one row
+        fp8 = sum(v for n, v in dense.items() if native and FP8_IN_RELEASE.search(n))
+        self.dense_bytes = 2 * self.dense_params - fp8 * (1 - 4 / 128**2)
         self.head_params = issued["head.weight"].numel()
         self.expert_params = 3 * cfg.moe_intermediate_size * cfg.hidden_size
+        self.expert_bytes = self.expert_params * (17 / 32 if native else 2)
         self.shared_params = sum(t.numel() for n, t in issued.items() if ".shared_experts." in n)
 
     def _kv_bytes(self, context: int) -> float:
@@ -138,7 +150,7 @@ class Floors:
         cfg = self.cfg
         experts, k = cfg.n_routed_experts, cfg.num_experts_per_tok
         used = experts * (1 - (1 - k / experts) ** batch)  # expected distinct experts per layer
-        step = 2 * (self.dense_params + cfg.num_hidden_layers * used * self.expert_params)
+        step = self.dense_bytes + cfg.num_hidden_layers * used * self.expert_bytes
         step += batch * self._kv_bytes(context)
         return batch * self.bandwidth / step
 
@@ -146,7 +158,7 @@ class Floors:
         cfg = self.cfg
         active = self.dense_params - self.head_params + cfg.num_hidden_layers * cfg.num_experts_per_tok * self.expert_params
         flops_s = 2 * active * tokens / self.matmul
-        all_bytes = 2 * (self.dense_params + cfg.num_hidden_layers * cfg.n_routed_experts * self.expert_params)
+        all_bytes = self.dense_bytes + cfg.num_hidden_layers * cfg.n_routed_experts * self.expert_bytes
         return tokens / max(flops_s, all_bytes / self.bandwidth)
 
 
@@ -228,7 +240,7 @@ def build(torch, args, device):
     data.pop("quantization_config", None)
     cfg = DeepseekV4Config.from_dict(data, name="random-v4")
     dtype = getattr(torch, args.dtype)
-    reader = RandomReader(cfg, dtype=dtype, device=device, seed=args.seed)
+    reader = RandomReader(cfg, dtype=dtype, device=device, seed=args.seed, native=args.native)
     weights = read_weights(reader)
     model = DeepseekV4Model(cfg, weights, tokenizer=None, dtype=dtype, device=device)
     hf, hf_note = None, "skipped"
@@ -272,9 +284,20 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     bandwidth, matmul = measure_ceilings(torch, device)
     _say(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s (read + write), bf16 matmul {matmul / 1e12:.0f} TFLOP/s")
+    if args.sweep or args.kernels:
+        from ds4d.bench.kernels import run_kernels, sweep
+        from ds4d.cuda import quant_matmul
+
+        if args.sweep:
+            quant_matmul.TUNING.update(sweep(torch, device, _say))
+            _say(f"tuning: {json.dumps(quant_matmul.TUNING)}")
+        if args.kernels:
+            kernel_rows = run_kernels(torch, device, _say)
+            if args.json:
+                Path(args.json).with_suffix(".kernels.json").write_text(json.dumps(kernel_rows, indent=1))
     t0 = time.perf_counter()
     cfg, reader, model, hf, hf_note = build(torch, args, device)
-    floors = Floors(cfg, reader.issued, bandwidth, matmul)
+    floors = Floors(cfg, reader.issued, bandwidth, matmul, native=args.native)
     if args.compile:
         model.compile_decode()
     _say(f"built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}, HF {hf_note}, "
@@ -394,7 +417,7 @@ def _print_table(rows, cfg, args, device, bandwidth, matmul, hf_note, check) -> 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     _say()
     _say(f"# ds4d bench model — random V4 ({cfg.hidden_size} wide, {cfg.n_routed_experts} experts, layers "
-         f"{list(cfg.compress_ratios)}), {args.dtype}, {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+         f"{list(cfg.compress_ratios)}), {args.dtype}{' with FP8 linears + MXFP4 experts as stored' if args.native else ''}, {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     _say(f"# ceilings measured: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
          f"HF {hf_note}; {check}")
     _say(f"# decode: {args.decode_tokens} greedy tokens per sequence after the prompt; tok/s = all sequences")

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ds4d.models.deepseek_v4.cache import LayerCache
 from ds4d.models.deepseek_v4.compressor import compress_chunk, gather_entries, project, store_entries
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
-from ds4d.models.deepseek_v4.ops import Rope, apply_rope, rms_norm, unweighted_rms_norm
+from ds4d.models.deepseek_v4.ops import Rope, apply_rope, linear, rms_norm, unweighted_rms_norm
 from ds4d.models.deepseek_v4.weights import AttentionWeights, IndexerWeights
 
 
@@ -81,7 +81,7 @@ def _indexer_mask(
 ) -> torch.Tensor:
     """Additive mask ``[n, E]``: 0 on the top-k causal entries each query picks, -inf elsewhere."""
     n, count = x.shape[0], keys.shape[0]
-    q = F.linear(q_residual, indexer.wq_b).view(n, cfg.index_n_heads, cfg.index_head_dim)
+    q = linear(q_residual, indexer.wq_b).view(n, cfg.index_n_heads, cfg.index_head_dim)
     q = apply_rope(q, *cos_sin)
     scores = torch.relu(torch.einsum("nhd,ed->nhe", q.float(), keys.float())) * cfg.index_head_dim**-0.5
     head_weights = F.linear(x, indexer.weights_proj).float() * cfg.index_n_heads**-0.5
@@ -260,10 +260,10 @@ def project_qkv(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [T, D]`` -> (query residual ``[T, q_lora_rank]``, roped queries ``[T, H, d]``, roped KV ``[T, d]``)."""
     eps = cfg.rms_norm_eps
-    q_residual = rms_norm(F.linear(x, weights.wq_a), weights.q_norm, eps)
-    q = F.linear(q_residual, weights.wq_b).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
+    q_residual = rms_norm(linear(x, weights.wq_a), weights.q_norm, eps)
+    q = linear(q_residual, weights.wq_b).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
     q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)
-    kv = apply_rope(rms_norm(F.linear(x, weights.wkv), weights.kv_norm, eps), cos, sin)
+    kv = apply_rope(rms_norm(linear(x, weights.wkv), weights.kv_norm, eps), cos, sin)
     return q_residual, q, kv
 
 
@@ -276,4 +276,4 @@ def project_out(
     grouped = out.reshape(out.shape[0], groups, -1).transpose(0, 1)  # [G, T, k]
     wo_a = weights.wo_a.view(groups, cfg.o_lora_rank, -1).transpose(1, 2)  # [G, k, r]
     low_rank = torch.bmm(grouped, wo_a).transpose(0, 1).flatten(1)
-    return F.linear(low_rank, weights.wo_b)
+    return linear(low_rank, weights.wo_b)

@@ -31,7 +31,7 @@ from ds4d.models.deepseek_v4.attention import project_out, project_qkv
 from ds4d.models.deepseek_v4.cache import CompressorState, LayerCache
 from ds4d.models.deepseek_v4.compressor import project
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
-from ds4d.models.deepseek_v4.ops import Rope, apply_rope, rms_norm
+from ds4d.models.deepseek_v4.ops import Rope, apply_rope, linear, rms_norm
 from ds4d.models.deepseek_v4.weights import AttentionWeights, CompressorWeights, IndexerWeights
 
 
@@ -109,7 +109,7 @@ def _indexer_pick(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The lightning indexer's top-k entry ids ``[B, k]`` and whether each is a real, visible entry."""
     batch, count = x.shape[0], index_keys.shape[1]
-    q = F.linear(q_residual, indexer.wq_b).view(batch, cfg.index_n_heads, cfg.index_head_dim)
+    q = linear(q_residual, indexer.wq_b).view(batch, cfg.index_n_heads, cfg.index_head_dim)
     q = apply_rope(q, *cos_sin)
     scores = torch.relu(torch.bmm(q.float(), index_keys.float().transpose(1, 2))) * cfg.index_head_dim**-0.5
     head_weights = F.linear(x, indexer.weights_proj).float() * cfg.index_n_heads**-0.5

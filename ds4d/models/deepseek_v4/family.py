@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ds4d.contracts import PluginContext
+from ds4d.cuda import quant_matmul
 from ds4d.models.deepseek_v4.calibrate import read_counts
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
@@ -44,15 +45,27 @@ def load_tokenizer(path: Path):
     return deepseek_v4_tokenizer()
 
 
+def native_weights(weight_format: str, dtype: torch.dtype, device: str) -> bool:
+    """Whether FP8 linears and MXFP4 experts stay as stored (``weight_format``: auto | dense | native)."""
+    usable = torch.device(device).type == "cuda" and dtype == torch.bfloat16 and quant_matmul.available()
+    if weight_format == "native" and not usable:
+        raise ValueError(f"weight_format native needs a CUDA device, bfloat16 and Triton (here: {device}, {dtype})")
+    if weight_format not in ("auto", "dense", "native"):
+        raise ValueError(f"weight_format {weight_format!r}: DeepSeek-V4 takes auto, dense or native")
+    return weight_format == "native" or (weight_format == "auto" and usable)
+
+
 def load_model(
-    path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", offload: OffloadOptions | None = None
+    path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", offload: OffloadOptions | None = None,
+    weight_format: str = "auto",
 ) -> DeepseekV4Model:
     """Load a checkpoint; with ``offload``, routed experts go to host RAM and the device keeps the hot ones."""
     path = Path(path)
     cfg = DeepseekV4Config.from_file(path)
     checkpoint = SafetensorsCheckpoint(path)
     try:
-        reader = WeightReader(checkpoint, cfg, dtype=dtype, device=device)
+        reader = WeightReader(checkpoint, cfg, dtype=dtype, device=device,
+                              native=native_weights(weight_format, dtype, device))
         reader.check_complete()
         weights = read_weights(reader, expert_device="cpu" if offload is not None else None)
     finally:
@@ -106,13 +119,15 @@ class DeepseekV4Family:
         device = str(getattr(self.ctx.config, "device", "cpu"))
         self.ctx.log.info("loading DeepSeek-V4 checkpoint %s (%s on %s)", path, dtype, device)
         offload = offload_options(self.ctx.config, self.options)
-        model = load_model(path, dtype=dtype, device=device, offload=offload)
+        weight_format = str(getattr(self.ctx.config, "weight_format", "auto"))
+        model = load_model(path, dtype=dtype, device=device, offload=offload, weight_format=weight_format)
         self.ctx.log.info(
-            "loaded %s: %d layers, ratios %s, %.1f MiB of parameters",
+            "loaded %s: %d layers, ratios %s, %.1f MiB of parameters (%s weights)",
             model.info.name,
             model.cfg.num_hidden_layers,
             list(model.cfg.compress_ratios),
             model.info.parameter_bytes / 2**20,
+            "FP8/MXFP4 as stored" if model.native_weights else "decoded",
         )
         if getattr(self.ctx.config, "compile_decode", False) and model.device.type == "cuda":
             model.compile_decode()

@@ -283,11 +283,14 @@ class WeightReader:
         cfg: DeepseekV4Config,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        native: bool = False,
     ) -> None:
         self.checkpoint = checkpoint
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
+        self.native = native
+        """Keep FP8 linears and MXFP4 experts as stored (``weights.Fp8Weight``, ``Mxfp4Matrices``)."""
         self.stored = {
             stored_to_reference_name(name): name for name in checkpoint.names() if not name.startswith("mtp.")
         }
@@ -328,6 +331,22 @@ class WeightReader:
         except ValueError as error:
             raise CheckpointError(f"tensor {name!r}: {error}") from error
         return weight.float() * scale.float()  # a float weight with a plain multiplier
+
+    def fp8(self, name: str):
+        """An FP8 linear with 128 x 128 block scales as stored (``weights.Fp8Weight``), or None when
+        ``name`` is stored any other way."""
+        from ds4d.models.deepseek_v4.weights import Fp8Weight
+
+        scale_name = name[: -len("weight")] + "scale"
+        if (scale_name not in self.stored or self.block != (128, 128)
+                or self.checkpoint.dtype_of(self.stored[name]) != "F8_E4M3"):
+            return None
+        weight, scale = self._get(name), self._get(scale_name)
+        rows, cols = -(-weight.shape[0] // 128), -(-weight.shape[1] // 128)
+        if tuple(scale.shape) != (rows, cols):
+            raise CheckpointError(f"tensor {name!r}: scale shape {tuple(scale.shape)} does not match "
+                                  f"weight {tuple(weight.shape)}")
+        return Fp8Weight.from_stored(weight.to(self.device), scale.to(self.device), self.dtype)
 
     def index(self, name: str) -> torch.Tensor:
         """An integer table (``gate.tid2eid``) as int64."""

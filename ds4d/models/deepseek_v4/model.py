@@ -41,7 +41,7 @@ from ds4d.models.deepseek_v4.decode import DecodeInputs, decode_attention
 from ds4d.models.deepseek_v4.hyper import hc_head, hc_post, hc_pre
 from ds4d.models.deepseek_v4.moe import moe_forward
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
-from ds4d.models.deepseek_v4.weights import ModelWeights
+from ds4d.models.deepseek_v4.weights import Fp8Weight, ModelWeights
 
 
 class DeepseekV4Model:
@@ -65,6 +65,9 @@ class DeepseekV4Model:
             weights.head = weights.head.to(torch.bfloat16)  # same values, half the bytes read per token
         self.rope_main, self.rope_compress = Rope.for_layers(cfg, self.device)
         self.cache: DeepseekV4Cache | None = None
+        self.native_weights = any(isinstance(layer.attn.wq_b, Fp8Weight) or layer.ffn.experts.native is not None
+                                  for layer in weights.layers)
+        """FP8 linears / MXFP4 experts are multiplied as stored (``ds4d.cuda.quant_matmul``)."""
         self.expert_offload = None  # an ExpertOffload (offload.py) when routed experts are split over device and host
         self.routing_tally: torch.Tensor | None = None
         """``[layers, experts]`` float32: when set, every routed (token, expert) pair adds one (calibrate.py)."""
@@ -98,6 +101,7 @@ class DeepseekV4Model:
                 "compress_ratios": list(cfg.compress_ratios),
                 "sliding_window": cfg.sliding_window,
                 "num_hash_layers": cfg.num_hash_layers,
+                "weights": "native" if self.native_weights else "decoded",
             },
         )
 

@@ -26,18 +26,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds4d.cuda import moe_gemv
+from ds4d.cuda import moe_gemv, quant_matmul
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
-from ds4d.models.deepseek_v4.weights import MoEWeights
+from ds4d.models.deepseek_v4.ops import linear
+from ds4d.models.deepseek_v4.weights import Linear, MoEWeights, Mxfp4Matrices
 
 
-def _swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
-    gate = F.linear(x, w1)
-    up = F.linear(x, w3)
+def _swiglu(x: torch.Tensor, w1: Linear, w3: Linear, w2: Linear, limit: float) -> torch.Tensor:
+    gate = linear(x, w1)
+    up = linear(x, w3)
     if limit > 0:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
-    return F.linear(F.silu(gate) * up, w2)
+    return linear(F.silu(gate) * up, w2)
 
 
 def _scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -66,10 +67,15 @@ def route(
 
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor,
                     step_rows: int):
-    """Rows of ``x`` (sorted by expert, group ends ``offsets``) times their expert's ``weight [E, out, in]``.
+    """Rows of ``x`` (sorted by expert, group ends ``offsets``) times their expert's ``weight [E, out, in]``
+    (decoded values, or MXFP4 as stored).
 
     ``step_rows``: the (token, expert) rows of the whole MoE call this is part of; the kernel is
     chosen by it, so every bank of one call (device, staging) uses the same arithmetic."""
+    if isinstance(weight, Mxfp4Matrices):
+        if step_rows <= moe_gemv.MAX_ROWS:
+            return quant_matmul.mxfp4_rows(x, weight.packed, weight.scales, expert_of_row)
+        return quant_matmul.mxfp4_grouped(x, weight.packed, weight.scales, offsets)
     if x.is_cuda and x.dtype == torch.bfloat16:
         if step_rows <= moe_gemv.MAX_ROWS and moe_gemv.available():  # a few rows: one GEMV per row
             return moe_gemv.expert_rows(x, weight, expert_of_row)
@@ -115,10 +121,11 @@ def _routed_grouped(
     x: torch.Tensor, expert_weights: torch.Tensor, indices: torch.Tensor, weights: MoEWeights, limit: float
 ) -> torch.Tensor:
     tokens, k = indices.shape
-    gate_up, down = weights.experts.dense()
+    bank = weights.experts
+    gate_up, down = bank.native if bank.native is not None else bank.dense()
     flat = indices.reshape(-1)
     expert_of_row, order = torch.sort(flat, stable=True)
-    counts = torch.zeros(gate_up.shape[0], dtype=torch.int32, device=x.device)
+    counts = torch.zeros(bank.weights["w2"].shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     out = expert_ffn(x[order // k], gate_up, down, offsets, expert_of_row, limit)

@@ -107,3 +107,10 @@ def linear_bf16_weight_f32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.T
         except (RuntimeError, TypeError):
             _MM_OUT_DTYPE["ok"] = False
     return torch.nn.functional.linear(x, weight.float())
+
+
+def linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """``x @ weight^T`` for a decoded weight, or for an FP8 one kept as stored (``weights.Fp8Weight``)."""
+    if isinstance(weight, torch.Tensor):
+        return torch.nn.functional.linear(x, weight)
+    return weight.matmul(x)

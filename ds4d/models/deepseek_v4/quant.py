@@ -105,7 +105,7 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = weight.view(out_features, in_features // MXFP4_BLOCK, MXFP4_BLOCK)
     scale = _pow2_scale(groups.abs().amax(dim=-1), E2M1_MAX)
     scaled = (groups / scale.unsqueeze(-1)).reshape(out_features, in_features)
-    magnitudes = E2M1_TABLE[:8]
+    magnitudes = E2M1_TABLE[:8].to(weight.device)
     nearest = (scaled.abs().unsqueeze(-1) - magnitudes).abs().argmin(dim=-1)
     codes = nearest | ((scaled < 0) & (nearest > 0)).to(torch.long) << 3
     codes = codes.view(out_features, in_features // 2, 2).to(torch.uint8)

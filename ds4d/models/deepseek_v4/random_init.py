@@ -10,7 +10,10 @@ implementation can be given the very same tensors.
 
 Scales follow the tiny checkpoints: linear weights with std ``in ** -0.5``,
 norm weights near 1, small routing biases, a random token -> experts table.
-Routed experts come out as float (``float`` bank kind).
+Routed experts come out as float (``float`` bank kind); with ``native=True``
+the linears the release stores in FP8 come out as FP8 (128 x 128 block scales)
+and the routed experts as MXFP4, quantised from the same random draws, and
+:attr:`RandomReader.issued` keeps the values they decode to.
 """
 
 from __future__ import annotations
@@ -20,13 +23,19 @@ import re
 import torch
 
 from ds4d.models.deepseek_v4.config import CSA_RATIO, DeepseekV4Config
+from ds4d.models.deepseek_v4.quant import dequant_fp8_block, quantize_fp8_block, quantize_mxfp4
+
+FP8_IN_RELEASE = re.compile(r"\.(wq_a|wq_b|wkv|wo_b|shared_experts\.w[123])\.weight$")
+"""The linears the release stores as FP8 (CHECKPOINT.md); wo_a and weights_proj are bf16 there."""
 
 
 class RandomReader:
     def __init__(
-        self, cfg: DeepseekV4Config, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0
+        self, cfg: DeepseekV4Config, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
+        native: bool = False,
     ) -> None:
         self.cfg = cfg
+        self.native = native
         self.dtype = dtype
         self.device = torch.device(device)
         self.block = (128, 128)
@@ -57,10 +66,24 @@ class RandomReader:
         self.issued[name] = table
         return table
 
-    def expert_stored(self, layer: int, expert: int, which: str) -> tuple[str, torch.Tensor, None]:
+    def fp8(self, name: str):
+        """With ``native``: the random linear ``name`` quantised to FP8 as the release stores it."""
+        from ds4d.models.deepseek_v4.weights import Fp8Weight
+
+        if not self.native or not FP8_IN_RELEASE.search(name):
+            return None
+        weight, scale = quantize_fp8_block(self.tensor(name, torch.float32))
+        self.issued[name] = dequant_fp8_block(weight, scale, self.block).to(self.dtype)
+        return Fp8Weight.from_stored(weight, scale, self.dtype)
+
+    def expert_stored(self, layer: int, expert: int, which: str) -> tuple[str, torch.Tensor, torch.Tensor | None]:
         name = f"layers.{layer}.ffn.experts.{expert}.{which}.weight"
         shape, _ = _shape(self.cfg, name)
-        return "float", (self._randn(shape) * shape[-1] ** -0.5).to(torch.bfloat16).to(self.dtype), None
+        values = self._randn(shape) * shape[-1] ** -0.5
+        if self.native:
+            packed, scale = quantize_mxfp4(values)
+            return "mxfp4", packed.view(torch.uint8), scale.view(torch.uint8)
+        return "float", values.to(torch.bfloat16).to(self.dtype), None
 
     def _randn(self, shape: tuple[int, ...]) -> torch.Tensor:
         return torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.float32)

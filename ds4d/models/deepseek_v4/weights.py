@@ -5,6 +5,10 @@ The forward pass is written as functions over these records rather than as
 record per sub-layer keeps the weight layout (and its memory) obvious.  Routed
 experts are stacked per layer (``w1``/``w3``: ``[E, I, D]``, ``w2``: ``[E, D, I]``);
 each expert is decoded straight into its slot, so a layer never exists twice.
+
+With ``native`` weights (a CUDA device, bf16) the dense FP8 linears stay FP8
+(:class:`Fp8Weight`) and MXFP4 expert banks stay packed (:class:`Mxfp4Matrices`);
+the kernels of ``ds4d.cuda.quant_matmul`` read those bytes as they are.
 """
 
 from __future__ import annotations
@@ -13,9 +17,51 @@ from dataclasses import dataclass
 
 import torch
 
+from ds4d.cuda import quant_matmul
 from ds4d.models.deepseek_v4.config import CSA_RATIO, DeepseekV4Config
 from ds4d.models.deepseek_v4.loader import CheckpointError, WeightReader
-from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4
+from ds4d.models.deepseek_v4.quant import decode_e8m0, dequant_fp8_block, dequant_mxfp4
+
+
+@dataclass
+class Fp8Weight:
+    """A linear's ``[out, in]`` FP8 e4m3 values with float32 scales per 128 x 128 block, kept as stored."""
+
+    data: torch.Tensor  # float8_e4m3fn [out, in]
+    scale: torch.Tensor  # float32 [ceil(out/128), ceil(in/128)]
+    dtype: torch.dtype  # the activations' dtype (and the result's)
+
+    @classmethod
+    def from_stored(cls, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Fp8Weight:
+        factors = decode_e8m0(scale) if scale.element_size() == 1 else scale.to(torch.float32)
+        return cls(weight.view(torch.float8_e4m3fn), factors.contiguous(), dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dense(self) -> torch.Tensor:
+        """The decoded ``[out, in]`` values in the activations' dtype (exact: every e4m3 value times a
+        power of two is a bf16 value)."""
+        return dequant_fp8_block(self.data, self.scale, (128, 128)).to(self.dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in] @ W^T``."""
+        if quant_matmul.available() and x.dtype == self.dtype:
+            flat = x.reshape(-1, x.shape[-1])
+            return quant_matmul.fp8_linear(flat, self.data, self.scale).view(*x.shape[:-1], -1)
+        return torch.nn.functional.linear(x, self.dense())  # no kernel here: decode, then the plain product
+
+Linear = torch.Tensor | Fp8Weight
+"""A linear's weight ``[out, in]``: decoded values, or FP8 as stored."""
+
+
+@dataclass
+class Mxfp4Matrices:
+    """One matrix per expert in MXFP4 as stored: e2m1 pairs ``[E, out, in/2]``, ue8m0 bytes ``[E, out, in/32]``."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
 
 
 @dataclass
@@ -41,20 +87,20 @@ class CompressorWeights:
 
 @dataclass
 class IndexerWeights:
-    wq_b: torch.Tensor  # [IH * ID, q_lora_rank]
+    wq_b: Linear  # [IH * ID, q_lora_rank]
     weights_proj: torch.Tensor  # [IH, D]
     compressor: CompressorWeights
 
 
 @dataclass
 class AttentionWeights:
-    wq_a: torch.Tensor
+    wq_a: Linear
     q_norm: torch.Tensor
-    wq_b: torch.Tensor
-    wkv: torch.Tensor
+    wq_b: Linear
+    wkv: Linear
     kv_norm: torch.Tensor
-    wo_a: torch.Tensor  # [G * o_lora_rank, H * hd / G]
-    wo_b: torch.Tensor
+    wo_a: torch.Tensor  # [G * o_lora_rank, H * hd / G] (bf16 in the release)
+    wo_b: Linear
     sink: torch.Tensor  # [H], float32
     ratio: int
     compressor: CompressorWeights | None = None
@@ -76,6 +122,8 @@ class ExpertBank:
     block: tuple[int, int]
     gate_up: torch.Tensor | None = None
     """Float banks: ``[E, 2I, D]`` holding w1 over w3 (``weights["w1"]`` and ``["w3"]`` are views of it)."""
+    native: tuple[Mxfp4Matrices, Mxfp4Matrices] | None = None
+    """MXFP4 banks multiplied as stored: (w1 over w3, w2); ``weights``/``scales`` are views of them."""
     _dense_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def weight(self, which: str, expert: int) -> torch.Tensor:
@@ -113,9 +161,9 @@ class MoEWeights:
     bias: torch.Tensor | None  # [E] on score-routed layers
     tid2eid: torch.Tensor | None  # [V, k] on hash-routed layers
     experts: ExpertBank
-    shared_w1: torch.Tensor
-    shared_w2: torch.Tensor
-    shared_w3: torch.Tensor
+    shared_w1: Linear
+    shared_w2: Linear
+    shared_w3: Linear
 
 
 @dataclass
@@ -158,10 +206,17 @@ def _walk(obj):
                 yield from _walk(getattr(obj, name))
 
 
-_NOT_PARAMETERS = {"gate_up", "_dense_cache"}  # views over, or copies of, tensors counted elsewhere
+_NOT_PARAMETERS = {"gate_up", "native", "_dense_cache"}  # views over, or copies of, tensors counted elsewhere
 
 
 F32 = torch.float32
+
+
+def _linear(reader: WeightReader, name: str) -> Linear:
+    """A linear's weight: as stored (:class:`Fp8Weight`) when the reader keeps native weights and
+    the weight is FP8, else decoded to the model dtype."""
+    stored = reader.fp8(name) if getattr(reader, "native", False) else None
+    return stored if stored is not None else reader.tensor(name)
 
 
 def _hyper(reader: WeightReader, prefix: str) -> HyperWeights:
@@ -187,13 +242,13 @@ def _attention(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> Atten
     p = f"layers.{layer}.attn."
     ratio = cfg.compress_ratios[layer]
     weights = AttentionWeights(
-        wq_a=reader.tensor(p + "wq_a.weight"),
+        wq_a=_linear(reader, p + "wq_a.weight"),
         q_norm=reader.tensor(p + "q_norm.weight", F32),
-        wq_b=reader.tensor(p + "wq_b.weight"),
-        wkv=reader.tensor(p + "wkv.weight"),
+        wq_b=_linear(reader, p + "wq_b.weight"),
+        wkv=_linear(reader, p + "wkv.weight"),
         kv_norm=reader.tensor(p + "kv_norm.weight", F32),
         wo_a=reader.tensor(p + "wo_a.weight"),
-        wo_b=reader.tensor(p + "wo_b.weight"),
+        wo_b=_linear(reader, p + "wo_b.weight"),
         sink=reader.tensor(p + "attn_sink", F32),
         ratio=ratio,
     )
@@ -201,7 +256,7 @@ def _attention(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> Atten
         weights.compressor = _compressor(reader, p + "compressor.", ratio, cfg.head_dim)
     if ratio == CSA_RATIO:
         weights.indexer = IndexerWeights(
-            wq_b=reader.tensor(p + "indexer.wq_b.weight"),
+            wq_b=_linear(reader, p + "indexer.wq_b.weight"),
             weights_proj=reader.tensor(p + "indexer.weights_proj.weight"),
             compressor=_compressor(reader, p + "indexer.compressor.", ratio, cfg.index_head_dim),
         )
@@ -234,9 +289,22 @@ def _experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int, device: to
             weights[which][expert] = weight
             if scale is not None:
                 scales[which][expert] = scale
-    return ExpertBank(
+    bank = ExpertBank(
         kind=kind or "float", weights=weights, scales=scales, dtype=reader.dtype, block=reader.block, gate_up=gate_up
     )
+    if kind == "mxfp4" and getattr(reader, "native", False) and (device is None or device == reader.device):
+        _keep_packed(bank)
+    return bank
+
+
+def _keep_packed(bank: ExpertBank) -> None:
+    """Restack an MXFP4 bank as (w1 over w3, w2) for the native kernels; the per-matrix dicts become views."""
+    inter = bank.weights["w1"].shape[1]
+    gate_up = Mxfp4Matrices(torch.cat([bank.weights["w1"], bank.weights["w3"]], 1),
+                            torch.cat([bank.scales["w1"], bank.scales["w3"]], 1))
+    bank.weights.update(w1=gate_up.packed[:, :inter], w3=gate_up.packed[:, inter:])
+    bank.scales.update(w1=gate_up.scales[:, :inter], w3=gate_up.scales[:, inter:])
+    bank.native = (gate_up, Mxfp4Matrices(bank.weights["w2"], bank.scales["w2"]))
 
 
 def _moe(reader: WeightReader, cfg: DeepseekV4Config, layer: int, expert_device: torch.device | None) -> MoEWeights:
@@ -247,9 +315,9 @@ def _moe(reader: WeightReader, cfg: DeepseekV4Config, layer: int, expert_device:
         bias=None if hashed else reader.tensor(p + "gate.bias", F32),
         tid2eid=reader.index(p + "gate.tid2eid") if hashed else None,
         experts=_experts(reader, cfg, layer, expert_device),
-        shared_w1=reader.tensor(p + "shared_experts.w1.weight"),
-        shared_w2=reader.tensor(p + "shared_experts.w2.weight"),
-        shared_w3=reader.tensor(p + "shared_experts.w3.weight"),
+        shared_w1=_linear(reader, p + "shared_experts.w1.weight"),
+        shared_w2=_linear(reader, p + "shared_experts.w2.weight"),
+        shared_w3=_linear(reader, p + "shared_experts.w3.weight"),
     )
 
 

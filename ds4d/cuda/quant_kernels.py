@@ -1,0 +1,135 @@
+"""The Triton sources of ``ds4d.cuda.quant_matmul`` (imported on first use, so that
+module loads where Triton is missing).
+
+Decoding tricks, both exact:
+
+* e2m1 code ``c`` -> the fp16 whose bits are ``(c & 7) << 9`` plus the sign:
+  exponent field ``(c >> 1) & 3``, top mantissa bit ``c & 1``, so its value is
+  the e2m1 value times 2^-14 (code 1, 0.5, lands on the fp16 subnormal 2^-15);
+* a ue8m0 scale byte ``s`` -> the float32 with exponent field ``s + 14``, i.e.
+  2^(s - 127) times the 2^14 that the codes lack.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def e2m1_scaled(code):
+    """4-bit codes (int32, bit 3 the sign) -> their values times 2^-14, as float32."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def e8m0_scaled(byte):
+    """ue8m0 scale bytes -> 2^(byte - 127) * 2^14 as float32."""
+    return ((byte.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k: tl.constexpr, sxm, swn, ssn, som,
+                    block_n: tl.constexpr, block_k: tl.constexpr):
+    """One row of x times ``block_n`` FP8 weight rows; consecutive programs take the same weight
+    rows for the next row of x, so a few rows share each weight read through the cache."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
+    live_cols = cols < n
+    acc = tl.zeros([block_n], dtype=tl.float32)
+    for k0 in range(0, k, block_k):
+        ks = k0 + tl.arange(0, block_k)
+        xs = tl.load(x_ptr + row * sxm + ks, mask=ks < k, other=0.0).to(tl.float32)
+        ws = tl.load(w_ptr + cols[:, None] * swn + ks[None, :], mask=live_cols[:, None] & (ks[None, :] < k),
+                     other=0.0).to(tl.float32)
+        part = tl.sum(tl.reshape(ws * xs[None, :], [block_n, block_k // 128, 128]), axis=2)
+        blocks = k0 // 128 + tl.arange(0, block_k // 128)
+        scale = tl.load(s_ptr + (cols // 128)[:, None] * ssn + blocks[None, :],
+                        mask=live_cols[:, None] & (blocks[None, :] * 128 < k), other=0.0)
+        acc += tl.sum(part * scale, axis=1)
+    tl.store(out_ptr + row * som + cols, acc.to(out_ptr.dtype.element_ty), mask=live_cols)
+
+
+@triton.jit
+def fp8_tiles_kernel(x_ptr, w_ptr, s_ptr, out_ptr, m, n, k: tl.constexpr, sxm, swn, ssn, som,
+                     block_m: tl.constexpr, block_n: tl.constexpr):
+    """``block_m`` rows times ``block_n`` FP8 weight rows on tensor cores, 128 inputs (one scale
+    block) a step."""
+    rows = tl.program_id(0) * block_m + tl.arange(0, block_m)
+    cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
+    s_base = s_ptr + (cols // 128) * ssn
+    acc = tl.zeros([block_m, block_n], dtype=tl.float32)
+    for k0 in range(0, k, 128):
+        ks = k0 + tl.arange(0, 128)
+        xs = tl.load(x_ptr + rows[:, None] * sxm + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k),
+                     other=0.0)
+        ws = tl.load(w_ptr + cols[:, None] * swn + ks[None, :], mask=(cols[:, None] < n) & (ks[None, :] < k),
+                     other=0.0)
+        scale = tl.load(s_base + k0 // 128, mask=cols < n, other=0.0)
+        acc += tl.dot(xs, tl.trans(ws.to(xs.dtype))) * scale[None, :]
+    tl.store(out_ptr + rows[:, None] * som + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < m) & (cols[None, :] < n))
+
+
+@triton.jit
+def mxfp4_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, expert_ptr, n, k: tl.constexpr,
+                      sxr, swe, swn, sse, ssn, sor, block_n: tl.constexpr, block_b: tl.constexpr):
+    """One row times ``block_n`` rows of its expert's MXFP4 matrix, ``block_b`` bytes (2 x as many
+    inputs) a step; byte j holds inputs 2j (low nibble) and 2j + 1, 16 bytes share a scale."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
+    live_cols = cols < n
+    expert = tl.load(expert_ptr + row).to(tl.int64)
+    w_base = w_ptr + expert * swe + cols[:, None] * swn
+    s_base = s_ptr + expert * sse + cols[:, None] * ssn
+    acc = tl.zeros([block_n], dtype=tl.float32)
+    for k0 in range(0, k // 2, block_b):
+        byte = k0 + tl.arange(0, block_b)
+        live = byte < k // 2
+        even = tl.load(x_ptr + row * sxr + 2 * byte, mask=live, other=0.0).to(tl.float32)
+        odd = tl.load(x_ptr + row * sxr + 2 * byte + 1, mask=live, other=0.0).to(tl.float32)
+        packed = tl.load(w_base + byte[None, :], mask=live_cols[:, None] & live[None, :], other=0).to(tl.int32)
+        part = e2m1_scaled(packed & 15) * even[None, :] + e2m1_scaled(packed >> 4) * odd[None, :]
+        groups = k0 // 16 + tl.arange(0, block_b // 16)
+        scale = e8m0_scaled(tl.load(s_base + groups[None, :], mask=live_cols[:, None] & (groups[None, :] < k // 32),
+                                    other=0))
+        acc += tl.sum(tl.sum(tl.reshape(part, [block_n, block_b // 16, 16]), axis=2) * scale, axis=1)
+    tl.store(out_ptr + row * sor + cols, acc.to(out_ptr.dtype.element_ty), mask=live_cols)
+
+
+@triton.jit
+def mxfp4_grouped_kernel(even_ptr, odd_ptr, w_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_start_ptr,
+                         tile_end_ptr, n, k: tl.constexpr, sxr, swe, swn, sse, ssn, sor,
+                         block_m: tl.constexpr, block_n: tl.constexpr, block_b: tl.constexpr):
+    """A tile of rows of one expert times ``block_n`` rows of its MXFP4 matrix on tensor cores:
+    the even and odd inputs (split by the caller) against the low and high nibbles."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)  # start == end: a spare tile, every load and store masked off
+    rows = start + tl.arange(0, block_m)
+    cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
+    live_rows = rows < end
+    live_cols = cols < n
+    w_base = w_ptr + expert * swe + cols[None, :] * swn
+    s_base = s_ptr + expert * sse + cols[None, :] * ssn
+    acc = tl.zeros([block_m, block_n], dtype=tl.float32)
+    for k0 in range(0, k // 2, block_b):
+        byte = k0 + tl.arange(0, block_b)
+        live = byte < k // 2
+        xmask = live_rows[:, None] & live[None, :]
+        even = tl.load(even_ptr + rows[:, None] * sxr + byte[None, :], mask=xmask, other=0.0)
+        odd = tl.load(odd_ptr + rows[:, None] * sxr + byte[None, :], mask=xmask, other=0.0)
+        packed = tl.load(w_base + byte[:, None], mask=live_cols[None, :] & live[:, None], other=0).to(tl.int32)
+        groups = k0 // 16 + tl.arange(0, block_b // 16)
+        scale = e8m0_scaled(tl.load(s_base + groups[:, None], mask=live_cols[None, :] & (groups[:, None] < k // 32),
+                                    other=0))[:, None, :]
+        low = tl.reshape(tl.reshape(e2m1_scaled(packed & 15), [block_b // 16, 16, block_n]) * scale,
+                         [block_b, block_n])
+        high = tl.reshape(tl.reshape(e2m1_scaled(packed >> 4), [block_b // 16, 16, block_n]) * scale,
+                          [block_b, block_n])
+        acc += tl.dot(even, low.to(even.dtype))
+        acc += tl.dot(odd, high.to(odd.dtype))
+    tl.store(out_ptr + rows[:, None] * sor + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=live_rows[:, None] & live_cols[None, :])

@@ -1,0 +1,163 @@
+"""Triton kernels that multiply by DeepSeek-V4's stored weight formats without widening them first.
+
+The release keeps dense linears as FP8 e4m3 with one power-of-two scale per
+128 x 128 block, and routed experts as MXFP4 (two e2m1 codes a byte, low
+nibble first, one ue8m0 scale per 32 inputs).  Widening a weight to bf16
+before each product reads its bytes once and writes and reads twice as many
+again; these kernels read the stored bytes and widen them in registers, so a
+decode step reads half (FP8) or about a quarter (MXFP4) of the bf16 bytes.
+
+* :func:`fp8_linear`: ``x [M, K] @ W[N, K]^T``, bf16 activations, FP8 weights,
+  float32 block scales.  A few rows (decode): a GEMV per row that sums each
+  128-input block and scales it; more rows: tensor-core tiles stepping through
+  ``K`` one 128-input scale block at a time, each step scaled per output column.
+* :func:`mxfp4_rows`: one row times its own expert's matrix (small-batch decode;
+  the rows of one MoE call each pick an expert by index), a GEMV per row.
+* :func:`mxfp4_grouped`: rows sorted by expert times their expert's matrix
+  (prefill and large batches), tiles of rows of one expert each, tensor cores.
+
+Every product accumulates in float32 and stores in ``x``'s dtype.  Decoding
+of the codes is exact (e4m3 and e2m1 values and power-of-two scales are all
+bf16 values), so the result differs from "decode, then matmul" only by the
+order of the float32 sums.  With ``TRITON_INTERPRET=1`` the kernels run on CPU
+tensors: that is how the tests compare them with plain torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_state: dict[str, object] = {}
+
+
+def available() -> bool:
+    """Triton is importable and can launch here (a CUDA device, or the interpreter)."""
+    if "available" not in _state:
+        try:
+            _kernels()
+            _state["available"] = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+        except Exception:  # noqa: BLE001 - no triton, or one that cannot build here: callers widen instead
+            _state["available"] = False
+    return bool(_state["available"])
+
+
+def _kernels():
+    if "kernels" not in _state:
+        from ds4d.cuda import quant_kernels
+
+        _state["kernels"] = quant_kernels
+    return _state["kernels"]
+
+
+# ---------------------------------------------------------------------- tunables (``ds4d bench model --kernels``)
+
+TUNING = {
+    "fp8_rows": {"most_rows": 8, "block_n": 8, "block_k": 512, "warps": 4},
+    "fp8_tiles": {"small": (64, 64, 4, 4), "large": (128, 128, 8, 3), "small_rows": 256},
+    "mxfp4_rows": {"block_n": 4, "block_b": 256, "warps": 4},
+    "mxfp4_grouped": {"block_m": 64, "block_n": 64, "block_b": 64, "warps": 4, "stages": 3},
+}
+"""Tile shapes and launch settings; (BLOCK_M, BLOCK_N, warps, stages) for the FP8 tiles."""
+
+
+# ---------------------------------------------------------------------- FP8 linears
+
+
+@torch.compiler.disable  # launched as is; torch.compile and CUDA graph capture see one kernel
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T``: ``weight`` float8_e4m3fn, ``scale`` float32 ``[ceil(N/128), ceil(K/128)]``.
+
+    Up to ``TUNING["fp8_rows"]["most_rows"]`` rows (decode): one program per row and block of
+    outputs, reading the weight in long runs; more rows: tensor-core tiles.  The choice depends
+    only on M, and a row's result only on M's bucket."""
+    import triton
+
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1 or weight.stride(1) != 1 or scale.stride(1) != 1:
+        raise ValueError("fp8_linear needs the last dimension of x, weight and scale contiguous")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if not m:
+        return out
+    kernels = _kernels()
+    rows = TUNING["fp8_rows"]
+    if m <= rows["most_rows"]:
+        grid = (m, triton.cdiv(n, rows["block_n"]))
+        kernels.fp8_rows_kernel[grid](x, weight, scale, out, n, k, x.stride(0), weight.stride(0), scale.stride(0),
+                                      out.stride(0), block_n=rows["block_n"], block_k=rows["block_k"],
+                                      num_warps=rows["warps"])
+        return out
+    tiles = TUNING["fp8_tiles"]
+    block_m, block_n, warps, stages = tiles["small"] if m <= tiles["small_rows"] else tiles["large"]
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    kernels.fp8_tiles_kernel[grid](x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0),
+                                   out.stride(0), block_m=block_m, block_n=block_n, num_warps=warps,
+                                   num_stages=stages)
+    return out
+
+
+# ---------------------------------------------------------------------- MXFP4 experts
+
+
+@torch.compiler.disable
+def mxfp4_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """``[R, N]``: row ``r`` of ``x [R, K]`` times expert ``experts[r]`` of ``packed [E, N, K/2]``
+    (uint8 e2m1 pairs) with ``scales [E, N, K/32]`` (uint8 ue8m0)."""
+    import triton
+
+    rows, k = x.shape
+    n = packed.shape[1]
+    if packed.stride(2) != 1 or scales.stride(2) != 1 or x.stride(1) != 1:
+        raise ValueError("mxfp4_rows needs the last dimension of x, packed and scales contiguous")
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        t = TUNING["mxfp4_rows"]
+        grid = (rows, triton.cdiv(n, t["block_n"]))
+        _kernels().mxfp4_rows_kernel[grid](x, packed, scales, out, experts, n, k, x.stride(0), packed.stride(0),
+                                           packed.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
+                                           block_n=t["block_n"], block_b=t["block_b"], num_warps=t["warps"])
+    return out
+
+
+def expert_tiles(offsets: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Tiles of at most ``block_m`` rows of one expert each, for rows sorted by expert with group
+    ends ``offsets [E]``: (expert, first row, end row) per tile, ``rows // block_m + E`` tiles
+    (the most there can be; the spare ones have first row == end row).  Device ops only."""
+    experts = offsets.shape[0]
+    ends = offsets.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles = (ends - starts + block_m - 1) // block_m
+    tile_ends = torch.cumsum(tiles, 0)
+    count = rows // block_m + experts
+    index = torch.arange(count, device=offsets.device)
+    expert = torch.searchsorted(tile_ends, index, right=True).clamp(max=experts - 1)
+    first = starts[expert] + (index - (tile_ends[expert] - tiles[expert])) * block_m
+    spare = index >= tile_ends[-1]
+    first = torch.where(spare, ends[-1], first)
+    end = torch.where(spare, ends[-1], torch.minimum(first + block_m, ends[expert]))
+    return expert.to(torch.int32), first.to(torch.int32), end.to(torch.int32)
+
+
+@torch.compiler.disable
+def mxfp4_grouped(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of ``x [R, K]`` sorted by expert (group ends ``offsets [E]``) times their expert's
+    matrix in ``packed [E, N, K/2]`` / ``scales [E, N, K/32]``."""
+    import triton
+
+    rows, k = x.shape
+    n = packed.shape[1]
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        t = TUNING["mxfp4_grouped"]
+        pairs = x.view(rows, k // 2, 2)
+        even, odd = pairs[..., 0].contiguous(), pairs[..., 1].contiguous()
+        expert, first, end = expert_tiles(offsets, rows, t["block_m"])
+        grid = (expert.shape[0], triton.cdiv(n, t["block_n"]))
+        _kernels().mxfp4_grouped_kernel[grid](even, odd, packed, scales, out, expert, first, end, n, k,
+                                              even.stride(0), packed.stride(0), packed.stride(1), scales.stride(0),
+                                              scales.stride(1), out.stride(0), block_m=t["block_m"],
+                                              block_n=t["block_n"], block_b=t["block_b"], num_warps=t["warps"],
+                                              num_stages=t["stages"])
+    return out

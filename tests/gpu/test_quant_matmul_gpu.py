@@ -1,0 +1,117 @@
+"""The FP8 / MXFP4 weight kernels compiled on a CUDA GPU, and DeepSeek-V4 with native weights.
+
+Kernels: bf16 activations against the float32 product of the same decoded
+weights (within 2e-2 of the largest output: bf16 output rounding), at V4-Flash
+widths and at ragged shapes; a row's result does not depend on the other rows.
+Model: a tiny checkpoint in bf16 with its FP8 linears and MXFP4 experts kept as
+stored against the same checkpoint with every weight decoded, teacher-forced
+(argmax agreement >= 90% and per-position relative error as bf16 allows), and
+decode steps replayed from CUDA graphs give the eager steps' tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4d.cuda import quant_matmul as qm
+from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
+from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4, quantize_fp8_block, quantize_mxfp4
+from ds4d.models.deepseek_v4.weights import Fp8Weight
+from tests.unit.test_dsv4_model import Driver
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _check(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert (got.float() - want).abs().max().item() < 2e-2 * want.abs().max().item()
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 64, 300])
+@pytest.mark.parametrize(("n", "k"), [(4096, 1024), (1024, 4096), (200, 333)])
+def test_fp8_linear(m, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(m + n)
+    weight, scale = quantize_fp8_block(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5)
+    factors = scale.view(torch.uint8).int().sub(127).float().exp2()
+    values = dequant_fp8_block(weight, scale, (128, 128))
+    x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+    got = qm.fp8_linear(x, weight, factors)
+    _check(got, x.float() @ values.T)
+    for r in {0, m - 1}:
+        alone = qm.fp8_linear(x[r:r + 1], weight, factors)[0]
+        if m <= qm.TUNING["fp8_rows"]["most_rows"]:  # one row per program: the same sums
+            assert torch.equal(alone, got[r])
+
+
+def _bank(experts: int, n: int, k: int, gen):
+    packed, scales, values = [], [], []
+    for _ in range(experts):
+        w, s = quantize_mxfp4(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5)
+        packed.append(w.view(torch.uint8))
+        scales.append(s.view(torch.uint8))
+        values.append(dequant_mxfp4(w, s))
+    return torch.stack(packed), torch.stack(scales), torch.stack(values)
+
+
+@pytest.mark.parametrize(("n", "k"), [(4096, 4096), (4096, 2048), (96, 160)])
+def test_mxfp4_rows_and_grouped(n, k):
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    experts = 16
+    packed, scales, values = _bank(experts, n, k, gen)
+    for rows in (1, 6, 96, 700):
+        of_row = torch.sort(torch.randint(0, experts - 3, (rows,), device="cuda", generator=gen)).values
+        x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+        want = torch.einsum("rnk,rk->rn", values[of_row], x.float())
+        got_rows = qm.mxfp4_rows(x, packed, scales, of_row)
+        _check(got_rows, want)
+        assert torch.equal(qm.mxfp4_rows(x[-1:], packed, scales, of_row[-1:])[0], got_rows[-1])
+        offsets = torch.cumsum(torch.bincount(of_row, minlength=experts), 0).to(torch.int32)
+        _check(qm.mxfp4_grouped(x, packed, scales, offsets), want)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=3, layers=[0, 4, 128, 4])
+    native = load_model(path, dtype=torch.bfloat16, device="cuda")  # weight_format auto: native here
+    dense = load_model(path, dtype=torch.bfloat16, device="cuda", weight_format="dense")
+    return native, dense
+
+
+def test_native_is_the_default_on_cuda_bf16(models):
+    native, dense = models
+    assert native.native_weights and not dense.native_weights
+    assert isinstance(native.weights.layers[0].attn.wq_a, Fp8Weight)
+    assert native.info.parameter_bytes < dense.info.parameter_bytes
+
+
+def test_native_against_decoded(models):
+    native, dense = models
+    prompt = [(i * 7919) % 20000 + 10 for i in range(400)]
+    got, want = native.logits_for(prompt), dense.logits_for(prompt)
+    rel = (got - want).abs().max(dim=-1).values / want.abs().max()
+    assert rel.median().item() < 2e-2 and rel.quantile(0.9).item() < 6e-2
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_native_graph_decode_equals_eager(models):
+    native, _ = models
+    prompt = [(i * 31) % 9000 + 10 for i in range(150)]
+    runs = []
+    for graphs in (True, False):
+        native.use_graphs = graphs
+        driver = Driver(native, seed=1)
+        driver.start("a")
+        last = driver.prefill("a", prompt, chunk=150)[-1:]
+        tokens, logits = [], []
+        for _ in range(8):
+            tokens.append(int(last[-1].argmax()))
+            last = driver.step([("a", tokens[-1:], 1)])[0]
+            logits.append(last)
+        runs.append((tokens, torch.cat(logits)))
+    native.use_graphs = True
+    assert runs[0][0] == runs[1][0]
+    assert (runs[0][1] - runs[1][1]).abs().max().item() < 1e-2 * runs[1][1].abs().max().item()

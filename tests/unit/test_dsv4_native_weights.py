@@ -1,0 +1,91 @@
+"""DeepSeek-V4 with its weights kept as stored (FP8 linears, MXFP4 experts) against decoded weights.
+
+On a GPU, ``weight_format = native`` keeps the checkpoint's FP8 linears and MXFP4
+routed experts as they are and multiplies them with ``ds4d.cuda.quant_matmul``.
+Here the same kernels run in Triton's CPU interpreter, in float32, inside the
+whole model: a prefill (grouped MXFP4 tiles, FP8 tiles of many rows) and decode
+steps (one MXFP4 GEMV per row, FP8 tiles of one row), against the model loaded
+with every weight decoded.  Decoding is exact, so the two differ only in the
+order of float32 sums.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ds4d.models.deepseek_v4 import write_tiny_checkpoint
+from ds4d.models.deepseek_v4.config import DeepseekV4Config
+from ds4d.models.deepseek_v4.family import native_weights
+from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
+from ds4d.models.deepseek_v4.model import DeepseekV4Model
+from ds4d.models.deepseek_v4.weights import Fp8Weight, Mxfp4Matrices, read_weights
+from tests.unit.test_dsv4_model import Driver
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=11, layers=[0, 4, 128])
+
+
+def _load(path, native: bool) -> DeepseekV4Model:
+    cfg = DeepseekV4Config.from_file(path)
+    checkpoint = SafetensorsCheckpoint(path)
+    try:
+        weights = read_weights(WeightReader(checkpoint, cfg, dtype=torch.float32, native=native))
+    finally:
+        checkpoint.close()
+    model = DeepseekV4Model(cfg, weights, tokenizer=None, dtype=torch.float32)
+    model.fast_path = True  # grouped experts and batched decode, the paths the GPU runs
+    return model
+
+
+def test_native_layout(checkpoint):
+    model = _load(checkpoint, native=True)
+    assert model.native_weights and model.info.extra["weights"] == "native"
+    attn, ffn = model.weights.layers[1].attn, model.weights.layers[1].ffn
+    assert isinstance(attn.wq_b, Fp8Weight) and attn.wq_b.data.dtype == torch.float8_e4m3fn
+    assert isinstance(attn.indexer.wq_b, Fp8Weight) and isinstance(attn.wo_a, torch.Tensor)  # wo_a: bf16 as stored
+    assert isinstance(ffn.shared_w2, Fp8Weight)
+    gate_up, down = ffn.experts.native
+    assert isinstance(gate_up, Mxfp4Matrices) and gate_up.packed.shape == (8, 128, 32)
+    assert down.scales.shape == (8, 64, 2)
+    # the per-matrix views read the restacked storage
+    assert torch.equal(ffn.experts.weights["w3"], gate_up.packed[:, 64:])
+    dense = _load(checkpoint, native=False)
+    assert not dense.native_weights
+    assert torch.equal(attn.wq_b.dense(), dense.weights.layers[1].attn.wq_b)
+    assert model.info.parameter_bytes < dense.info.parameter_bytes
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests run the compiled kernels")
+def test_native_equals_decoded_prefill_and_decode(checkpoint):
+    prompt = [(i * 7919) % 5000 + 10 for i in range(150)]  # 150 x 2 expert rows: the grouped kernel
+    runs = {}
+    for name, native in (("native", True), ("dense", False)):
+        driver = Driver(_load(checkpoint, native=native))
+        driver.start("a")
+        logits = [driver.prefill("a", prompt, chunk=150)]
+        ids = [int(logits[0][-1].argmax())]
+        for _ in range(3):  # one token a step: the per-row kernels
+            logits.append(driver.step([("a", ids[-1:], 1)])[0])
+            ids.append(int(logits[-1][-1].argmax()))
+        runs[name] = (torch.cat(logits), ids)
+    (got, got_ids), (want, want_ids) = runs["native"], runs["dense"]
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    assert torch.equal(got.argmax(-1), want.argmax(-1)) and got_ids == want_ids
+
+
+def test_weight_format_choice():
+    assert not native_weights("auto", torch.float32, "cpu")
+    assert not native_weights("dense", torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        native_weights("native", torch.float32, "cpu")
+    with pytest.raises(ValueError, match="auto, dense or native"):
+        native_weights("int4", torch.float32, "cpu")

@@ -1,0 +1,117 @@
+"""The FP8 / MXFP4 weight kernels (``ds4d.cuda.quant_matmul``) in Triton's CPU interpreter.
+
+Same kernel source as on the GPU (tests/gpu/test_quant_matmul_gpu.py runs it
+compiled), here on float32 CPU tensors, against "decode the weight with
+``quant.py``, then multiply" in plain torch.  Shapes that are not multiples of
+the tiles or of the 128-wide scale blocks, rows sharing an expert, experts
+with no rows, and an empty batch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ds4d.cuda import quant_matmul as qm
+from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4, quantize_fp8_block, quantize_mxfp4
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(autouse=True)
+def interpreted():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a CUDA device is present: tests/gpu/test_quant_matmul_gpu.py checks the compiled kernels")
+    assert qm.available()
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item() + 1e-6
+
+
+def _fp8(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, float32 scales, the float32 values they stand for)."""
+    weight, scale = quantize_fp8_block(torch.randn(n, k, generator=gen) * 3)
+    factors = scale.view(torch.uint8).int().sub(127).float().exp2()
+    return weight, factors, dequant_fp8_block(weight, scale, (128, 128))
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 128), (3, 200, 300), (8, 20, 1100), (20, 33, 256), (70, 130, 129)])
+def test_fp8_linear_matches_decoded_matmul(m, n, k):
+    gen = torch.Generator().manual_seed(m * 7 + n)
+    weight, scale, values = _fp8(n, k, gen)
+    x = torch.randn(m, k, generator=gen)
+    _close(qm.fp8_linear(x, weight, scale), x @ values.T)
+
+
+def _mxfp4_bank(experts: int, n: int, k: int, gen: torch.Generator):
+    """(packed uint8 [E, N, K/2], scale bytes [E, N, K/32], float32 values [E, N, K])."""
+    packed, scales, values = [], [], []
+    for _ in range(experts):
+        w, s = quantize_mxfp4(torch.randn(n, k, generator=gen))
+        packed.append(w.view(torch.uint8))
+        scales.append(s.view(torch.uint8))
+        values.append(dequant_mxfp4(w, s))
+    return torch.stack(packed), torch.stack(scales), torch.stack(values)
+
+
+@pytest.mark.parametrize(("experts", "n", "k", "rows"), [(4, 10, 96, 5), (3, 7, 1056, 2), (2, 4, 32, 1)])
+def test_mxfp4_rows_match_decoded_matmul(experts, n, k, rows):
+    gen = torch.Generator().manual_seed(experts + n + k)
+    packed, scales, values = _mxfp4_bank(experts, n, k, gen)
+    x = torch.randn(rows, k, generator=gen)
+    ids = torch.randint(0, experts, (rows,), generator=gen)
+    _close(qm.mxfp4_rows(x, packed, scales, ids), torch.einsum("rnk,rk->rn", values[ids], x))
+
+
+def test_mxfp4_row_does_not_depend_on_the_others():
+    gen = torch.Generator().manual_seed(5)
+    packed, scales, _ = _mxfp4_bank(3, 6, 64, gen)
+    x = torch.randn(4, 64, generator=gen)
+    ids = torch.tensor([0, 2, 2, 1])
+    together = qm.mxfp4_rows(x, packed, scales, ids)
+    for r in range(4):
+        assert torch.equal(qm.mxfp4_rows(x[r:r + 1], packed, scales, ids[r:r + 1])[0], together[r])
+
+
+def test_expert_tiles_cover_each_group_once():
+    counts = torch.tensor([3, 0, 9, 4, 0])
+    offsets = torch.cumsum(counts, 0).to(torch.int32)
+    expert, first, end = qm.expert_tiles(offsets, int(counts.sum()), 4)
+    assert expert.shape[0] == 16 // 4 + 5
+    covered = []
+    for e, a, b in zip(expert.tolist(), first.tolist(), end.tolist()):
+        if a == b:
+            continue
+        assert 0 < b - a <= 4
+        lo = int(offsets[e] - counts[e])
+        assert lo <= a and b <= int(offsets[e])
+        covered.extend(range(a, b))
+    assert covered == list(range(16))
+    live = [(e, a, b) for e, a, b in zip(expert.tolist(), first.tolist(), end.tolist()) if a < b]
+    assert [e for e, _, _ in live] == [0, 2, 2, 2, 3]
+
+
+@pytest.mark.parametrize(("counts", "n", "k"), [([5, 0, 70, 1, 14], 70, 160), ([0, 0, 3], 20, 64)])
+def test_mxfp4_grouped_matches_decoded_matmul(counts, n, k):
+    gen = torch.Generator().manual_seed(sum(counts) + n)
+    experts = len(counts)
+    packed, scales, values = _mxfp4_bank(experts, n, k, gen)
+    of_row = torch.repeat_interleave(torch.arange(experts), torch.tensor(counts))
+    x = torch.randn(of_row.shape[0], k, generator=gen)
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    _close(qm.mxfp4_grouped(x, packed, scales, offsets), torch.einsum("rnk,rk->rn", values[of_row], x))
+
+
+def test_empty_batches():
+    gen = torch.Generator().manual_seed(9)
+    weight, scale, _ = _fp8(16, 128, gen)
+    assert qm.fp8_linear(torch.zeros(0, 128), weight, scale).shape == (0, 16)
+    packed, scales, _ = _mxfp4_bank(2, 4, 32, gen)
+    assert qm.mxfp4_rows(torch.zeros(0, 32), packed, scales, torch.zeros(0, dtype=torch.long)).shape == (0, 4)
+    assert qm.mxfp4_grouped(torch.zeros(0, 32), packed, scales, torch.tensor([0, 0], dtype=torch.int32)).shape == (0, 4)
