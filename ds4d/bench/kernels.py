@@ -89,17 +89,14 @@ def run_kernels(torch, device, say) -> list[dict]:
 
 
 SWEEP = {
-    "fp8_rows": [{"most_rows": 8, "block_n": bn, "block_k": bk, "warps": w}
-                 for bn in (2, 4, 8, 16) for bk in (256, 512, 1024) for w in (2, 4, 8)],
-    "fp8_tiles": [{"small": t, "large": t, "small_rows": 256}
-                  for t in ((16, 64, 4, 4), (32, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 4, 3),
-                            (128, 128, 8, 3), (128, 256, 8, 3))],
-    "mxfp4_rows": [{"block_n": bn, "block_b": bb, "warps": w} for bn in (2, 4, 8) for bb in (128, 256, 512)
-                   for w in (2, 4, 8)],
+    "fp8_rows": [{"most_rows": 1, "block_n": bn, "block_k": bk, "warps": w}
+                 for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (2, 4)],
+    "fp8_tiles": [{"block_n": bn, "warps": 4, "stages": st, "programs": p}
+                  for bn in (32, 64, 128) for st in (3, 4) for p in (256, 512, 1024)],
+    "mxfp4_rows": [{"block_n": bn, "block_b": bb, "warps": w} for bn in (4, 8) for bb in (256, 512) for w in (2, 4)],
     "mxfp4_grouped": [{"block_m": bm, "block_n": bn, "block_b": bb, "warps": w, "stages": st}
-                      for bm, bn, bb, w, st in ((16, 64, 64, 4, 4), (32, 64, 64, 4, 4), (64, 64, 64, 4, 3),
-                                                (64, 128, 64, 4, 3), (64, 64, 128, 4, 3), (128, 64, 64, 4, 3),
-                                                (128, 128, 64, 8, 3), (128, 128, 32, 8, 4))],
+                      for bm, bn, bb, w, st in ((64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
+                                                (128, 128, 64, 8, 3), (64, 256, 64, 8, 3))],
 }
 """Candidate settings per kernel for ``--sweep``."""
 
@@ -111,7 +108,7 @@ def sweep(torch, device, say) -> dict:
 
     gen = torch.Generator(device=device).manual_seed(0)
     fp8 = {}
-    for name, n, k in (("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("w1", 2048, 4096)):
+    for name, n, k in (("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("wq_a", 1024, 4096), ("w1", 2048, 4096)):
         weight, scale = quantize_fp8_block(torch.randn(n, k, device=device, generator=gen) * k**-0.5)
         fp8[name] = (weight, scale.view(torch.uint8).int().sub(127).float().exp2())
     experts = 256
@@ -130,8 +127,8 @@ def sweep(torch, device, say) -> dict:
 
     r1, r8, r64, r2k = routed(1), routed(8), routed(64), routed(2048)
     cases = {  # (function, its arguments) per timed shape
-        "fp8_rows": [(qm.fp8_linear, act(m, w.shape[1]), w, s) for w, s in fp8.values() for m in (1, 8)],
-        "fp8_tiles": [(qm.fp8_linear, act(m, w.shape[1]), w, s) for w, s in fp8.values() for m in (64, 2048)],
+        "fp8_rows": [(qm.fp8_linear, act(1, w.shape[1]), w, s) for w, s in fp8.values()],
+        "fp8_tiles": [(qm.fp8_linear, act(m, w.shape[1]), w, s) for w, s in fp8.values() for m in (8, 64)],
         "mxfp4_rows": [(qm.mxfp4_rows, r[0], packed, scales, r[1]) for r in (r1, r8)],
         "mxfp4_grouped": [(qm.mxfp4_grouped, r[0], packed, scales, r[2]) for r in (r64, r2k)],
     }

@@ -52,24 +52,38 @@ def fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k: tl.constexpr, sxm, swn, 
 
 
 @triton.jit
-def fp8_tiles_kernel(x_ptr, w_ptr, s_ptr, out_ptr, m, n, k: tl.constexpr, sxm, swn, ssn, som,
-                     block_m: tl.constexpr, block_n: tl.constexpr):
-    """``block_m`` rows times ``block_n`` FP8 weight rows on tensor cores, 128 inputs (one scale
-    block) a step."""
+def fp8_tiles_kernel(x_ptr, w_ptr, s_ptr, out_ptr, m, n, k: tl.constexpr, sxm, swn, ssn, sos, som,
+                     block_m: tl.constexpr, block_n: tl.constexpr, steps: tl.constexpr):
+    """``block_m`` rows times ``block_n`` FP8 weight rows on tensor cores over ``steps`` scale blocks
+    of 128 inputs (the third grid axis picks which), each step scaled per output column; the float32
+    partial sum goes to ``out[split]`` (the caller adds the splits)."""
     rows = tl.program_id(0) * block_m + tl.arange(0, block_m)
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
+    split = tl.program_id(2)
     s_base = s_ptr + (cols // 128) * ssn
     acc = tl.zeros([block_m, block_n], dtype=tl.float32)
-    for k0 in range(0, k, 128):
-        ks = k0 + tl.arange(0, 128)
+    for i in range(0, steps):
+        step = split * steps + i
+        ks = step * 128 + tl.arange(0, 128)
         xs = tl.load(x_ptr + rows[:, None] * sxm + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k),
                      other=0.0)
         ws = tl.load(w_ptr + cols[:, None] * swn + ks[None, :], mask=(cols[:, None] < n) & (ks[None, :] < k),
                      other=0.0)
-        scale = tl.load(s_base + k0 // 128, mask=cols < n, other=0.0)
+        scale = tl.load(s_base + step, mask=(cols < n) & (step * 128 < k), other=0.0)
         acc += tl.dot(xs, tl.trans(ws.to(xs.dtype))) * scale[None, :]
-    tl.store(out_ptr + rows[:, None] * som + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + split * sos + rows[:, None] * som + cols[None, :], acc,
              mask=(rows[:, None] < m) & (cols[None, :] < n))
+
+
+@triton.jit
+def fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, n, k, swn, ssn, son):
+    """One 128 x 128 block of an FP8 weight times its scale, stored in ``out``'s dtype."""
+    rows = tl.program_id(0) * 128 + tl.arange(0, 128)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    mask = (rows[:, None] < n) & (cols[None, :] < k)
+    scale = tl.load(s_ptr + tl.program_id(0) * ssn + tl.program_id(1))
+    ws = tl.load(w_ptr + rows[:, None] * swn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * son + cols[None, :], (ws * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -8,9 +8,10 @@ again; these kernels read the stored bytes and widen them in registers, so a
 decode step reads half (FP8) or about a quarter (MXFP4) of the bf16 bytes.
 
 * :func:`fp8_linear`: ``x [M, K] @ W[N, K]^T``, bf16 activations, FP8 weights,
-  float32 block scales.  A few rows (decode): a GEMV per row that sums each
-  128-input block and scales it; more rows: tensor-core tiles stepping through
-  ``K`` one 128-input scale block at a time, each step scaled per output column.
+  float32 block scales.  One row: a GEMV that sums each 128-input block and
+  scales it; a batch: tensor-core tiles stepping through ``K`` one 128-input
+  scale block at a time, each step scaled per output column; a prefill: the
+  weight decoded by a Triton kernel, then cuBLAS.
 * :func:`mxfp4_rows`: one row times its own expert's matrix (small-batch decode;
   the rows of one MoE call each pick an expert by index), a GEMV per row.
 * :func:`mxfp4_grouped`: rows sorted by expert times their expert's matrix
@@ -54,47 +55,76 @@ def _kernels():
 # ---------------------------------------------------------------------- tunables (``ds4d bench model --kernels``)
 
 TUNING = {
-    "fp8_rows": {"most_rows": 8, "block_n": 8, "block_k": 512, "warps": 4},
-    "fp8_tiles": {"small": (64, 64, 4, 4), "large": (128, 128, 8, 3), "small_rows": 256},
-    "mxfp4_rows": {"block_n": 4, "block_b": 256, "warps": 4},
-    "mxfp4_grouped": {"block_m": 64, "block_n": 64, "block_b": 64, "warps": 4, "stages": 3},
+    "fp8_rows": {"most_rows": 1, "block_n": 4, "block_k": 2048, "warps": 2},
+    "fp8_tiles": {"block_n": 128, "warps": 4, "stages": 3, "programs": 256},
+    "fp8_dense_from": 257,
+    "mxfp4_rows": {"block_n": 8, "block_b": 256, "warps": 2},
+    "mxfp4_grouped": {"block_m": 64, "block_n": 128, "block_b": 64, "warps": 4, "stages": 3},
 }
-"""Tile shapes and launch settings; (BLOCK_M, BLOCK_N, warps, stages) for the FP8 tiles."""
+"""Tile shapes and launch settings (chosen by ``ds4d bench model --sweep`` on an H200)."""
 
 
 # ---------------------------------------------------------------------- FP8 linears
+
+
+def _fp8_split(n: int, k: int, block_n: int, programs: int) -> tuple[int, int]:
+    """(splits of K, 128-input steps per split): enough programs to keep the GPU busy at few rows."""
+    blocks = -(-k // 128)
+    splits = max(1, min(blocks, programs // max(1, -(-n // block_n))))
+    steps = -(-blocks // splits)
+    return -(-blocks // steps), steps
 
 
 @torch.compiler.disable  # launched as is; torch.compile and CUDA graph capture see one kernel
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T``: ``weight`` float8_e4m3fn, ``scale`` float32 ``[ceil(N/128), ceil(K/128)]``.
 
-    Up to ``TUNING["fp8_rows"]["most_rows"]`` rows (decode): one program per row and block of
-    outputs, reading the weight in long runs; more rows: tensor-core tiles.  The choice depends
-    only on M, and a row's result only on M's bucket."""
+    By row count M (the choice, and so each row's sums, depend only on M's bucket):
+
+    * up to ``most_rows`` (batch-1 decode): a GEMV per row reading the weight in long runs;
+    * up to ``fp8_dense_from - 1`` (batched decode): tensor-core tiles of 16/32/64 rows,
+      K split so that about ``programs`` programs run, float32 partials added after;
+    * more (prefill): the weight decoded to bf16 by a Triton kernel, then cuBLAS (a few
+      microseconds of decoding against a product that is bound by compute)."""
     import triton
 
     m, k = x.shape
     n = weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1 or scale.stride(1) != 1:
         raise ValueError("fp8_linear needs the last dimension of x, weight and scale contiguous")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if not m:
-        return out
+        return torch.empty(0, n, dtype=x.dtype, device=x.device)
     kernels = _kernels()
+    if m >= TUNING["fp8_dense_from"]:
+        return torch.nn.functional.linear(x, fp8_dequant(weight, scale, x.dtype))
     rows = TUNING["fp8_rows"]
     if m <= rows["most_rows"]:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         grid = (m, triton.cdiv(n, rows["block_n"]))
         kernels.fp8_rows_kernel[grid](x, weight, scale, out, n, k, x.stride(0), weight.stride(0), scale.stride(0),
                                       out.stride(0), block_n=rows["block_n"], block_k=rows["block_k"],
                                       num_warps=rows["warps"])
         return out
     tiles = TUNING["fp8_tiles"]
-    block_m, block_n, warps, stages = tiles["small"] if m <= tiles["small_rows"] else tiles["large"]
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    kernels.fp8_tiles_kernel[grid](x, weight, scale, out, m, n, k, x.stride(0), weight.stride(0), scale.stride(0),
-                                   out.stride(0), block_m=block_m, block_n=block_n, num_warps=warps,
-                                   num_stages=stages)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    splits, steps = _fp8_split(n, k, tiles["block_n"], tiles["programs"])
+    partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, tiles["block_n"]), splits)
+    kernels.fp8_tiles_kernel[grid](x, weight, scale, partial, m, n, k, x.stride(0), weight.stride(0),
+                                   scale.stride(0), partial.stride(0), partial.stride(1), block_m=block_m,
+                                   block_n=tiles["block_n"], steps=steps, num_warps=tiles["warps"],
+                                   num_stages=tiles["stages"])
+    return (partial[0] if splits == 1 else partial.sum(0)).to(x.dtype)
+
+
+def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The decoded ``[N, K]`` weight in ``dtype`` (exact for bf16 and float32)."""
+    import triton
+
+    n, k = weight.shape
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    _kernels().fp8_dequant_kernel[(triton.cdiv(n, 128), triton.cdiv(k, 128))](
+        weight, scale, out, n, k, weight.stride(0), scale.stride(0), out.stride(0))
     return out
 
 

@@ -41,7 +41,7 @@ def _fp8(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tens
     return weight, factors, dequant_fp8_block(weight, scale, (128, 128))
 
 
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 128), (3, 200, 300), (8, 20, 1100), (20, 33, 256), (70, 130, 129)])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 128), (3, 200, 300), (8, 20, 1100), (20, 33, 256), (70, 130, 129), (300, 70, 260)])
 def test_fp8_linear_matches_decoded_matmul(m, n, k):
     gen = torch.Generator().manual_seed(m * 7 + n)
     weight, scale, values = _fp8(n, k, gen)
