@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--batches", default="1,8,64", help="decode batch sizes at 1K context")
     p.add_argument("--long", action="store_true", help="also decode after 32K and prefill 16K")
+    p.add_argument("--context", type=int, default=0,
+                   help="also prefill one prompt of this many tokens and decode after it (e.g. 500000): "
+                        "KV/state bytes per token, peak GPU memory, and the refusal of one token more")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="ds4d's prefill chunk (tokens per step)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF peer")
     p.add_argument("--no-reference", action="store_true", help="skip ds4d's reference-path rows")
@@ -357,12 +360,41 @@ def run(args: argparse.Namespace) -> int:
     if args.long:
         prefill_case(16384)
         decode_case(1, 32768, ["graphs"], hf_chunk=2048)
+    if args.context:
+        _set_path(model, "graphs")
+        rows.extend(_long_context(torch, model, prompts(1, args.context), n, args.prefill_chunk, floors, sync))
 
     _print_table(rows, cfg, args, device, bandwidth, matmul, hf_note, check)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": [r.__dict__ for r in rows], "hf": hf_note,
                                                "bandwidth": bandwidth, "matmul": matmul, "check": check}, indent=2))
     return 0
+
+
+def _long_context(torch, model, ids, decode_tokens: int, chunk: int, floors, sync) -> list[Row]:
+    """Prefill one long prompt through the engine, decode after it; memory per token and the limit check."""
+    from ds4d.bench.harness import make_engine, run_batch
+
+    tokens = len(ids[0])
+    core = make_engine(model, max_num_seqs=1, context_tokens=tokens + decode_tokens, prefill_chunk=chunk)
+    capacity = core.scheduler.capacity_tokens()
+    refused = not core.scheduler.check_fits(capacity + 1) and core.scheduler.check_fits(capacity)
+    info = model.info
+    kv_bytes = -(-(tokens + decode_tokens) // info.block_size_tokens) * info.cache_bytes_per_block
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    stamps: list[float] = []
+    timing = run_batch(core, ids, decode_tokens, sync, after_decode_step=lambda: stamps.append(time.perf_counter()))
+    steps = sorted(b - a for a, b in zip(stamps[2:], stamps[3:]))  # past the first steps (graph capture)
+    decode = 1 / steps[len(steps) // 2] if steps else None
+    peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    _say(f"context {tokens:,} tokens: KV blocks {kv_bytes / 2**20:.1f} MiB ({kv_bytes / tokens:.0f} B/token) + "
+         f"state {info.state_bytes_per_seq / 2**20:.1f} MiB per sequence; peak GPU memory {peak / 2**30:.1f} GiB; "
+         f"prefill {timing.prefill_s:.1f} s; a request of {capacity + 1:,} tokens (one over the pool's "
+         f"{capacity:,}) refused before any work: {refused}")
+    label = f"{tokens // 1000}K"
+    return [Row(f"prefill {label} tok, b1", timing.prefill_tok_s, None, floors.prefill(tokens)),
+            Row(f"decode b1 @{label}", decode, None, floors.decode(1, tokens))]
 
 
 def _profile_decode(torch, model, prompt, path: str, sync, steps: int = 8) -> None:

@@ -70,7 +70,14 @@ def _window_keys(
     return keys, key_pos
 
 
-def _indexer_mask(
+SCORE_BLOCK_BYTES = 1 << 30
+"""Largest float32 ``[queries, index heads, entries]`` indexer score block; longer contexts go in query blocks."""
+SPARSE_FROM = 4096
+"""CSA chunks over more compressed entries than this attend to each query's picked entries (gathered)
+instead of all entries through a ``[queries, entries]`` mask, whose memory grows with the context."""
+
+
+def _indexer_topk(
     x: torch.Tensor,
     q_residual: torch.Tensor,
     positions: torch.Tensor,
@@ -78,32 +85,58 @@ def _indexer_mask(
     keys: torch.Tensor,
     indexer: IndexerWeights,
     cfg: DeepseekV4Config,
-) -> torch.Tensor:
-    """Additive mask ``[n, E]``: 0 on the top-k causal entries each query picks, -inf elsewhere."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries each query picks ``[n, k]`` and whether each pick is a real, causal entry."""
     n, count = x.shape[0], keys.shape[0]
     q = linear(q_residual, indexer.wq_b).view(n, cfg.index_n_heads, cfg.index_head_dim)
-    q = apply_rope(q, *cos_sin)
-    scores = torch.relu(torch.einsum("nhd,ed->nhe", q.float(), keys.float())) * cfg.index_head_dim**-0.5
+    q = apply_rope(q, *cos_sin).float()
     head_weights = F.linear(x, indexer.weights_proj).float() * cfg.index_n_heads**-0.5
-    scores = (scores * head_weights.unsqueeze(-1)).sum(dim=1)
     visible = (positions + 1) // indexer.compressor.ratio
-    future = torch.arange(count, device=x.device)[None, :] >= visible[:, None]
-    scores = scores.masked_fill(future, float("-inf"))
-    picked = scores.topk(min(cfg.index_topk, count), dim=-1).indices
-    valid = picked < visible[:, None]
-    mask = torch.full((n, count + 1), float("-inf"), device=x.device)
+    keys = keys.float()
+    rows = max(1, SCORE_BLOCK_BYTES // (4 * cfg.index_n_heads * max(1, count)))
+    picked = []
+    for begin in range(0, n, rows):
+        block = slice(begin, begin + rows)
+        scores = torch.relu(torch.einsum("nhd,ed->nhe", q[block], keys)) * cfg.index_head_dim**-0.5
+        scores = (scores * head_weights[block].unsqueeze(-1)).sum(dim=1)
+        future = torch.arange(count, device=x.device)[None, :] >= visible[block, None]
+        picked.append(scores.masked_fill(future, float("-inf")).topk(min(cfg.index_topk, count), dim=-1).indices)
+    picked = torch.cat(picked)
+    return picked, picked < visible[:, None]
+
+
+def _indexer_mask(picked: torch.Tensor, valid: torch.Tensor, count: int) -> torch.Tensor:
+    """Additive mask ``[n, count]``: 0 on the entries each query picked, -inf elsewhere."""
+    mask = torch.full((picked.shape[0], count + 1), float("-inf"), device=picked.device)
     mask.scatter_(1, torch.where(valid, picked, count), 0.0)
     return mask[:, :count]
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [n, H, d]``, shared ``keys [K, d]`` (also the values), ``mask [n, K]`` -> ``[n, H, d]``."""
+def _extra_logits(q: torch.Tensor, extra: tuple[torch.Tensor, torch.Tensor], scale: float) -> torch.Tensor:
+    """Scores of the compressed entries: shared ``[E, d]`` with mask ``[n, E]``, or per query ``[n, k, d]``."""
+    entries, mask = extra[0].to(q.dtype), extra[1].to(q.dtype)
+    equation = "nhd,nkd->nhk" if entries.dim() == 3 else "nhd,ed->nhe"
+    return torch.einsum(equation, q, entries) * scale + mask[:, None, :]
+
+
+def _extra_values(probs: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("nhk,nkd->nhd" if entries.dim() == 3 else "nhe,ed->nhd", probs, entries.to(probs.dtype))
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float,
+            extra: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """``q [n, H, d]``, shared ``keys [K, d]`` (also the values), ``mask [n, K]`` -> ``[n, H, d]``;
+    per-query compressed entries ``extra = ([n, k, d], mask [n, k])`` join the same softmax."""
     logits = torch.einsum("nhd,kd->nhk", q, keys) * scale + mask[:, None, :]
-    sinks = sink.view(1, -1, 1).expand(q.shape[0], -1, 1).to(logits.dtype)
-    combined = torch.cat([logits, sinks], dim=-1)
+    parts = [logits] if extra is None else [logits, _extra_logits(q, extra, scale)]
+    parts.append(sink.view(1, -1, 1).expand(q.shape[0], -1, 1).to(logits.dtype))
+    combined = torch.cat(parts, dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
     probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)
+    out = torch.einsum("nhk,kd->nhd", probs[..., : keys.shape[0]].to(keys.dtype), keys)
+    if extra is not None:
+        out = out + _extra_values(probs[..., keys.shape[0]:].to(keys.dtype), extra[0])
+    return out
 
 
 def _attend_local(
@@ -138,8 +171,7 @@ def _attend_local(
     local = torch.einsum("bqhd,bkd->bqhk", q_blocks, block_keys) * scale + mask[:, :, None, :]
     parts = [local.reshape(blocks * window, heads, span)[:n]]
     if extra is not None:
-        entries = extra[0].to(q.dtype)
-        parts.append(torch.einsum("nhd,ed->nhe", q, entries) * scale + extra[1].to(q.dtype)[:, None, :])
+        parts.append(_extra_logits(q, extra, scale))
     parts.append(sink.view(1, -1, 1).expand(n, -1, 1).to(q.dtype))
     combined = torch.cat(parts, dim=-1)
     combined = combined - combined.max(dim=-1, keepdim=True).values
@@ -147,7 +179,7 @@ def _attend_local(
     local_probs = F.pad(probs[..., :span], (0, 0, 0, 0, 0, pad)).view(blocks, window, heads, span)
     out = torch.einsum("bqhk,bkd->bqhd", local_probs, block_keys).reshape(blocks * window, heads, dim)[:n]
     if extra is not None:
-        out = out + torch.einsum("nhe,ed->nhd", probs[..., span:-1], entries)
+        out = out + _extra_values(probs[..., span:-1], extra[0])
     return out
 
 
@@ -186,7 +218,11 @@ def _compressed_keys(
     compressed = gather_entries(cache.compressor.pool, chunk.block_ids, count)
     if weights.indexer is not None:
         index_keys = gather_entries(cache.indexer.pool, chunk.block_ids, count)
-        mask = _indexer_mask(x, q_residual, positions, cos_sin, index_keys, weights.indexer, cfg)
+        picked, valid = _indexer_topk(x, q_residual, positions, cos_sin, index_keys, weights.indexer, cfg)
+        if count > SPARSE_FROM:  # each query's picks only: memory independent of the context
+            gathered = compressed[picked]
+            return gathered, torch.zeros(valid.shape, device=x.device).masked_fill_(~valid, float("-inf"))
+        mask = _indexer_mask(picked, valid, count)
     else:
         closed = torch.arange(count, device=x.device)[None, :] < ((positions + 1) // comp.ratio)[:, None]
         mask = torch.zeros(closed.shape, device=x.device).masked_fill_(~closed, float("-inf"))
@@ -248,6 +284,9 @@ def attention_forward(
                 cfg,
                 rope_compress,
             )
+            if extra is not None and extra[0].dim() == 3:  # per-query entries: a softmax part of their own
+                out[rows] = _attend(q[rows], keys, mask, weights.sink, head_dim**-0.5, extra)
+                continue
             if extra is not None:
                 keys = torch.cat([keys, extra[0].to(keys.dtype)])
                 mask = torch.cat([mask, extra[1].to(mask.dtype)], dim=-1)
