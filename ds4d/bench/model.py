@@ -21,6 +21,7 @@ source tree: ``PYTHONPATH=. python -m ds4d.cli bench model``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -385,7 +386,7 @@ def _long_context(torch, model, ids, decode_tokens: int, chunk: int, floors, syn
         torch.cuda.reset_peak_memory_stats()
     stamps: list[float] = []
     timing = run_batch(core, ids, decode_tokens, sync, after_decode_step=lambda: stamps.append(time.perf_counter()))
-    steps = sorted(b - a for a, b in zip(stamps[2:], stamps[3:]))  # past the first steps (graph capture)
+    steps = sorted(b - a for a, b in itertools.pairwise(stamps[2:]))  # past the first steps (graph capture)
     decode = 1 / steps[len(steps) // 2] if steps else None
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     _say(f"context {tokens:,} tokens: KV blocks {kv_bytes / 2**20:.1f} MiB ({kv_bytes / tokens:.0f} B/token) + "
