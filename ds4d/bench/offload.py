@@ -38,7 +38,7 @@ def run_offload(args) -> int:
     args.no_hf = True
     t0 = time.perf_counter()
     cfg, reader, model, _, _ = build(torch, args, device)
-    floors = Floors(cfg, reader.issued, bandwidth, matmul)
+    floors = Floors(cfg, reader.issued, bandwidth, matmul, native=args.native)
     reader.issued.clear()
     _say(f"built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -92,7 +92,7 @@ def run_offload(args) -> int:
     t0 = time.perf_counter()
     offload = ExpertOffload(model.weights, cfg, device=device, dtype=model.dtype,
                             options=OffloadOptions(vram_bytes=1 << 50, placement="static",
-                                                   cpu_threads=args.expert_cpu_threads))
+                                                   cpu_threads=args.expert_cpu_threads, native=args.native))
     model.expert_offload = offload
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -115,7 +115,8 @@ def run_offload(args) -> int:
     pcie = offload.pcie_bytes_s
     _say()
     _say(f"# ds4d bench model --expert-gpu-fraction — random V4 ({cfg.hidden_size} wide, {cfg.n_routed_experts} "
-         f"experts, layers {list(cfg.compress_ratios)}), {args.dtype}, "
+         f"experts, layers {list(cfg.compress_ratios)}), {args.dtype}"
+         f"{', MXFP4 experts kept as stored on the device' if offload.native else ''}, "
          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, {time.strftime('%Y-%m-%d')}")
     _say(f"# PCIe host->device {pcie / 1e9:.1f} GB/s (measured, one staging bank); HBM copy {bandwidth / 1e12:.2f} TB/s; "
          f"expert {offload.host_expert_bytes / 2**20:.0f} MiB; decode: {steps} tokens after 1K; prefill 2048 tokens")

@@ -23,6 +23,7 @@ from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.family import native_weights
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
+from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
 from ds4d.models.deepseek_v4.weights import Fp8Weight, Mxfp4Matrices, read_weights
 from tests.unit.test_dsv4_model import Driver
 
@@ -89,3 +90,34 @@ def test_weight_format_choice():
         native_weights("native", torch.float32, "cpu")
     with pytest.raises(ValueError, match="auto, dense or native"):
         native_weights("int4", torch.float32, "cpu")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests run the compiled kernels")
+def test_offload_with_native_banks_equals_all_on_device(checkpoint):
+    """Expert offload with MXFP4 device banks and staging (``OffloadOptions.native``): the hot bank,
+    the staged cold experts and the all-on-device model run the same kernels, so every step's
+    logits are equal bit for bit."""
+    prompt = [(i * 7919) % 5000 + 10 for i in range(150)]
+
+    def run(model):
+        driver = Driver(model)
+        driver.start("a")
+        out = [driver.prefill("a", prompt, chunk=150)]
+        for _ in range(3):
+            out.append(driver.step([("a", [int(out[-1][-1].argmax())], 1)])[0])
+        return out
+
+    want = run(_load(checkpoint, native=True))
+    model = _load(checkpoint, native=True)
+    offload = ExpertOffload(model.weights, model.cfg, device="cpu", dtype=model.dtype,
+                            options=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy", native=True))
+    model.expert_offload = offload
+    offload.set_placement([[e for e in range(8) if (e + layer) % 2] for layer in range(model.cfg.num_hidden_layers)])
+    assert offload.native and isinstance(offload.banks[1].gate_up, Mxfp4Matrices)
+    assert offload.device_expert_bytes == offload.host_expert_bytes  # stored bytes, not decoded ones
+    assert all(layer.ffn.experts.native is None for layer in model.weights.layers)  # moved to the host copy
+    got = run(model)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert offload.expert_stats()["bytes_copied"] > 0
+    offload.close()

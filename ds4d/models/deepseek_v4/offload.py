@@ -14,7 +14,9 @@ experts each.  One MoE call:
 3. hot experts run as one grouped matmul over the device bank;
 4. used cold experts stream through the two staging banks on a copy stream,
    batch ``j + 1`` copying while batch ``j`` computes; quantised ones are
-   decoded on the device after the copy;
+   decoded on the device after the copy, except with ``native`` MXFP4 banks,
+   where hot banks and staging hold the stored bytes and the ``quant_matmul``
+   kernels read them as copied (a quarter of the bf16 bytes per device expert);
 5. in decode steps, cold experts with at most ``cpu_max_rows`` tokens may run on
    the host instead (threads reading the host copy while the device works),
    when the copy bandwidth and the CPU expert time measured at start say that
@@ -41,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ds4d.cuda import quant_matmul
 from ds4d.cuda.host_memory import (
     CopyStream,
     HostArena,
@@ -52,7 +55,7 @@ from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.moe import _swiglu, combine_sorted, expert_ffn, route, tally_routing
 from ds4d.models.deepseek_v4.placement import PlacementPolicy, capacity_for_budget
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4
-from ds4d.models.deepseek_v4.weights import ExpertBank, ModelWeights, MoEWeights
+from ds4d.models.deepseek_v4.weights import ExpertBank, ModelWeights, MoEWeights, Mxfp4Matrices
 
 DECODE_COLD = ("auto", "cpu", "copy")
 
@@ -70,6 +73,9 @@ class OffloadOptions:
     mem_watermark_bytes: int = 0
     pin_threads: int = 8
     calibration: list[list[float]] | None = None
+    native: bool = False
+    """MXFP4 experts stay MXFP4 on the device too (hot banks and staging; ``quant_matmul`` kernels):
+    about a quarter of the bf16 bytes per device expert and no decode after a copy."""
 
 
 @dataclass
@@ -90,15 +96,15 @@ class LayerStats:
 class _Bank:
     ids: list[int]
     slot_of: list[int]
-    gate_up: torch.Tensor  # [n, 2I, D]
-    down: torch.Tensor  # [n, D, I]
+    gate_up: torch.Tensor | Mxfp4Matrices  # [n, 2I, D] (MXFP4: [n, 2I, D/2] + scales)
+    down: torch.Tensor | Mxfp4Matrices  # [n, D, I]
 
 
 @dataclass
 class _Stage:
     packed: dict[str, torch.Tensor]
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | Mxfp4Matrices
+    down: torch.Tensor | Mxfp4Matrices
     ready: object = None
     free: object = None
     experts: list[int] = field(default_factory=list)
@@ -111,6 +117,18 @@ def _stored_parts(bank: ExpertBank) -> dict[str, torch.Tensor]:
     parts = {w: bank.weights[w] for w in ("w1", "w2", "w3")}
     parts.update({"s" + w[1]: bank.scales[w] for w in ("w1", "w2", "w3")})
     return parts
+
+
+def _slots(bank: torch.Tensor | Mxfp4Matrices) -> int:
+    return bank.packed.shape[0] if isinstance(bank, Mxfp4Matrices) else bank.shape[0]
+
+
+def _copy_slot(dst: torch.Tensor | Mxfp4Matrices, slot: int, src: torch.Tensor | Mxfp4Matrices, src_slot: int) -> None:
+    if isinstance(dst, Mxfp4Matrices):
+        dst.packed[slot].copy_(src.packed[src_slot])
+        dst.scales[slot].copy_(src.scales[src_slot])
+    else:
+        dst[slot].copy_(src[src_slot])
 
 
 def _decode(kind: str, parts: dict[str, torch.Tensor], dtype: torch.dtype, block) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,9 +160,10 @@ class ExpertOffload:
         self.layers, self.experts = len(banks), cfg.n_routed_experts
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
         element = torch.empty(0, dtype=dtype).element_size()
-        self.device_expert_bytes = 3 * inter * hidden * element
         parts = [_stored_parts(bank) for bank in banks]
         self.host_expert_bytes = sum(t[0].numel() * t.element_size() for t in parts[0].values())
+        self.native = options.native and self.kind == "mxfp4" and quant_matmul.available()
+        self.device_expert_bytes = self.host_expert_bytes if self.native else 3 * inter * hidden * element
         host_total = self.host_expert_bytes * self.experts * self.layers
         new_bytes = host_total if banks[0].weights["w2"].device.type != "cpu" else host_total // max(1, self.layers)
         available = mem_available()
@@ -159,7 +178,7 @@ class ExpertOffload:
         self.pinned = PinnedRegistry(options.pin_threads)
         self.pinned.pin([t for host in self.hosts for t in host.values()])
         stage_n = max(1, options.stage_experts)
-        quantised_stage = self.host_expert_bytes if self.kind != "float" else 0
+        quantised_stage = self.host_expert_bytes if self.kind != "float" and not self.native else 0
         self.staging_bytes = 2 * stage_n * (self.device_expert_bytes + quantised_stage)
         capacity = capacity_for_budget(options.vram_bytes, self.device_expert_bytes, self.staging_bytes,
                                        self.layers * self.experts)
@@ -196,16 +215,40 @@ class ExpertOffload:
             bank.weights = {w: host[w] for w in ("w1", "w2", "w3")}
             bank.scales = {w: host["s" + w[1]] for w in ("w1", "w2", "w3")}
         bank._dense_cache = None
+        bank.native = None  # the device copy goes; the banks below hold what the device keeps
         return host
 
     def _stage(self, n: int) -> _Stage:
         inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        if self.native:  # copies land in the halves of the stacked MXFP4 matrices the kernels read
+            gate_up, down = self._native_bank(n)
+            packed = {"w1": gate_up.packed[:, :inter], "w3": gate_up.packed[:, inter:], "w2": down.packed,
+                      "s1": gate_up.scales[:, :inter], "s3": gate_up.scales[:, inter:], "s2": down.scales}
+            return _Stage(packed, gate_up, down)
         packed = {name: torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=self.device)
                   for name, t in self.hosts[0].items()}
         if self.kind == "float":
             return _Stage(packed, packed["gate_up"], packed["w2"])
         gate_up = torch.empty((n, 2 * inter, hidden), dtype=self.dtype, device=self.device)
         return _Stage(packed, gate_up, torch.empty((n, hidden, inter), dtype=self.dtype, device=self.device))
+
+    def _native_bank(self, n: int) -> tuple[Mxfp4Matrices, Mxfp4Matrices]:
+        inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
+
+        def empty(rows: int, inputs: int) -> Mxfp4Matrices:
+            return Mxfp4Matrices(torch.empty((n, rows, inputs // 2), dtype=torch.uint8, device=self.device),
+                                 torch.empty((n, rows, inputs // 32), dtype=torch.uint8, device=self.device))
+
+        return empty(2 * inter, hidden), empty(hidden, inter)
+
+    def _fill_native(self, gate_up: Mxfp4Matrices, down: Mxfp4Matrices, slot: int, parts: dict) -> None:
+        inter = self.cfg.moe_intermediate_size
+        gate_up.packed[slot, :inter].copy_(parts["w1"])
+        gate_up.packed[slot, inter:].copy_(parts["w3"])
+        gate_up.scales[slot, :inter].copy_(parts["s1"])
+        gate_up.scales[slot, inter:].copy_(parts["s3"])
+        down.packed[slot].copy_(parts["w2"])
+        down.scales[slot].copy_(parts["s2"])
 
     def _expert_parts(self, layer: int, expert: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         host = self.hosts[layer]
@@ -216,7 +259,7 @@ class ExpertOffload:
     def _measure(self) -> tuple[float, float]:
         """(host -> device bytes/s for one expert, seconds for one expert on one row on the host)."""
         stage = self.stages[0]
-        experts = list(range(min(stage.gate_up.shape[0], self.experts)))
+        experts = list(range(min(_slots(stage.gate_up), self.experts)))
         seconds = []
         for _ in range(4):  # a whole staging bank per copy; the first one warms up
             began = time.perf_counter()
@@ -244,19 +287,25 @@ class ExpertOffload:
             old = self.banks[layer]
             if old is not None and old.ids == ids:
                 continue
-            gate_up = torch.empty((len(ids), 2 * inter, hidden), dtype=self.dtype, device=self.device)
-            down = torch.empty((len(ids), hidden, inter), dtype=self.dtype, device=self.device)
+            if self.native:
+                gate_up, down = self._native_bank(len(ids))
+            else:
+                gate_up = torch.empty((len(ids), 2 * inter, hidden), dtype=self.dtype, device=self.device)
+                down = torch.empty((len(ids), hidden, inter), dtype=self.dtype, device=self.device)
             slot_of = [-1] * self.experts
             for slot, expert in enumerate(ids):
                 slot_of[expert] = slot
                 if old is not None and old.slot_of[expert] >= 0:
-                    gate_up[slot].copy_(old.gate_up[old.slot_of[expert]])
-                    down[slot].copy_(old.down[old.slot_of[expert]])
+                    _copy_slot(gate_up, slot, old.gate_up, old.slot_of[expert])
+                    _copy_slot(down, slot, old.down, old.slot_of[expert])
                     continue
-                dense_gate_up, dense_down = _decode(self.kind, self._expert_parts(layer, expert, self.device),
-                                                    self.dtype, self.block)
-                gate_up[slot].copy_(dense_gate_up)
-                down[slot].copy_(dense_down)
+                parts = self._expert_parts(layer, expert, self.device)
+                if self.native:
+                    self._fill_native(gate_up, down, slot, parts)
+                else:
+                    dense_gate_up, dense_down = _decode(self.kind, parts, self.dtype, self.block)
+                    gate_up[slot].copy_(dense_gate_up)
+                    down[slot].copy_(dense_down)
                 self.placement_bytes += self.host_expert_bytes
             self.banks[layer] = _Bank(ids, slot_of, gate_up, down)
 
@@ -356,7 +405,7 @@ class ExpertOffload:
 
     def _staged(self, layer, copied, counts, rows, slots, limit, step_rows) -> list[torch.Tensor]:
         """Cold experts through the double-buffered staging banks, copy of batch j + 1 under compute of j."""
-        size = self.stages[0].gate_up.shape[0]
+        size = _slots(self.stages[0].gate_up)
         batches = [copied[at : at + size] for at in range(0, len(copied), size)]
         out, row = [], 0
         if batches:
@@ -366,7 +415,7 @@ class ExpertOffload:
                 self._issue(layer, batches[index + 1], self.stages[(index + 1) % 2])
             stage = self.stages[index % 2]
             self.copier.compute_waits(stage.ready)
-            if self.kind != "float":
+            if self.kind != "float" and not self.native:  # decode after the copy (native: read as copied)
                 for slot in range(len(batch)):
                     gate_up, down = _decode(self.kind, {n: t[slot] for n, t in stage.packed.items()}, self.dtype,
                                             self.block)
