@@ -173,3 +173,24 @@ def measure_copy_bytes_s(src: torch.Tensor, dst: torch.Tensor, repeats: int = 5)
         stream.synchronize()
         times.append(time.perf_counter() - began)
     return nbytes / max(sorted(times)[len(times) // 2], 1e-9)
+
+
+def host_pointers_usable(device: torch.device) -> bool:
+    """Whether kernels on ``device`` may read page-locked (registered) host memory at its host address
+    (``cudaDevAttrCanUseHostPointerForRegisteredMem``); False when that cannot be asked."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        try:
+            from cuda import cudart as runtime
+        except ImportError:
+            return False
+    try:
+        err, value = runtime.cudaDeviceGetAttribute(
+            runtime.cudaDeviceAttr.cudaDevAttrCanUseHostPointerForRegisteredMem, index)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+    return int(err) == 0 and int(value) == 1

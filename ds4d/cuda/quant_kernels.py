@@ -62,7 +62,7 @@ def fp8_tiles_kernel(x_ptr, w_ptr, s_ptr, out_ptr, m, n, k: tl.constexpr, sxm, s
     split = tl.program_id(2)
     s_base = s_ptr + (cols // 128) * ssn
     acc = tl.zeros([block_m, block_n], dtype=tl.float32)
-    for i in range(0, steps):
+    for i in range(steps):
         step = split * steps + i
         ks = step * 128 + tl.arange(0, 128)
         xs = tl.load(x_ptr + rows[:, None] * sxm + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k),
@@ -87,16 +87,18 @@ def fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, n, k, swn, ssn, son):
 
 
 @triton.jit
-def mxfp4_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, expert_ptr, n, k: tl.constexpr,
-                      sxr, swe, swn, sse, ssn, sor, block_n: tl.constexpr, block_b: tl.constexpr):
+def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, expert_ptr, n, k: tl.constexpr,
+                      sxr, swn, ssn, sor, block_n: tl.constexpr, block_b: tl.constexpr):
     """One row times ``block_n`` rows of its expert's MXFP4 matrix, ``block_b`` bytes (2 x as many
-    inputs) a step; byte j holds inputs 2j (low nibble) and 2j + 1, 16 bytes share a scale."""
+    inputs) a step; byte j holds inputs 2j (low nibble) and 2j + 1, 16 bytes share a scale.  Each
+    expert's packed bytes and scales are found through address tables (``w_table[e]``,
+    ``s_table[e]``), so an expert may sit in device memory or in mapped host memory."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
     live_cols = cols < n
-    expert = tl.load(expert_ptr + row).to(tl.int64)
-    w_base = w_ptr + expert * swe + cols[:, None] * swn
-    s_base = s_ptr + expert * sse + cols[:, None] * ssn
+    expert = tl.load(expert_ptr + row)
+    w_base = tl.load(w_table + expert).to(tl.pointer_type(tl.uint8)) + cols[:, None] * swn
+    s_base = tl.load(s_table + expert).to(tl.pointer_type(tl.uint8)) + cols[:, None] * ssn
     acc = tl.zeros([block_n], dtype=tl.float32)
     for k0 in range(0, k // 2, block_b):
         byte = k0 + tl.arange(0, block_b)

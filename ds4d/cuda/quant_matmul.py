@@ -131,23 +131,55 @@ def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 # ---------------------------------------------------------------------- MXFP4 experts
 
 
+_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def expert_table(matrices: torch.Tensor) -> torch.Tensor:
+    """int64 ``[E]``: the address of each expert's matrix in ``matrices [E, ...]`` (a uint8 tensor).
+
+    Cached per (address, experts, stride, device): the values are a function of those alone.  A
+    miss while a CUDA graph is being captured is computed on the device and not kept."""
+    key = (matrices.data_ptr(), matrices.shape[0], matrices.stride(0), str(matrices.device))
+    table = _TABLES.get(key)
+    if table is None:
+        index = torch.arange(matrices.shape[0], dtype=torch.int64, device=matrices.device)
+        table = index * (matrices.stride(0) * matrices.element_size()) + matrices.data_ptr()
+        capturing = matrices.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            if len(_TABLES) > 512:
+                _TABLES.clear()
+            _TABLES[key] = table
+    return table
+
+
 @torch.compiler.disable
 def mxfp4_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """``[R, N]``: row ``r`` of ``x [R, K]`` times expert ``experts[r]`` of ``packed [E, N, K/2]``
     (uint8 e2m1 pairs) with ``scales [E, N, K/32]`` (uint8 ue8m0)."""
+    if packed.stride(2) != 1 or scales.stride(2) != 1:
+        raise ValueError("mxfp4_rows needs the last dimension of packed and scales contiguous")
+    return mxfp4_rows_at(x, expert_table(packed), expert_table(scales), experts, packed.shape[1],
+                         packed.stride(1), scales.stride(1))
+
+
+@torch.compiler.disable
+def mxfp4_rows_at(x: torch.Tensor, w_table: torch.Tensor, s_table: torch.Tensor, experts: torch.Tensor, n: int,
+                  w_row_stride: int, s_row_stride: int) -> torch.Tensor:
+    """:func:`mxfp4_rows` with each expert found by address (``w_table[e]``, ``s_table[e]``): its
+    ``[N, K/2]`` bytes and ``[N, K/32]`` scales with the given row strides, wherever they sit (device
+    memory, or host memory the device can read).  The same arithmetic as :func:`mxfp4_rows`."""
     import triton
 
     rows, k = x.shape
-    n = packed.shape[1]
-    if packed.stride(2) != 1 or scales.stride(2) != 1 or x.stride(1) != 1:
-        raise ValueError("mxfp4_rows needs the last dimension of x, packed and scales contiguous")
+    if x.stride(1) != 1:
+        raise ValueError("mxfp4_rows needs the last dimension of x contiguous")
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
         t = TUNING["mxfp4_rows"]
         grid = (rows, triton.cdiv(n, t["block_n"]))
-        _kernels().mxfp4_rows_kernel[grid](x, packed, scales, out, experts, n, k, x.stride(0), packed.stride(0),
-                                           packed.stride(1), scales.stride(0), scales.stride(1), out.stride(0),
-                                           block_n=t["block_n"], block_b=t["block_b"], num_warps=t["warps"])
+        _kernels().mxfp4_rows_kernel[grid](x, w_table, s_table, out, experts, n, k, x.stride(0), w_row_stride,
+                                           s_row_stride, out.stride(0), block_n=t["block_n"], block_b=t["block_b"],
+                                           num_warps=t["warps"])
     return out
 
 

@@ -95,8 +95,8 @@ def test_weight_format_choice():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests run the compiled kernels")
 def test_offload_with_native_banks_equals_all_on_device(checkpoint):
     """Expert offload with MXFP4 device banks and staging (``OffloadOptions.native``): the hot bank,
-    the staged cold experts and the all-on-device model run the same kernels, so every step's
-    logits are equal bit for bit."""
+    the staged cold experts (prefill), the experts read in place through address tables (decode)
+    and the all-on-device model run the same kernels, so every step's logits are equal bit for bit."""
     prompt = [(i * 7919) % 5000 + 10 for i in range(150)]
 
     def run(model):
@@ -116,8 +116,12 @@ def test_offload_with_native_banks_equals_all_on_device(checkpoint):
     assert offload.native and isinstance(offload.banks[1].gate_up, Mxfp4Matrices)
     assert offload.device_expert_bytes == offload.host_expert_bytes  # stored bytes, not decoded ones
     assert all(layer.ffn.experts.native is None for layer in model.weights.layers)  # moved to the host copy
+    assert offload.zero_copy  # a CPU "device" reads the host copies directly
     got = run(model)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
-    assert offload.expert_stats()["bytes_copied"] > 0
+    stats = offload.expert_stats()
+    assert stats["bytes_copied"] > 0  # the prefill staged its cold experts
+    assert stats["host_read_bytes"] > 0  # decode read cold experts in place
+    assert sum(row["zero_copy_pairs"] for row in stats["layers"]) == 3 * 2 * model.cfg.num_hidden_layers
     offload.close()

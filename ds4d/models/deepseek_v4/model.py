@@ -241,7 +241,9 @@ class DeepseekV4Model:
         """One token per sequence: pack (token, position, slot, block table) rows and run the decode step."""
         count = len(batch.chunks)
         width = max(len(c.block_ids) for c in batch.chunks)
-        graphs = self._graphs if self.use_graphs and cache is self.cache and self.expert_offload is None else None
+        offload = self.expert_offload
+        graphs = self._graphs if self.use_graphs and cache is self.cache and (
+            offload is None or offload.capturable(_bucket(count))) else None
         rows = count
         if graphs is not None:
             rows, width = _bucket(count), max(8, _bucket(width))

@@ -43,11 +43,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ds4d.cuda import quant_matmul
+from ds4d.cuda import moe_gemv, quant_matmul
 from ds4d.cuda.host_memory import (
     CopyStream,
     HostArena,
     PinnedRegistry,
+    host_pointers_usable,
     huge_pages_fit,
     mem_available_bytes,
 )
@@ -110,10 +111,19 @@ class _Stage:
     experts: list[int] = field(default_factory=list)
 
 
-def _stored_parts(bank: ExpertBank) -> dict[str, torch.Tensor]:
+def _stored_parts(bank: ExpertBank, stacked: bool = False) -> dict[str, torch.Tensor]:
+    """One layer's experts as stored; ``stacked`` (MXFP4 kept native): w1 over w3 as ``gu`` / ``sgu``
+    (the layout the native kernels read), w2 / s2 as they are."""
     if bank.kind == "float":
         gate_up = bank.gate_up if bank.gate_up is not None else torch.cat([bank.weights["w1"], bank.weights["w3"]], 1)
         return {"gate_up": gate_up, "w2": bank.weights["w2"]}
+    if stacked:
+        if bank.native is not None:
+            gate_up, down = bank.native
+            return {"gu": gate_up.packed, "sgu": gate_up.scales, "w2": down.packed, "s2": down.scales}
+        return {"gu": torch.cat([bank.weights["w1"], bank.weights["w3"]], 1),
+                "sgu": torch.cat([bank.scales["w1"], bank.scales["w3"]], 1),
+                "w2": bank.weights["w2"], "s2": bank.scales["w2"]}
     parts = {w: bank.weights[w] for w in ("w1", "w2", "w3")}
     parts.update({"s" + w[1]: bank.scales[w] for w in ("w1", "w2", "w3")})
     return parts
@@ -135,6 +145,8 @@ def _decode(kind: str, parts: dict[str, torch.Tensor], dtype: torch.dtype, block
     """One expert's stored parts -> (gate_up ``[2I, D]``, down ``[D, I]``), as ``ExpertBank.dense`` decodes them."""
     if kind == "float":
         return parts["gate_up"], parts["w2"]
+    if "gu" in parts:  # stacked MXFP4
+        return dequant_mxfp4(parts["gu"], parts["sgu"]).to(dtype), dequant_mxfp4(parts["w2"], parts["s2"]).to(dtype)
 
     def one(w: str) -> torch.Tensor:
         if kind == "mxfp4":
@@ -160,9 +172,9 @@ class ExpertOffload:
         self.layers, self.experts = len(banks), cfg.n_routed_experts
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
         element = torch.empty(0, dtype=dtype).element_size()
-        parts = [_stored_parts(bank) for bank in banks]
-        self.host_expert_bytes = sum(t[0].numel() * t.element_size() for t in parts[0].values())
         self.native = options.native and self.kind == "mxfp4" and quant_matmul.available()
+        parts = [_stored_parts(bank, self.native) for bank in banks]
+        self.host_expert_bytes = sum(t[0].numel() * t.element_size() for t in parts[0].values())
         self.device_expert_bytes = self.host_expert_bytes if self.native else 3 * inter * hidden * element
         host_total = self.host_expert_bytes * self.experts * self.layers
         new_bytes = host_total if banks[0].weights["w2"].device.type != "cpu" else host_total // max(1, self.layers)
@@ -177,6 +189,17 @@ class ExpertOffload:
         del parts
         self.pinned = PinnedRegistry(options.pin_threads)
         self.pinned.pin([t for host in self.hosts for t in host.values()])
+        self.zero_copy = self.native and (self.device.type == "cpu" or (
+            self.pinned.enabled and host_pointers_usable(self.device)))
+        """Decode steps of up to ``moe_gemv.MAX_ROWS`` (token, expert) rows read cold experts straight
+        from host memory (kernels on the device, through per-expert address tables): no host read,
+        no copy, so those steps are captured in CUDA graphs like the all-on-device ones."""
+        self.tables: list[torch.Tensor | None] = [None] * self.layers
+        self.decode_counts = torch.zeros(self.layers, self.experts, dtype=torch.int64, device=self.device)
+        self.host_reads = torch.zeros(self.layers, dtype=torch.int64, device=self.device)
+        """Zero-copy (token, expert) pairs whose expert was read from host memory, per layer."""
+        self.on_host = torch.zeros(self.layers, self.experts, dtype=torch.int64, device=self.device)
+        self._counts_seen = torch.zeros(self.layers, self.experts, dtype=torch.int64)
         stage_n = max(1, options.stage_experts)
         quantised_stage = self.host_expert_bytes if self.kind != "float" and not self.native else 0
         self.staging_bytes = 2 * stage_n * (self.device_expert_bytes + quantised_stage)
@@ -211,6 +234,10 @@ class ExpertOffload:
             inter = host["gate_up"].shape[1] // 2
             bank.gate_up = host["gate_up"]
             bank.weights = {"w1": host["gate_up"][:, :inter], "w3": host["gate_up"][:, inter:], "w2": host["w2"]}
+        elif "gu" in host:
+            inter = host["gu"].shape[1] // 2
+            bank.weights = {"w1": host["gu"][:, :inter], "w3": host["gu"][:, inter:], "w2": host["w2"]}
+            bank.scales = {"w1": host["sgu"][:, :inter], "w3": host["sgu"][:, inter:], "w2": host["s2"]}
         else:
             bank.weights = {w: host[w] for w in ("w1", "w2", "w3")}
             bank.scales = {w: host["s" + w[1]] for w in ("w1", "w2", "w3")}
@@ -220,10 +247,9 @@ class ExpertOffload:
 
     def _stage(self, n: int) -> _Stage:
         inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
-        if self.native:  # copies land in the halves of the stacked MXFP4 matrices the kernels read
+        if self.native:  # copies land in the stacked MXFP4 matrices the kernels read
             gate_up, down = self._native_bank(n)
-            packed = {"w1": gate_up.packed[:, :inter], "w3": gate_up.packed[:, inter:], "w2": down.packed,
-                      "s1": gate_up.scales[:, :inter], "s3": gate_up.scales[:, inter:], "s2": down.scales}
+            packed = {"gu": gate_up.packed, "sgu": gate_up.scales, "w2": down.packed, "s2": down.scales}
             return _Stage(packed, gate_up, down)
         packed = {name: torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=self.device)
                   for name, t in self.hosts[0].items()}
@@ -241,14 +267,32 @@ class ExpertOffload:
 
         return empty(2 * inter, hidden), empty(hidden, inter)
 
-    def _fill_native(self, gate_up: Mxfp4Matrices, down: Mxfp4Matrices, slot: int, parts: dict) -> None:
-        inter = self.cfg.moe_intermediate_size
-        gate_up.packed[slot, :inter].copy_(parts["w1"])
-        gate_up.packed[slot, inter:].copy_(parts["w3"])
-        gate_up.scales[slot, :inter].copy_(parts["s1"])
-        gate_up.scales[slot, inter:].copy_(parts["s3"])
+    @staticmethod
+    def _fill_native(gate_up: Mxfp4Matrices, down: Mxfp4Matrices, slot: int, parts: dict) -> None:
+        gate_up.packed[slot].copy_(parts["gu"])
+        gate_up.scales[slot].copy_(parts["sgu"])
         down.packed[slot].copy_(parts["w2"])
         down.scales[slot].copy_(parts["s2"])
+
+    def _address_table(self, layer: int) -> None:
+        """Per expert of ``layer``, where its four stored parts are: the device bank slot when hot, the
+        host copy otherwise.  Written in place, so captured graphs read the current placement."""
+        host, bank = self.hosts[layer], self.banks[layer]
+        rows = []
+        for name, matrices in (("gu", bank.gate_up.packed), ("sgu", bank.gate_up.scales), ("w2", bank.down.packed),
+                               ("s2", bank.down.scales)):
+            stored = host[name]
+            row = [stored.data_ptr() + e * stored.stride(0) for e in range(self.experts)]
+            for expert, slot in enumerate(bank.slot_of):
+                if slot >= 0:
+                    row[expert] = matrices.data_ptr() + slot * matrices.stride(0)
+            rows.append(row)
+        table = torch.tensor(rows, dtype=torch.int64)
+        self.on_host[layer].copy_(torch.tensor([int(slot < 0) for slot in bank.slot_of]))
+        if self.tables[layer] is None:
+            self.tables[layer] = table.to(self.device)
+        else:
+            self.tables[layer].copy_(table)
 
     def _expert_parts(self, layer: int, expert: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
         host = self.hosts[layer]
@@ -308,9 +352,13 @@ class ExpertOffload:
                     down[slot].copy_(dense_down)
                 self.placement_bytes += self.host_expert_bytes
             self.banks[layer] = _Bank(ids, slot_of, gate_up, down)
+            if self.zero_copy:
+                self._address_table(layer)
 
     def begin_step(self) -> None:
         """Between steps: adopt a new placement when the online policy has one."""
+        if self.zero_copy and self.policy.mode == "online":
+            self._observe_decode_counts()
         if self.policy.due():
             proposal = self.policy.replan(self.hot_experts())
             if proposal is not None:
@@ -329,6 +377,18 @@ class ExpertOffload:
         shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit)
         return self._routed(layer, x, expert_weights, indices, limit, decode) + shared
 
+    def _observe_decode_counts(self) -> None:
+        """Routing counts of zero-copy decode steps (kept on the device) into the placement policy."""
+        now = self.decode_counts.cpu()
+        fresh, self._counts_seen = now - self._counts_seen, now
+        for layer in range(self.layers):
+            if fresh[layer].any():
+                self.policy.observe(layer, fresh[layer].tolist())
+
+    def capturable(self, rows: int) -> bool:
+        """Whether a decode step of ``rows`` sequences runs without host reads (zero-copy experts)."""
+        return self.zero_copy and rows * self.cfg.num_experts_per_tok <= moe_gemv.MAX_ROWS
+
     def _split_cold(self, cold: list[int], counts: list[int], decode: bool) -> tuple[list[int], list[int]]:
         """(experts for the host, experts to copy)."""
         mode = self.options.decode_cold
@@ -341,8 +401,31 @@ class ExpertOffload:
                 return [], cold
         return eligible, [e for e in cold if e not in eligible]
 
+    def _zero_copy(self, layer, x, expert_weights, indices, limit) -> torch.Tensor:
+        """Every routed expert read where it sits (device bank or mapped host copy) by the per-row
+        MXFP4 kernel: the arithmetic of ``moe.expert_ffn``'s small-batch path, with no host read."""
+        tokens, k = indices.shape
+        flat = indices.reshape(-1)
+        self.decode_counts[layer].index_add_(0, flat, torch.ones_like(flat))
+        self.host_reads[layer] += self.on_host[layer][flat].sum()
+        expert_of_row, order = torch.sort(flat, stable=True)
+        rows = x[order // k]
+        table = self.tables[layer]
+        inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        both = quant_matmul.mxfp4_rows_at(rows, table[0], table[1], expert_of_row, 2 * inter, hidden // 2,
+                                          hidden // 32)
+        gate, up = both.chunk(2, dim=-1)
+        if limit > 0:
+            gate = gate.clamp(max=limit)
+            up = up.clamp(min=-limit, max=limit)
+        out = quant_matmul.mxfp4_rows_at(torch.nn.functional.silu(gate) * up, table[2], table[3], expert_of_row,
+                                         hidden, inter // 2, inter // 32)
+        return combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
+
     def _routed(self, layer, x, expert_weights, indices, limit, decode) -> torch.Tensor:
         tokens, k = indices.shape
+        if decode and self.capturable(tokens):
+            return self._zero_copy(layer, x, expert_weights, indices, limit)
         flat = indices.reshape(-1)
         counts = torch.bincount(flat, minlength=self.experts).tolist()
         self.policy.observe(layer, counts)
@@ -460,10 +543,14 @@ class ExpertOffload:
         gpu = sum(len(bank.ids) for bank in self.banks if bank is not None)
         total = self.layers * self.experts
         layers = []
+        direct = self.decode_counts.sum(dim=1).tolist()
+        host_reads = self.host_reads.tolist()
         for index, (stats, bank) in enumerate(zip(self.stats, self.banks)):
             row = asdict(stats)
             row["cpu_expert_ms"] = round(row.pop("cpu_expert_s") * 1e3, 3)
-            row.update(layer=index, gpu_experts=len(bank.ids), hit_rate=stats.hot_pairs / stats.pairs if stats.pairs else None)
+            pairs, hot = stats.pairs + direct[index], stats.hot_pairs + direct[index] - host_reads[index]
+            row.update(layer=index, gpu_experts=len(bank.ids), hit_rate=hot / pairs if pairs else None,
+                       zero_copy_pairs=direct[index], host_read_pairs=host_reads[index])
             layers.append(row)
         return {
             "gpu_experts": gpu,
@@ -476,6 +563,8 @@ class ExpertOffload:
             "bytes_skipped": sum(s.bytes_skipped for s in self.stats),
             "skipped_transfers": sum(s.skipped_transfers for s in self.stats),
             "placement_bytes": self.placement_bytes,
+            "zero_copy": self.zero_copy,
+            "host_read_bytes": sum(host_reads) * self.host_expert_bytes,
             "layers": layers,
         }
 
