@@ -51,7 +51,11 @@ def test_staged_and_device_experts_are_bit_identical(checkpoint, dtype):
         else:
             assert (a - b).abs().max().item() < 1e-4 and torch.equal(a.argmax(-1), b.argmax(-1))
     stats = offload.expert_stats()
-    assert stats["bytes_copied"] > 0 and stats["skipped_transfers"] > 0 and offload.pcie_bytes_s > 0
+    assert stats["bytes_copied"] > 0 and offload.pcie_bytes_s > 0
+    if offload.zero_copy:  # bf16 with native MXFP4 experts: decode reads cold experts in place
+        assert stats["host_read_bytes"] > 0
+    else:  # decode copies the routed cold experts and skips the rest
+        assert stats["skipped_transfers"] > 0
     offload.close()
 
 
