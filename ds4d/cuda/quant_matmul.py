@@ -13,7 +13,9 @@ decode step reads half (FP8) or about a quarter (MXFP4) of the bf16 bytes.
   scale block at a time, each step scaled per output column; a prefill: the
   weight decoded by a Triton kernel, then cuBLAS.
 * :func:`mxfp4_rows`: one row times its own expert's matrix (small-batch decode;
-  the rows of one MoE call each pick an expert by index), a GEMV per row.
+  the rows of one MoE call each pick an expert by index), a GEMV per row; the
+  kernel finds each expert through an address table (:func:`mxfp4_rows_at`), so
+  an expert may also sit in page-locked host memory the GPU reads in place.
 * :func:`mxfp4_grouped`: rows sorted by expert times their expert's matrix
   (prefill and large batches), tiles of rows of one expert each, tensor cores.
 
@@ -52,7 +54,7 @@ def _kernels():
     return _state["kernels"]
 
 
-# ---------------------------------------------------------------------- tunables (``ds4d bench model --kernels``)
+# ---------------------------------------------------------------------- tunables (``ds4d bench model --sweep``)
 
 TUNING = {
     "fp8_rows": {"most_rows": 1, "block_n": 4, "block_k": 2048, "warps": 2},

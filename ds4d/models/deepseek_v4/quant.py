@@ -3,8 +3,11 @@
 The official release stores most linears as FP8 e4m3 with one power-of-two
 (ue8m0) scale per 128x128 block, and the routed experts as MXFP4: two e2m1
 values per byte (low nibble first) with one ue8m0 scale per 32 inputs.  The
-forward pass here computes in float, so every quantised tensor is decoded once
-at load time, one tensor at a time.
+float path decodes every quantised tensor once at load time, one tensor at a
+time (``weight_format = dense``, and always on the CPU); with ``native``
+weights on CUDA these bytes stay as stored and ``ds4d.cuda.quant_matmul``
+reads them, and this module decodes only where a float copy is needed
+(reference paths, host-computed experts, tests).
 
 Scale bytes are decoded through a 256-entry table built from exact powers of
 two, and e2m1 nibbles through a 16-entry table, so decoding is exact and does
