@@ -353,7 +353,9 @@ class ExpertsPanel(Panel):
         traffic = Text(f"copied {size(fields.number(experts, 'bytes_copied'))}  skipped "
                        f"{skipped}{' transfers' if width >= WIDE else ''}"
                        f" ({size(fields.number(experts, 'bytes_skipped'))})")
-        return [placement, traffic]
+        if not experts.get("zero_copy"):
+            return [placement, traffic]
+        return [placement, traffic, Text(f"read in place {size(fields.number(experts, 'host_read_bytes'))}")]
 
 
 def exact_count(count: int | None) -> str:

@@ -186,7 +186,35 @@ async def metrics(request: web.Request) -> web.Response:
            s["throughput"]["prefill_tok_s"])
     metric("throughput_decode_tok_s", "gauge", "Recent decode tokens per second.", s["throughput"]["decode_tok_s"])
     metric("host_mem_available_bytes", "gauge", "Host MemAvailable.", s["host"]["mem_available_bytes"])
+    _expert_metrics(lines, s.get("experts"))
     for gpu in s["gpus"]:
         metric("gpu_memory_used_bytes", "gauge", "GPU memory in use.", gpu["used_bytes"], f'{{gpu="{gpu["index"]}"}}')
     return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
                         headers={"X-Content-Type-Options": "nosniff"})
+
+
+EXPERT_LAYER_METRICS = (
+    ("expert_gpu_hit_rate", "gauge", "hit_rate", 1.0,
+     "Share of routed (token, expert) pairs served by experts held in GPU memory."),
+    ("expert_bytes_copied_total", "counter", "bytes_copied", 1.0, "Cold-expert bytes copied host -> GPU."),
+    ("expert_bytes_skipped_total", "counter", "bytes_skipped", 1.0,
+     "Cold-expert bytes not copied because the expert got no token."),
+    ("expert_host_read_pairs_total", "counter", "host_read_pairs", 1.0,
+     "(token, expert) pairs whose expert the GPU read in place from host memory (decode)."),
+    ("expert_cpu_seconds_total", "counter", "cpu_expert_ms", 1e-3, "Host CPU time spent computing cold experts."),
+)
+
+
+def _expert_metrics(lines: list[str], experts: dict | None) -> None:
+    """Per-layer expert-offload metrics (``layer`` label), when the model offloads experts."""
+    if not experts:
+        return
+    for name, kind, value in (("experts_on_gpu", "gauge", experts.get("gpu_experts", 0)),
+                              ("experts_in_ram", "gauge", experts.get("ram_experts", 0))):
+        lines += [f"# HELP ds4d_{name} Routed experts held {'in GPU memory' if 'gpu' in name else 'only in host RAM'}.",
+                  f"# TYPE ds4d_{name} {kind}", f"ds4d_{name} {value}"]
+    for name, kind, key, scale, help_text in EXPERT_LAYER_METRICS:
+        rows = [(row["layer"], row[key]) for row in experts.get("layers", []) if row.get(key) is not None]
+        if rows:
+            lines += [f"# HELP ds4d_{name} {help_text}", f"# TYPE ds4d_{name} {kind}"]
+            lines += [f'ds4d_{name}{{layer="{layer}"}} {value * scale}' for layer, value in rows]
