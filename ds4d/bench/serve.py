@@ -73,6 +73,8 @@ class RequestResult:
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     latency_ms: float = 0.0
+    text: str = ""
+    """The content the stream delivered (an agent's next turn sends it back)."""
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ async def send_request(session, url: str, plan: RequestPlan, timeout_s: float) -
                         usage_tokens = usage.get("completion_tokens")
                         result.prompt_tokens = usage.get("prompt_tokens")
                         result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    result.text += "".join(c.get("delta", {}).get("content") or "" for c in chunk.get("choices") or ())
                     if any(c.get("delta", {}).get("content") or c.get("delta", {}).get("reasoning_content")
                            for c in chunk.get("choices") or ()):
                         last = time.perf_counter()

@@ -71,3 +71,21 @@ def test_bench_serve_with_cancellations_leaves_the_daemon_clean(daemon, tmp_path
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage.completion_tokens >= 1
     assert stats(daemon)["requests"]["running"] == 0
+
+
+def test_bench_agent_reuses_the_previous_step(daemon, tmp_path):
+    """`ds4d bench agent`: step 2 reuses step 1's prompt and reply; the cold copy reuses nothing."""
+    out = tmp_path / "agent.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds4d.cli", "bench", "agent", "--url", daemon.url, "--reused-words", "300",
+         "--new-words", "60", "--max-tokens", "6", "--repeats", "2", "--json", str(out)],
+        check=False, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("| median |")
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["cold_cached_tokens"] == 0
+        assert row["step2_prompt_tokens"] > row["step2_cached_tokens"] > 0
+        assert row["reused_share_of_step1"] >= 0.9  # all full blocks of step 1's prompt and reply
+        assert row["ttft_reused_ms"] > 0 and row["ttft_cold_ms"] > 0
