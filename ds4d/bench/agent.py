@@ -51,8 +51,8 @@ def _words(count: int, rng: random.Random) -> str:
 
 async def _step(session, url: str, index: int, body: dict, salt: str, timeout: float):
     result = await send_request(session, url, RequestPlan(index, {**body, "cache_salt": salt}, None), timeout)
-    if result.status != "ok":
-        raise RuntimeError(f"request {index} failed: {result.error}")
+    if result.status != "ok" or result.ttft_ms is None:
+        raise RuntimeError(f"request {index} failed: {result.error or 'no token streamed'}")
     return result
 
 
@@ -65,7 +65,7 @@ async def _repeat(args: argparse.Namespace, url: str, model: str, repeat: int) -
     messages = [{"role": "system", "content": "You are a coding agent. Notes: " + _words(args.reused_words, rng)},
                 {"role": "user", "content": "Summarise the notes in one sentence."}]
     base = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": args.max_tokens, "temperature": 0}
+            "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}  # every reply has max_tokens
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as session:
         first = await _step(session, url, 3 * repeat, {**base, "messages": messages}, salt, args.timeout)
         messages = messages + [{"role": "assistant", "content": first.text},
