@@ -52,6 +52,7 @@ class Fp8Weight:
             return quant_matmul.fp8_linear(flat, self.data, self.scale).view(*x.shape[:-1], -1)
         return torch.nn.functional.linear(x, self.dense())  # no kernel here: decode, then the plain product
 
+
 Linear = torch.Tensor | Fp8Weight
 """A linear's weight ``[out, in]``: decoded values, or FP8 as stored."""
 
