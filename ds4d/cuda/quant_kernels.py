@@ -69,7 +69,7 @@ def fp8_tiles_kernel(x_ptr, w_ptr, s_ptr, out_ptr, m, n, k: tl.constexpr, sxm, s
                      other=0.0)
         ws = tl.load(w_ptr + cols[:, None] * swn + ks[None, :], mask=(cols[:, None] < n) & (ks[None, :] < k),
                      other=0.0)
-        scale = tl.load(s_base + step, mask=(cols < n) & (step * 128 < k), other=0.0)
+        scale = tl.load(s_base + step, mask=(cols < n) & (cols * 0 + step * 128 < k), other=0.0)
         acc += tl.dot(xs, tl.trans(ws.to(xs.dtype))) * scale[None, :]
     tl.store(out_ptr + split * sos + rows[:, None] * som + cols[None, :], acc,
              mask=(rows[:, None] < m) & (cols[None, :] < n))
