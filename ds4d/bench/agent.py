@@ -20,21 +20,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import time
 from pathlib import Path
 
-from ds4d.bench.serve import WORDS, RequestPlan, first_model_id, send_request
+from ds4d.bench.serve import WORDS, RequestPlan, add_server_args, first_model_id, send_request
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("agent", help="TTFT of an agent's next step with prefix reuse against the same prompt cold")
-    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
-    p.add_argument("--api-key", default=os.environ.get("DS4D_API_KEY", "none"),
-                   help="Bearer key (default: $DS4D_API_KEY or 'none')")
-    p.add_argument("--model", default="", help="model id (default: the first id from GET /v1/models)")
+    add_server_args(p)
     p.add_argument("--reused-words", type=int, default=3000, help="words of step 1's system prompt")
     p.add_argument("--new-words", type=int, default=1000, help="words the agent adds in step 2")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per reply")

@@ -41,12 +41,17 @@ WORDS = (
 FAILURES_SHOWN = 5
 
 
-def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="concurrent streaming chat load against a running server")
+def add_server_args(p) -> None:
+    """Where the server is and how to ask it (``ds4d bench serve`` and ``agent``)."""
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (without /v1)")
     p.add_argument("--api-key", default=os.environ.get("DS4D_API_KEY", "none"),
                    help="Bearer key (default: $DS4D_API_KEY or 'none')")
     p.add_argument("--model", default="", help="model id (default: the first id from GET /v1/models)")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="concurrent streaming chat load against a running server")
+    add_server_args(p)
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
     p.add_argument("--requests", type=int, default=None,
                    help="requests to send in all (default 64, unlimited when only --duration is given)")

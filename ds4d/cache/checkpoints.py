@@ -30,7 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from ds4d.cache.tiers import replace_file
 
 log = logging.getLogger("ds4d.cache")
 
@@ -161,13 +162,7 @@ def save_checkpoints(store: CheckpointStore, path: Path, compat: bytes) -> int:
                         "list": not isinstance(ckpt.state, torch.Tensor)})
     meta = {"format": FILE_FORMAT, "version": str(FILE_VERSION), "compat": compat.hex(),
             "entries": json.dumps(entries), "sha256": _digest(tensors)}
-    tmp = path.with_suffix(".tmp")
-    try:
-        save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
-    except OSError as exc:
-        log.warning("cannot write state checkpoints to %s: %s", path, exc)
-        tmp.unlink(missing_ok=True)
+    if not replace_file(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta), "state checkpoints", log):
         return 0
     return len(entries)
 

@@ -9,7 +9,10 @@ the others.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +31,20 @@ def payload_view(payload: Any) -> memoryview:
     if isinstance(payload, torch.Tensor):
         return memoryview(payload.contiguous().view(torch.uint8).numpy())
     return memoryview(payload).cast("B")
+
+
+def replace_file(path: Path, write: Callable[[Path], None], what: str, log: logging.Logger) -> bool:
+    """``write`` a temporary file next to ``path``, then rename it over ``path``: readers see the old
+    file or the new one, never part of one.  On an OS error: logged, the temporary file removed, False."""
+    tmp = path.with_suffix(".tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("cannot write %s to %s: %s", what, path, exc)
+        tmp.unlink(missing_ok=True)
+        return False
+    return True
 
 
 def option(ctx: Any, options: Mapping[str, Any], name: str, knob: str, default: Any) -> Any:

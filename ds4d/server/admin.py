@@ -209,10 +209,10 @@ def _expert_metrics(lines: list[str], experts: dict | None) -> None:
     """Per-layer expert-offload metrics (``layer`` label), when the model offloads experts."""
     if not experts:
         return
-    for name, kind, value in (("experts_on_gpu", "gauge", experts.get("gpu_experts", 0)),
-                              ("experts_in_ram", "gauge", experts.get("ram_experts", 0))):
-        lines += [f"# HELP ds4d_{name} Routed experts held {'in GPU memory' if 'gpu' in name else 'only in host RAM'}.",
-                  f"# TYPE ds4d_{name} {kind}", f"ds4d_{name} {value}"]
+    for name, key, where in (("experts_on_gpu", "gpu_experts", "in GPU memory"),
+                             ("experts_in_ram", "ram_experts", "only in host RAM")):
+        lines += [f"# HELP ds4d_{name} Routed experts held {where}.", f"# TYPE ds4d_{name} gauge",
+                  f"ds4d_{name} {experts.get(key, 0)}"]
     for name, kind, key, scale, help_text in EXPERT_LAYER_METRICS:
         rows = [(row["layer"], row[key]) for row in experts.get("layers", []) if row.get(key) is not None]
         if rows:

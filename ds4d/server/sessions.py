@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Mapping, Sequence
@@ -45,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds4d.cache.tiers import replace_file
 from ds4d.contracts import Tokenizer
 
 log = logging.getLogger("ds4d.sessions")
@@ -232,13 +232,8 @@ class SessionMemory:
                              "messages": [list(m) for m in t.messages], "prompt_text": t.prompt_text,
                              "prompt_ids": t.prompt_ids.tolist(), "output_text": t.output_text,
                              "output_ids": t.output_ids.tolist()})
-        tmp = path.with_suffix(".tmp")
-        try:
-            tmp.write_text(json.dumps({"format": FILE_FORMAT, "version": FILE_VERSION, "sessions": sessions}))
-            os.replace(tmp, path)
-        except OSError as exc:
-            log.warning("cannot write session memory to %s: %s", path, exc)
-            tmp.unlink(missing_ok=True)
+        text = json.dumps({"format": FILE_FORMAT, "version": FILE_VERSION, "sessions": sessions})
+        if not replace_file(path, lambda tmp: tmp.write_text(text), "session memory", log):
             return 0
         return len(sessions)
 

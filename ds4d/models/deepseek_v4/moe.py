@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ds4d.cuda import moe_gemv, quant_matmul
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.ops import linear
-from ds4d.models.deepseek_v4.weights import Linear, MoEWeights, Mxfp4Matrices
+from ds4d.models.deepseek_v4.weights import Linear, MoEWeights, Mxfp4Addresses, Mxfp4Matrices
 
 
 def _swiglu(x: torch.Tensor, w1: Linear, w3: Linear, w2: Linear, limit: float) -> torch.Tensor:
@@ -68,10 +68,13 @@ def route(
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor,
                     step_rows: int):
     """Rows of ``x`` (sorted by expert, group ends ``offsets``) times their expert's ``weight [E, out, in]``
-    (decoded values, or MXFP4 as stored).
+    (decoded values, MXFP4 as stored, or MXFP4 found by address).
 
     ``step_rows``: the (token, expert) rows of the whole MoE call this is part of; the kernel is
     chosen by it, so every bank of one call (device, staging) uses the same arithmetic."""
+    if isinstance(weight, Mxfp4Addresses):  # small-batch decode only (``ExpertOffload.capturable``)
+        return quant_matmul.mxfp4_rows_at(x, weight.packed, weight.scales, expert_of_row, weight.rows,
+                                          weight.inputs // 2, weight.inputs // 32)
     if isinstance(weight, Mxfp4Matrices):
         if step_rows <= moe_gemv.MAX_ROWS:
             return quant_matmul.mxfp4_rows(x, weight.packed, weight.scales, expert_of_row)

@@ -56,7 +56,7 @@ from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.moe import _swiglu, combine_sorted, expert_ffn, route, tally_routing
 from ds4d.models.deepseek_v4.placement import PlacementPolicy, capacity_for_budget
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4
-from ds4d.models.deepseek_v4.weights import ExpertBank, ModelWeights, MoEWeights, Mxfp4Matrices
+from ds4d.models.deepseek_v4.weights import ExpertBank, ModelWeights, MoEWeights, Mxfp4Addresses, Mxfp4Matrices
 
 DECODE_COLD = ("auto", "cpu", "copy")
 
@@ -195,6 +195,8 @@ class ExpertOffload:
         from host memory (kernels on the device, through per-expert address tables): no host read,
         no copy, so those steps are captured in CUDA graphs like the all-on-device ones."""
         self.tables: list[torch.Tensor | None] = [None] * self.layers
+        """int64 ``[4, E]`` per layer: addresses of each expert's gate/up bytes and scales, down bytes and scales."""
+        self.addressed: list[tuple[Mxfp4Addresses, Mxfp4Addresses] | None] = [None] * self.layers
         self.decode_counts = torch.zeros(self.layers, self.experts, dtype=torch.int64, device=self.device)
         self.host_reads = torch.zeros(self.layers, dtype=torch.int64, device=self.device)
         """Zero-copy (token, expert) pairs whose expert was read from host memory, per layer."""
@@ -290,7 +292,10 @@ class ExpertOffload:
         table = torch.tensor(rows, dtype=torch.int64)
         self.on_host[layer].copy_(torch.tensor([int(slot < 0) for slot in bank.slot_of]))
         if self.tables[layer] is None:
-            self.tables[layer] = table.to(self.device)
+            self.tables[layer] = table = table.to(self.device)
+            inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
+            self.addressed[layer] = (Mxfp4Addresses(table[0], table[1], 2 * inter, hidden),
+                                     Mxfp4Addresses(table[2], table[3], hidden, inter))
         else:
             self.tables[layer].copy_(table)
 
@@ -402,24 +407,15 @@ class ExpertOffload:
         return eligible, [e for e in cold if e not in eligible]
 
     def _zero_copy(self, layer, x, expert_weights, indices, limit) -> torch.Tensor:
-        """Every routed expert read where it sits (device bank or mapped host copy) by the per-row
-        MXFP4 kernel: the arithmetic of ``moe.expert_ffn``'s small-batch path, with no host read."""
+        """Every routed expert read where it sits (device bank or mapped host copy): ``moe.expert_ffn``
+        over the layer's address tables, the per-row MXFP4 kernel, with no host read."""
         tokens, k = indices.shape
         flat = indices.reshape(-1)
         self.decode_counts[layer].index_add_(0, flat, torch.ones_like(flat))
         self.host_reads[layer] += self.on_host[layer][flat].sum()
         expert_of_row, order = torch.sort(flat, stable=True)
-        rows = x[order // k]
-        table = self.tables[layer]
-        inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
-        both = quant_matmul.mxfp4_rows_at(rows, table[0], table[1], expert_of_row, 2 * inter, hidden // 2,
-                                          hidden // 32)
-        gate, up = both.chunk(2, dim=-1)
-        if limit > 0:
-            gate = gate.clamp(max=limit)
-            up = up.clamp(min=-limit, max=limit)
-        out = quant_matmul.mxfp4_rows_at(torch.nn.functional.silu(gate) * up, table[2], table[3], expert_of_row,
-                                         hidden, inter // 2, inter // 32)
+        gate_up, down = self.addressed[layer]
+        out = expert_ffn(x[order // k], gate_up, down, None, expert_of_row, limit, step_rows=tokens * k)
         return combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
 
     def _routed(self, layer, x, expert_weights, indices, limit, decode) -> torch.Tensor:

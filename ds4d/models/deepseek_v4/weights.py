@@ -66,6 +66,18 @@ class Mxfp4Matrices:
 
 
 @dataclass
+class Mxfp4Addresses:
+    """MXFP4 expert matrices found by address: int64 ``[E]`` of each expert's ``[rows, inputs/2]`` bytes
+    and ``[rows, inputs/32]`` scales (rows contiguous), wherever they sit: device memory, or page-locked
+    host memory the GPU reads in place (``offload.py``)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    rows: int
+    inputs: int
+
+
+@dataclass
 class HyperWeights:
     fn: torch.Tensor  # [(2 + m) * m, m * D]
     base: torch.Tensor  # [(2 + m) * m]
