@@ -125,12 +125,15 @@ def measure_ceilings(torch, device) -> tuple[float, float]:
 class Floors:
     """BENCH.md's floors for one model, from its issued tensors: 2 bytes per parameter, except
     with ``native`` weights, where FP8 linears take 1 byte (plus a float32 scale per 128 x 128)
-    and MXFP4 experts 17/32 of a byte."""
+    and MXFP4 experts 17/32 of a byte.
 
-    def __init__(self, cfg, issued, bandwidth: float, matmul: float, native: bool = False) -> None:
+    ``ep``: routed experts split over that many GPUs working at once (each reads
+    and multiplies its share; everything else is replicated)."""
+
+    def __init__(self, cfg, issued, bandwidth: float, matmul: float, native: bool = False, ep: int = 1) -> None:
         from ds4d.models.deepseek_v4.random_init import FP8_IN_RELEASE
 
-        self.cfg, self.bandwidth, self.matmul = cfg, bandwidth, matmul
+        self.cfg, self.bandwidth, self.matmul, self.ep = cfg, bandwidth, matmul, ep
         dense = {n: t.numel() for n, t in issued.items() if ".experts." not in n and not n.endswith("tid2eid")}
         self.dense_params = sum(dense.values()) - issued["embed.weight"].numel() + cfg.hidden_size  # one row
         fp8 = sum(v for n, v in dense.items() if native and FP8_IN_RELEASE.search(n))
@@ -154,15 +157,15 @@ class Floors:
         cfg = self.cfg
         experts, k = cfg.n_routed_experts, cfg.num_experts_per_tok
         used = experts * (1 - (1 - k / experts) ** batch)  # expected distinct experts per layer
-        step = self.dense_bytes + cfg.num_hidden_layers * used * self.expert_bytes
+        step = self.dense_bytes + cfg.num_hidden_layers * used * self.expert_bytes / self.ep
         step += batch * self._kv_bytes(context)
         return batch * self.bandwidth / step
 
     def prefill(self, tokens: int) -> float:
         cfg = self.cfg
-        active = self.dense_params - self.head_params + cfg.num_hidden_layers * cfg.num_experts_per_tok * self.expert_params
-        flops_s = 2 * active * tokens / self.matmul
-        all_bytes = self.dense_bytes + cfg.num_hidden_layers * cfg.n_routed_experts * self.expert_bytes
+        routed = cfg.num_hidden_layers * cfg.num_experts_per_tok * self.expert_params / self.ep
+        flops_s = 2 * (self.dense_params - self.head_params + routed) * tokens / self.matmul
+        all_bytes = self.dense_bytes + cfg.num_hidden_layers * cfg.n_routed_experts * self.expert_bytes / self.ep
         return tokens / max(flops_s, all_bytes / self.bandwidth)
 
 

@@ -2,7 +2,10 @@
 
 The served greedy tokens and their log-probabilities must equal the
 single-process model's on the same checkpoint, for expert parallel and for a
-layer split; a graceful shutdown must take the worker processes with it.
+layer split.  The next turn (the prompt plus the reply plus more) reuses the
+first turn's KV after its blocks were pushed out of the pool into the RAM tier
+by another prompt, and still continues as the single-process model does.  A
+graceful shutdown must take the worker processes with it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from tests.daemon import Daemon
 
 PROMPT = list(range(2000, 2150))  # > 128 tokens: crosses an HCA window
 NEW_TOKENS = 8
+MORE = list(range(3000, 3020))  # the next turn: prompt + reply + these
+OTHER = list(range(5000, 5900))  # a prompt long enough to push the first turn's blocks out of the pool
 
 
 @pytest.fixture(scope="module")
@@ -27,17 +32,22 @@ def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tinyv4-parallel"), layers=[0, 4, 128, 4], seed=11)
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    """Greedy continuation and its log-probabilities from the single-process model."""
-    model = load_model(checkpoint)
-    ids, logprobs = list(PROMPT), []
+def _greedy(model, prompt: list[int]) -> tuple[list[int], list[float]]:
+    ids, logprobs = list(prompt), []
     for _ in range(NEW_TOKENS):
         logp = torch.log_softmax(model.logits_for(ids)[-1].float(), dim=-1)
         nxt = int(logp.argmax())
         logprobs.append(logp[nxt].item())
         ids.append(nxt)
-    return ids[len(PROMPT):], logprobs
+    return ids[len(prompt):], logprobs
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """Greedy continuations and their log-probabilities from the single-process model: first and next turn."""
+    model = load_model(checkpoint)
+    tokens, logprobs = _greedy(model, PROMPT)
+    return (tokens, logprobs), _greedy(model, PROMPT + tokens + MORE)
 
 
 def _workers_of(daemon: Daemon) -> list[psutil.Process]:
@@ -47,19 +57,31 @@ def _workers_of(daemon: Daemon) -> list[psutil.Process]:
 @pytest.mark.parametrize("layout", ["ep", "pp"])
 def test_two_process_daemon_equals_one_process(checkpoint, reference, layout):
     d = Daemon("--model", str(checkpoint), "--gpus", "cpu:2", "--parallel-layout", layout, "--threads", "1",
-               "--kv-cache-tokens", "2048", "--max-num-seqs", "2", "--prefill-chunk", "64")
+               "--kv-cache-tokens", "1024", "--max-num-seqs", "1", "--prefill-chunk", "64", "--cache-ram-gib", "0.5")
     try:
         workers = _workers_of(d)
         assert workers, "no worker process was started"
         client = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=120)
         model_id = client.models.list().data[0].id
-        resp = client.completions.create(model=model_id, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0,
-                                         logprobs=0, extra_body={"ignore_eos": True})
-        tokens, logprobs = reference
         tok = load_tokenizer(checkpoint)
-        assert resp.choices[0].logprobs.tokens == [tok.decode([t]) for t in tokens]
-        # the daemon prefills in 64-token chunks, the reference in one pass: fp32 rounding differs
-        assert resp.choices[0].logprobs.token_logprobs == pytest.approx(logprobs, abs=2e-3, rel=1e-3)
+
+        def complete(prompt: list[int], expected: tuple[list[int], list[float]]):
+            resp = client.completions.create(model=model_id, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0,
+                                             logprobs=0, extra_body={"ignore_eos": True})
+            tokens, logprobs = expected
+            assert resp.choices[0].logprobs.tokens == [tok.decode([t]) for t in tokens]
+            # the daemon prefills in 64-token chunks, the reference in one pass: fp32 rounding differs
+            assert resp.choices[0].logprobs.token_logprobs == pytest.approx(logprobs, abs=2e-3, rel=1e-3)
+            return resp.usage
+
+        first, after = reference
+        complete(PROMPT, first)
+        client.completions.create(model=model_id, prompt=OTHER, max_tokens=1)
+        usage = complete(PROMPT + first[0] + MORE, after)
+        by_tier = usage.model_dump()["ds4d"]["cached_tokens_by_tier"]
+        # reused up to the checkpoint at the end of the first reply (its last token was never fed back)
+        assert usage.prompt_tokens_details.cached_tokens == len(PROMPT) + NEW_TOKENS - 1, usage
+        assert by_tier["ram"] >= 128, by_tier
     finally:
         assert d.stop() == 0, d.log
     _, alive = psutil.wait_procs(workers, timeout=15)

@@ -5,7 +5,7 @@ Each layout runs as real processes over gloo: a spawned rank-0 process calls
 would) and plays one scenario through the :class:`~ds4d.contracts.Model`
 contract: a whole prompt, the same prompt in chunks batched with a second
 sequence, 16 greedy decode steps of both, and a state snapshot continued in
-another slot.  The single-process model plays the same scenario here; logits
+another slot from exported and re-imported copies of the sequence's KV blocks.  The single-process model plays the same scenario here; logits
 must agree to float rounding and every greedy token must be the same.  The 2 x 2
 grid runs the GPU arithmetic (``fast_path``: grouped experts with the tokens of
 other ranks masked out, batched decode attention) against the reference path.
@@ -106,19 +106,25 @@ def scenario(model: Model) -> dict[str, torch.Tensor]:
         out[f"decode_{name}"] = torch.stack(decoded[name])
         out[f"tokens_{name}"] = torch.tensor(tokens[name])
 
-    # the snapshot taken after b's prompt continues b in another slot (same blocks, same next tokens)
-    driver.start("d", length=len(prompt), blocks=b_blocks)
+    # the snapshot taken after b's prompt continues b in another slot, in other blocks holding copies
+    # of b's (exported and imported as the prefix cache's lower tiers do), with the same next tokens
+    payloads = model.export_blocks(b_blocks)
+    out["payloads"] = torch.stack(payloads).view(getattr(torch, model.info.dtype)).float()
+    copies = [driver.free_blocks.pop() for _ in b_blocks]
+    model.import_blocks(copies, [bytes(p.numpy()) for p in payloads])  # as the disk tier hands them back
+    driver.start("d", length=len(prompt), blocks=copies)
     model.load_state(driver.seqs["d"]["slot"], snapshot)
     (resumed,) = driver.step([("d", tokens["b"][:4], 4)])
     out["resumed"] = resumed
     return out
 
 
-def _rank0(path: str, ranks: int, layout: str, fast_path: bool, result: str) -> None:
+def _rank0(path: str, ranks, layout: str, fast_path: bool | None, result: str, dtype: str = "float32") -> None:
+    """Rank 0 of a sharded model (``ranks``: a number of CPU processes or a list of GPU indices)."""
     from ds4d.models.deepseek_v4.parallel import build_parallel_model
 
     torch.set_num_threads(1)
-    model = build_parallel_model(path, ranks, layout, dtype="float32", threads=1, fast_path=fast_path)
+    model = build_parallel_model(path, ranks, layout, dtype=dtype, threads=1, fast_path=fast_path)
     try:
         assert isinstance(model, Model)
         out = scenario(model)
@@ -130,6 +136,7 @@ def _rank0(path: str, ranks: int, layout: str, fast_path: bool, result: str) -> 
             out["refused"] = torch.tensor(True)
         again = model.forward(ForwardBatch((SeqChunk(0, tuple(_prompt(200, 1)[:5]), 0, (0,), 5),)))
         out["after_refusal"] = again
+        out = {key: value.cpu() for key, value in out.items()}
         out["parallel"] = torch.tensor(
             [model.info.extra["parallel"]["stages"], model.info.extra["parallel"]["ep_size"]]
         )
@@ -137,6 +144,21 @@ def _rank0(path: str, ranks: int, layout: str, fast_path: bool, result: str) -> 
         model.close()
     torch.save(out, result)
 
+
+def run_rank0(path, ranks, layout: str, fast_path: bool | None, tmp_path: Path, dtype: str = "float32") -> dict:
+    """Play :func:`scenario` on a sharded model whose rank 0 is a spawned process; its results."""
+    result = tmp_path / f"result-{layout}-{dtype}.pt"
+    process = mp.get_context("spawn").Process(
+        target=_rank0, args=(str(path), ranks, layout, fast_path, str(result), dtype), daemon=False
+    )
+    process.start()
+    process.join(PROCESS_TIMEOUT_S)
+    if process.is_alive():
+        process.kill()
+        process.join()
+        pytest.fail(f"{layout} on {ranks} did not finish in {PROCESS_TIMEOUT_S} s")
+    assert process.exitcode == 0 and result.is_file()
+    return torch.load(result)
 
 
 @pytest.fixture(scope="module")
@@ -165,22 +187,11 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> No
     ids=["expert-parallel-2", "layer-split-2", "grid-2x2-grouped-decode"],
 )
 def test_sharded_forward_equals_single_process(checkpoint, reference, tmp_path, ranks, layout, fast_path):
-    result = tmp_path / "result.pt"
-    process = mp.get_context("spawn").Process(
-        target=_rank0, args=(str(checkpoint), ranks, layout, fast_path, str(result)), daemon=False
-    )
-    process.start()
-    process.join(PROCESS_TIMEOUT_S)
-    if process.is_alive():
-        process.kill()
-        process.join()
-        pytest.fail(f"{layout} on {ranks} processes did not finish in {PROCESS_TIMEOUT_S} s")
-    assert process.exitcode == 0 and result.is_file()
-    got = torch.load(result)
+    got = run_rank0(checkpoint, ranks, layout, fast_path, tmp_path)
 
     stages, ep = {"ep": (1, ranks), "pp": (ranks, 1), "2x2": (2, 2)}[layout]
     assert got["parallel"].tolist() == [stages, ep]
-    for key in ("whole", "chunked", "decode_b", "decode_c", "resumed", "after_refusal"):
+    for key in ("whole", "chunked", "decode_b", "decode_c", "resumed", "after_refusal", "payloads"):
         _assert_close(got[key], reference[key], key)
     for key in ("whole_argmax", "chunked_argmax", "tokens_b", "tokens_c"):
         assert torch.equal(got[key], reference[key]), key

@@ -148,6 +148,10 @@ class DeepseekV4Cache:
             pools += [state.pool for state in (layer.compressor, layer.indexer) if state is not None]
         return pools
 
+    def payload_bytes(self) -> int:
+        """Bytes of one block's payload (:meth:`export_blocks`)."""
+        return sum(pool[0].numel() * pool.element_size() for pool in self.block_pools())
+
     def export_blocks(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
         """Each block as one contiguous uint8 host tensor (see the module doc for the layout)."""
         if not block_ids:
@@ -173,7 +177,7 @@ class DeepseekV4Cache:
         if not block_ids:
             return
         pools = self.block_pools()
-        width = sum(pool[0].numel() * pool.element_size() for pool in pools)
+        width = self.payload_bytes()
         raw = []
         for payload in payloads:
             row = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(bytearray(payload),

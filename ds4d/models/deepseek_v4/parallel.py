@@ -13,6 +13,8 @@ command            what every rank does
 ``forward``        runs :meth:`ShardRunner.step` on the same batch (rank 0 returns logits)
 ``save_state``     each stage's ep-rank 0 hands its layers' slot state to rank 0
 ``load_state``     each rank takes its stage's part of the snapshot
+``export_blocks``  each stage's ep-rank 0 hands its layers' part of the KV blocks to rank 0
+``import_blocks``  each rank writes its stage's part of the KV block payloads
 ``stop``           leaves the loop; the process group is torn down
 =================  ==================================================================
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -42,7 +45,8 @@ from ds4d.contracts import ForwardBatch, ModelInfo
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.family import _dtype, load_tokenizer
 from ds4d.models.deepseek_v4.model import check_batch
-from ds4d.models.deepseek_v4.shard import ShardRunner, read_shard, shard_layout
+from ds4d.models.deepseek_v4.random_init import RandomReader
+from ds4d.models.deepseek_v4.shard import ShardRunner, read_shard, shard_layout, shard_weights
 from ds4d.parallel.launch import (
     ParallelGroups,
     broadcast_object,
@@ -61,10 +65,28 @@ class ParallelStartError(RuntimeError):
     """A rank failed to load its shard or to allocate its cache."""
 
 
-def _load_runner(path: Path, placement: Placement, groups: ParallelGroups, dtype: torch.dtype, fast_path):
-    cfg = DeepseekV4Config.from_file(path)
+@dataclass(frozen=True)
+class RandomWeights:
+    """A model of random weights instead of a checkpoint (benchmarks): no file, no tokenizer.
+
+    Every rank draws only its own tensors; see
+    :class:`~ds4d.models.deepseek_v4.random_init.RandomReader`."""
+
+    config: dict
+    seed: int = 0
+
+
+def _load_runner(source, placement: Placement, groups: ParallelGroups, dtype: torch.dtype, fast_path):
+    if isinstance(source, RandomWeights):
+        cfg = DeepseekV4Config.from_dict(source.config, name="random-v4")
+    else:
+        cfg = DeepseekV4Config.from_file(source)
     layout = shard_layout(cfg, groups.stage, groups.stages, groups.ep_rank, groups.ep_size)
-    weights = read_shard(path, cfg, layout, dtype, groups.device)
+    if isinstance(source, RandomWeights):
+        reader = RandomReader(cfg, dtype=dtype, device=groups.device, seed=source.seed)
+        weights = shard_weights(reader, cfg, layout)
+    else:
+        weights = read_shard(source, cfg, layout, dtype, groups.device)
     return ShardRunner(cfg, layout, weights, groups, dtype, fast_path=fast_path)
 
 
@@ -87,9 +109,15 @@ def _attempt(action) -> tuple[bool, Any]:
         return False, f"{type(exc).__name__}: {exc}"
 
 
+def _allocate(runner: ShardRunner, num_blocks: int, max_seqs: int) -> int:
+    """Allocate the rank's cache; the bytes of its part of one block's payload."""
+    runner.allocate_cache(num_blocks, max_seqs)
+    return runner.payload_bytes()
+
+
 def run_worker(
     rank: int,
-    path: str,
+    source: str | RandomWeights,
     placement: Placement,
     init_method: str,
     dtype_name: str,
@@ -101,7 +129,9 @@ def run_worker(
     if threads:
         torch.set_num_threads(threads)
     groups = init_groups(rank, placement, init_method, use_cuda=use_cuda)
-    loaded = _attempt(lambda: _load_runner(Path(path), placement, groups, _dtype(dtype_name), fast_path))
+    if not isinstance(source, RandomWeights):
+        source = Path(source)
+    loaded = _attempt(lambda: _load_runner(source, placement, groups, _dtype(dtype_name), fast_path))
     gather_objects((loaded[0], _facts(loaded[1]) if loaded[0] else loaded[1]), groups)
     runner = loaded[1] if loaded[0] else None
     try:
@@ -113,11 +143,15 @@ def run_worker(
             if kind == "forward":
                 runner.step(command[1])
             elif kind == "allocate":
-                gather_objects(_attempt(partial(runner.allocate_cache, command[1], command[2])), groups)
+                gather_objects(_attempt(partial(_allocate, runner, command[1], command[2])), groups)
             elif kind == "save_state":
                 gather_objects(runner.export_slot(command[1]) if groups.ep_rank == 0 else None, groups)
             elif kind == "load_state":
                 runner.import_slot(command[1], command[2][groups.stage])
+            elif kind == "export_blocks":
+                gather_objects(runner.export_blocks(command[1]) if groups.ep_rank == 0 else None, groups)
+            elif kind == "import_blocks":
+                runner.import_blocks(command[1], command[2][groups.stage])
     except (RuntimeError, ConnectionError) as exc:  # rank 0 went away mid-broadcast
         log.warning("rank %d leaving: %s", rank, exc)
         return
@@ -141,6 +175,8 @@ class ParallelDeepseekV4Model:
         self.placement, self.rank_facts, self.workers = placement, list(rank_facts), list(workers)
         self._closed = False
         self._num_blocks = self._max_seqs = 0
+        self._payload_bytes: list[int] = []
+        """Bytes of each stage's part of a block payload (stage order), known once the cache exists."""
         self.info = ModelInfo(
             family="deepseek_v4",
             name=cfg.name,
@@ -174,11 +210,12 @@ class ParallelDeepseekV4Model:
     def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
         self._bind_device()
         broadcast_object(("allocate", num_blocks, max_seqs), self.groups)
-        outcomes = gather_objects(_attempt(lambda: self.runner.allocate_cache(num_blocks, max_seqs)), self.groups)
+        outcomes = gather_objects(_attempt(lambda: _allocate(self.runner, num_blocks, max_seqs)), self.groups)
         failed = {rank: detail for rank, (ok, detail) in enumerate(outcomes) if not ok}
         if failed:
             raise ParallelStartError(f"could not allocate {num_blocks} blocks: {failed}")
         self._num_blocks, self._max_seqs = num_blocks, max_seqs
+        self._payload_bytes = [outcomes[self.groups.rank_of(stage, 0)][1] for stage in range(self.groups.stages)]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         self._check(batch)
@@ -200,6 +237,38 @@ class ParallelDeepseekV4Model:
         broadcast_object(("load_state", slot, snapshot), self.groups)
         self.runner.import_slot(slot, snapshot[0])
 
+    def export_blocks(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
+        """Each block as one uint8 host tensor: every stage's part, in stage order (the prefix cache's payload)."""
+        block_ids = [self._check_block(b) for b in block_ids]
+        if not block_ids:
+            return []
+        broadcast_object(("export_blocks", block_ids), self.groups)
+        parts = gather_objects(self.runner.export_blocks(block_ids), self.groups)
+        stages = [parts[self.groups.rank_of(stage, 0)] for stage in range(self.groups.stages)]
+        return [torch.cat([stage[i] for stage in stages]) for i in range(len(block_ids))]
+
+    def import_blocks(self, block_ids: Sequence[int], payloads: Sequence[Any]) -> None:
+        """Write payloads made by :meth:`export_blocks`: each rank takes its stage's slice of each."""
+        block_ids = [self._check_block(b) for b in block_ids]
+        if len(block_ids) != len(payloads):
+            raise ValueError(f"{len(block_ids)} block ids for {len(payloads)} payloads")
+        if not block_ids:
+            return
+        width = sum(self._payload_bytes)
+        rows = []
+        for payload in payloads:
+            row = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(bytearray(payload),
+                                                                                      dtype=torch.uint8)
+            if row.dtype != torch.uint8 or row.numel() != width:
+                raise ValueError(f"block payload of {row.numel()} bytes, expected {width}")
+            rows.append(row.reshape(-1))
+        per_stage, offset = [], 0
+        for size in self._payload_bytes:  # clones: a pickled view would carry the whole row
+            per_stage.append([row[offset:offset + size].clone() for row in rows])
+            offset += size
+        broadcast_object(("import_blocks", block_ids, per_stage), self.groups)
+        self.runner.import_blocks(block_ids, per_stage[0])
+
     def close(self) -> None:
         """Stop the workers and leave the process group (idempotent)."""
         if self._closed:
@@ -216,6 +285,13 @@ class ParallelDeepseekV4Model:
         if self.groups.device.type == "cuda" and torch.cuda.current_device() != self.groups.device.index:
             torch.cuda.set_device(self.groups.device)
 
+    def _check_block(self, block: int) -> int:
+        if self.runner.cache is None:
+            raise RuntimeError("allocate_cache() must run first")
+        if not 0 <= int(block) < self._num_blocks:
+            raise ValueError(f"block {block} outside 0..{self._num_blocks - 1}")
+        return int(block)
+
     def _check_slot(self, slot: int) -> None:
         if self.runner.cache is None:
             raise RuntimeError("allocate_cache() must run first")
@@ -228,7 +304,7 @@ class ParallelDeepseekV4Model:
         check_batch(batch, self.cfg, self._max_seqs, self._num_blocks)
 
 def build_parallel_model(
-    path: str | Path,
+    path: str | Path | RandomWeights,
     ranks: Sequence[int] | int,
     layout: str = "auto",
     *,
@@ -242,8 +318,10 @@ def build_parallel_model(
     ``ranks``: the GPU indices to use (``[0, 1, 2, 3]``; one process each,
     NCCL), or a number of CPU processes (gloo; for tests and development).
     ``layout``: ``auto`` | ``ep`` | ``pp`` | ``SxE`` (see ``ds4d.parallel.topology``).
+    ``path``: the checkpoint, or :class:`RandomWeights` (no tokenizer).
     Call :meth:`ParallelDeepseekV4Model.close` at shutdown."""
-    path = Path(path)
+    random = isinstance(path, RandomWeights)
+    path = path if random else Path(path)
     use_cuda = not isinstance(ranks, int)
     if use_cuda:
         placement, _ = plan_for_gpus(list(ranks), layout)
@@ -253,7 +331,9 @@ def build_parallel_model(
     log.info("%s", describe(placement))
     init_method = init_method or free_tcp_init_method()
     workers = start_workers(
-        placement.world_size, run_worker, (str(path), placement, init_method, dtype, use_cuda, threads, fast_path)
+        placement.world_size,
+        run_worker,
+        (path if random else str(path), placement, init_method, dtype, use_cuda, threads, fast_path),
     )
     try:
         groups = init_groups(0, placement, init_method, use_cuda=use_cuda)
@@ -268,7 +348,6 @@ def build_parallel_model(
         stop_workers(workers)
         dist.destroy_process_group()
         raise ParallelStartError(f"ranks failed to load their shards: {failures}")
-    cfg = loaded[1].cfg
-    return ParallelDeepseekV4Model(
-        cfg, loaded[1], groups, load_tokenizer(path), placement, [detail for _, detail in reports], workers
-    )
+    tokenizer = None if random else load_tokenizer(path)
+    facts = [detail for _, detail in reports]
+    return ParallelDeepseekV4Model(loaded[1].cfg, loaded[1], groups, tokenizer, placement, facts, workers)

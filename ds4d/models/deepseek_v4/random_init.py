@@ -8,6 +8,11 @@ builds the model from it exactly as it does from a file.  Every tensor it hands
 out is kept under its reference name (:attr:`RandomReader.issued`), so another
 implementation can be given the very same tensors.
 
+Every tensor is drawn from its own generator, seeded from the reader's seed and
+the tensor's name, so the values do not depend on the order of the questions:
+the ranks of a model split over several devices each ask only for their own
+layers and experts and together hold the same model as one process.
+
 Scales follow the tiny checkpoints: linear weights with std ``in ** -0.5``,
 norm weights near 1, small routing biases, a random token -> experts table.
 Routed experts come out as float (``float`` bank kind); with ``native=True``
@@ -19,6 +24,7 @@ and the routed experts as MXFP4, quantised from the same random draws, and
 from __future__ import annotations
 
 import re
+import zlib
 
 import torch
 
@@ -39,7 +45,7 @@ class RandomReader:
         self.dtype = dtype
         self.device = torch.device(device)
         self.block = (128, 128)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.seed = seed
         self.issued: dict[str, torch.Tensor] = {}
 
     # the WeightReader questions read_weights asks ---------------------------------
@@ -47,21 +53,22 @@ class RandomReader:
     def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         shape, kind = _shape(self.cfg, name)
         dtype = dtype or self.dtype
+        draw = self._randn(shape, name)
         if kind == "norm":
-            t = 1.0 + 0.1 * self._randn(shape)
+            t = 1.0 + 0.1 * draw
         elif kind == "linear":
-            t = self._randn(shape) * shape[-1] ** -0.5
+            t = draw * shape[-1] ** -0.5
         elif kind == "hc_scale":
-            t = 1.0 + 0.2 * self._randn(shape)
+            t = 1.0 + 0.2 * draw
         else:  # biases, sinks, ape, hc base
-            t = self._randn(shape) * {"bias": 0.1, "sink": 1.0, "ape": 0.5, "hc_base": 0.5}[kind]
+            t = draw * {"bias": 0.1, "sink": 1.0, "ape": 0.5, "hc_base": 0.5}[kind]
         t = t.to(torch.bfloat16).to(dtype)  # values a bf16 checkpoint could hold, whatever the dtype asked
         self.issued[name] = t
         return t
 
     def index(self, name: str) -> torch.Tensor:
         cfg = self.cfg
-        draws = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=self.generator, device=self.device)
+        draws = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=self._generator(name), device=self.device)
         table = draws.argsort(dim=-1)[:, : cfg.num_experts_per_tok].contiguous()
         self.issued[name] = table
         return table
@@ -79,14 +86,18 @@ class RandomReader:
     def expert_stored(self, layer: int, expert: int, which: str) -> tuple[str, torch.Tensor, torch.Tensor | None]:
         name = f"layers.{layer}.ffn.experts.{expert}.{which}.weight"
         shape, _ = _shape(self.cfg, name)
-        values = self._randn(shape) * shape[-1] ** -0.5
+        values = self._randn(shape, name) * shape[-1] ** -0.5
         if self.native:
             packed, scale = quantize_mxfp4(values)
             return "mxfp4", packed.view(torch.uint8), scale.view(torch.uint8)
         return "float", values.to(torch.bfloat16).to(self.dtype), None
 
-    def _randn(self, shape: tuple[int, ...]) -> torch.Tensor:
-        return torch.randn(shape, generator=self.generator, device=self.device, dtype=torch.float32)
+    def _generator(self, name: str) -> torch.Generator:
+        seed = (self.seed << 32) ^ zlib.crc32(name.encode())
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _randn(self, shape: tuple[int, ...], name: str) -> torch.Tensor:
+        return torch.randn(shape, generator=self._generator(name), device=self.device, dtype=torch.float32)
 
 
 def _shape(cfg: DeepseekV4Config, name: str) -> tuple[tuple[int, ...], str]:

@@ -157,25 +157,32 @@ def _layer(reader: WeightReader, cfg: DeepseekV4Config, layer: int, experts: ran
 
 
 def read_shard(path, cfg: DeepseekV4Config, layout: ShardLayout, dtype: torch.dtype, device) -> ModelWeights:
-    """Decode only this rank's tensors (its layers, its experts, embedding/head where its stage needs them).
-
-    ``ModelWeights.layers`` holds the stage's layers in order; tensors the stage
-    does not use are empty placeholders."""
+    """Decode only this rank's tensors of the checkpoint at ``path`` (see :func:`shard_weights`)."""
     checkpoint = SafetensorsCheckpoint(path)
     try:
         reader = WeightReader(checkpoint, cfg, dtype=dtype, device=device)
         reader.check_complete()
-        nothing = torch.empty(0, device=device)
-        last = layout.last_stage
-        return ModelWeights(
-            embed=reader.tensor("embed.weight") if layout.first_stage else nothing,
-            norm=reader.tensor("norm.weight", F32) if last else nothing,
-            head=reader.tensor("head.weight", F32) if last else nothing,
-            head_hc=_hyper(reader, "hc_head_") if last else HyperWeights(nothing, nothing, nothing),
-            layers=[_layer(reader, cfg, layer, layout.experts) for layer in layout.layers],
-        )
+        return shard_weights(reader, cfg, layout)
     finally:
         checkpoint.close()
+
+
+def shard_weights(reader, cfg: DeepseekV4Config, layout: ShardLayout) -> ModelWeights:
+    """This rank's tensors from ``reader`` (its layers, its experts, embedding/head where its stage needs them).
+
+    ``reader``: a checkpoint's :class:`WeightReader` or a
+    :class:`~ds4d.models.deepseek_v4.random_init.RandomReader`.
+    ``ModelWeights.layers`` holds the stage's layers in order; tensors the stage
+    does not use are empty placeholders."""
+    nothing = torch.empty(0, device=reader.device)
+    last = layout.last_stage
+    return ModelWeights(
+        embed=reader.tensor("embed.weight") if layout.first_stage else nothing,
+        norm=reader.tensor("norm.weight", F32) if last else nothing,
+        head=reader.tensor("head.weight", F32) if last else nothing,
+        head_hc=_hyper(reader, "hc_head_") if last else HyperWeights(nothing, nothing, nothing),
+        layers=[_layer(reader, cfg, layer, layout.experts) for layer in layout.layers],
+    )
 
 
 # --------------------------------------------------------------------------- the step
@@ -336,6 +343,17 @@ class ShardRunner:
 
     def export_slot(self, slot: int) -> list[torch.Tensor]:
         return [view.to("cpu", copy=True) for view in self.cache.slot_views(slot)]
+
+    # ------------------------------------------------------------------ KV blocks (prefix cache tiers)
+
+    def payload_bytes(self) -> int:
+        return self.cache.payload_bytes()
+
+    def export_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
+        return self.cache.export_blocks(block_ids)
+
+    def import_blocks(self, block_ids: list[int], payloads: list[torch.Tensor]) -> None:
+        self.cache.import_blocks(block_ids, payloads)
 
     def import_slot(self, slot: int, snapshot: list[torch.Tensor]) -> None:
         self.cache.import_slot(slot, [saved.to(self.device) for saved in snapshot])

@@ -1,0 +1,189 @@
+"""`ds4d bench parallel`: one random DeepSeek-V4 model split over several GPUs against the same model on one.
+
+Every row runs the very same random weights: the random reader draws each
+tensor from a generator seeded by its name, so each rank of a split model draws
+only its own layers and experts.  Rows, for prefill of one 2K-token prompt and
+for decode at 1K context per batch size:
+
+* ``1 GPU``: the single-process model (CUDA graphs for decode), what a
+  one-GPU deployment runs;
+* ``1 GPU, sharded step``: the sharded step on a single rank (no graphs): the
+  base of the scaling ratios, since the split layouts run that same step;
+* each layout asked for (``ep``, ``pp``, ``2x2`` ...) on the GPUs given.
+
+Floors (BENCH.md's formulas, with the copy bandwidth and matmul rate of one GPU
+measured at the start): routed experts split over ``ep`` GPUs divide their
+bytes and FLOPs by ``ep``; stages run one after another, so they divide
+nothing.  Each split model's logits on a 256-token prompt are compared with
+the single-process model's (in bf16 the routed outputs are summed in another
+order, so they differ by rounding).  ``--gpus cpu:N`` runs N CPU processes over
+gloo (a smoke test with ``--tiny``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from pathlib import Path
+
+ONE = "1"
+"""The layout name of the sharded step on a single GPU."""
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("parallel", help="a random DeepSeek-V4 model split over GPUs vs the same model on one")
+    p.add_argument("--gpus", default="", help="GPU indices, e.g. 0,1 (default: every visible GPU), or cpu:N")
+    p.add_argument("--layouts", default="1,ep,pp",
+                   help="comma-separated: 1 (sharded step on one GPU), ep, pp, STAGESxEP such as 2x2")
+    p.add_argument("--config", default="", help="a V4 config.json for the widths (default: V4-Flash)")
+    p.add_argument("--tiny", action="store_true", help="small widths (a smoke test that also runs on the CPU)")
+    p.add_argument("--layers", default="0,0,4,128", help="compress ratio per layer (default: Flash's first 4)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--batches", default="1,8,64", help="decode batch sizes at 1K context")
+    p.add_argument("--prefill", type=int, default=2048, help="prefill prompt tokens")
+    p.add_argument("--context", type=int, default=1024, help="decode context tokens")
+    p.add_argument("--prefill-chunk", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="", help="also write the results here")
+    p.set_defaults(run=run)
+
+
+def _prompt_logits(torch, model, ids: list[int]):
+    """Logits of every position of ``ids`` as one fresh sequence (float32, on the CPU)."""
+    from ds4d.contracts import ForwardBatch, SeqChunk
+
+    blocks = -(-len(ids) // model.info.block_size_tokens)
+    model.allocate_cache(blocks, 1)
+    chunk = SeqChunk(0, tuple(ids), 0, tuple(range(blocks)), len(ids))
+    return model.forward(ForwardBatch((chunk,))).float().cpu()
+
+
+def _gpu_used(torch, gpus) -> list[float]:
+    """GiB in use on each GPU, all processes counted."""
+    used = []
+    for gpu in gpus:
+        free, total = torch.cuda.mem_get_info(gpu)
+        used.append((total - free) / 2**30)
+    return used
+
+
+def run(args) -> int:
+    import torch
+
+    from ds4d.bench.model import FLASH, TINY, Floors, _ds4d, _fmt, _guarded, _ratio, _say, build, measure_ceilings
+    from ds4d.models.deepseek_v4.parallel import RandomWeights, build_parallel_model
+
+    on_cpu = args.gpus.startswith("cpu:")
+    gpus = int(args.gpus[4:]) if on_cpu else [int(g) for g in args.gpus.split(",") if g.strip()]
+    if not on_cpu and not gpus:
+        gpus = list(range(torch.cuda.device_count()))
+    if not on_cpu and not gpus:
+        raise SystemExit("ds4d bench parallel: no CUDA GPU (use --gpus cpu:N --tiny on the CPU)")
+    count = gpus if on_cpu else len(gpus)
+    device = torch.device("cpu" if on_cpu else f"cuda:{gpus[0]}")
+    if not on_cpu:
+        torch.cuda.set_device(device)
+    bandwidth, matmul = measure_ceilings(torch, device)
+    _say(f"ceilings of one GPU: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s")
+    sync = torch.cuda.synchronize if not on_cpu else (lambda: None)
+    sync_all = (lambda: [torch.cuda.synchronize(g) for g in gpus]) if not on_cpu else (lambda: None)
+
+    base = json.loads(Path(args.config).read_text()) if args.config else (TINY if args.tiny else FLASH)
+    ratios = [int(x) for x in args.layers.split(",")]
+    config = {**base, "num_hidden_layers": len(ratios), "compress_ratios": ratios}
+    config.pop("quantization_config", None)
+    args.device, args.native, args.no_hf = str(device), False, True
+    gen = torch.Generator().manual_seed(args.seed)
+    vocab = config["vocab_size"]
+    check_ids = torch.randint(100, vocab, (256,), generator=gen).tolist()
+    prefill_ids = torch.randint(100, vocab, (1, args.prefill), generator=gen).tolist()
+    batches = [int(b) for b in args.batches.split(",") if b]
+    decode_ids = {b: torch.randint(100, vocab, (b, args.context), generator=gen).tolist() for b in batches}
+
+    def measure(model, label: str) -> dict:
+        out = {"prefill": _guarded(torch, f"{label} prefill {args.prefill}", lambda: _ds4d(
+            torch, model, prefill_ids, 1, chunk=args.prefill_chunk, sync=sync_all,
+            warm_tokens=min(args.prefill, 2 * args.prefill_chunk)).prefill_tok_s)}
+        for b in batches:
+            out[f"decode b{b}"] = _guarded(torch, f"{label} decode b{b}", lambda b=b: _ds4d(
+                torch, model, decode_ids[b], args.decode_tokens, chunk=args.prefill_chunk, sync=sync_all
+            ).decode_tok_s)
+        return out
+
+    # one GPU, single process: the reference logits and the one-GPU deployment's speed
+    t0 = time.perf_counter()
+    cfg, reader, model, _, _ = build(torch, args, device)
+    floors = {1: Floors(cfg, reader.issued, bandwidth, matmul)}
+    for ep in range(2, count + 1):
+        floors[ep] = Floors(cfg, reader.issued, bandwidth, matmul, ep=ep)
+    del reader
+    _say(f"one process built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}")
+    reference = _prompt_logits(torch, model, check_ids)
+    results = [{"layout": "1 GPU", "stages": 1, "ep": 1, "gpu_gib": _gpu_used(torch, gpus) if not on_cpu else [],
+                "logits": "reference", **measure(model, "1 GPU")}]
+    del model
+    gc.collect()
+    if not on_cpu:
+        torch.cuda.empty_cache()
+        sync()
+
+    for layout in [x.strip() for x in args.layouts.split(",") if x.strip()]:
+        ranks = (1 if on_cpu else gpus[:1]) if layout == ONE else gpus
+        t0 = time.perf_counter()
+        try:
+            split = build_parallel_model(RandomWeights(config, args.seed), ranks, "1x1" if layout == ONE else layout,
+                                         dtype=args.dtype)
+        except Exception as exc:  # noqa: BLE001 - one layout failing must not lose the others
+            _say(f"{layout}: could not start: {type(exc).__name__}: {exc}")
+            continue
+        stages, ep = split.placement.stages, split.placement.ep_size
+        where = f"{count} processes" if on_cpu else f"GPUs {list(split.placement.devices)}"
+        name = "1 GPU, sharded step" if layout == ONE else f"{layout} ({stages} x {ep}, {where})"
+        try:
+            _say(f"{name}: built in {time.perf_counter() - t0:.1f} s")
+            logits = _prompt_logits(torch, split, check_ids)
+            diff = (logits - reference).abs().max().item() / reference.abs().max().item()
+            same = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+            results.append({"layout": name, "stages": stages, "ep": ep,
+                            "gpu_gib": _gpu_used(torch, gpus) if not on_cpu else [],
+                            "logits": f"max diff {diff:.2g} of max, argmax same at {same:.0%}",
+                            **measure(split, name)})
+        finally:
+            split.close()
+            gc.collect()
+            if not on_cpu:
+                torch.cuda.empty_cache()
+
+    _table(torch, results, floors, cfg, args, batches, device, bandwidth, matmul, _fmt, _ratio, _say)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": results, "bandwidth": bandwidth, "matmul": matmul},
+                                              indent=2, default=str))
+    return 0
+
+
+def _table(torch, results, floors, cfg, args, batches, device, bandwidth, matmul, fmt, ratio, say) -> None:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    base = next((r for r in results if r["layout"].startswith("1 GPU, sharded")), results[0])
+    say()
+    say(f"# ds4d bench parallel — random V4 ({cfg.hidden_size} wide, {cfg.n_routed_experts} experts, layers "
+        f"{list(cfg.compress_ratios)}), {args.dtype}, {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+    say(f"# one GPU's ceilings: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
+        f"prefill {args.prefill} tokens b1; decode {args.decode_tokens} tokens after {args.context}; "
+        f"scaling = tok/s over '{base['layout']}'")
+    cases = ["prefill"] + [f"decode b{b}" for b in batches]
+    say("| layout | case | tok/s | scaling | floor tok/s | tok/s / floor |")
+    say("|---|---|---|---|---|---|")
+    for r in results:
+        floor = floors.get(r["ep"], floors[1])
+        for case in cases:
+            value = r.get(case)
+            ideal = floor.prefill(args.prefill) if case == "prefill" else floor.decode(int(case[8:]), args.context)
+            scale = ratio(value, base.get(case)) if r is not base else "1.00x"
+            say(f"| {r['layout']} | {case} | {fmt(value)} | {scale} | {fmt(ideal)} | {ratio(value, ideal)} |")
+    say("| layout | GPU memory in use (GiB) | logits on a 256-token prompt vs one process |")
+    say("|---|---|---|")
+    for r in results:
+        memory = ", ".join(f"{g:.1f}" for g in r["gpu_gib"]) or "-"
+        say(f"| {r['layout']} | {memory} | {r['logits']} |")
