@@ -54,6 +54,9 @@ class GraphCache:
         return captured.output
 
     def clear(self) -> None:
+        """Destroy the graphs now (a graph holding NCCL work keeps its communicator busy until then)."""
+        for captured in self._graphs.values():
+            captured.graph.reset()
         self._graphs.clear()
         self._pool = None
 

@@ -155,6 +155,8 @@ def run_worker(
     except (RuntimeError, ConnectionError) as exc:  # rank 0 went away mid-broadcast
         log.warning("rank %d leaving: %s", rank, exc)
         return
+    if runner is not None:
+        runner.release_graphs()
     dist.destroy_process_group()
 
 
@@ -274,7 +276,9 @@ class ParallelDeepseekV4Model:
         if self._closed:
             return
         self._closed = True
+        self._bind_device()
         broadcast_object(("stop",), self.groups)
+        self.runner.release_graphs()
         stop_workers(self.workers)
         dist.destroy_process_group()
 

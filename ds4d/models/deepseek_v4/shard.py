@@ -23,6 +23,12 @@ over the stage sums the partial outputs; the shared expert is computed while
 that reduction is in flight.  The last stage's ep-rank 0 computes the logits of
 the rows that need them and sends them to rank 0.
 
+On CUDA a decode step (one token per sequence) is padded to a batch bucket and
+a block-table bucket, as in the single-process model, and every rank replays
+its own CUDA graph of the whole step, NCCL sends, receives and all-reduces
+included: all ranks see the same batch, so they capture and replay the same
+buckets in the same order.
+
 Arithmetic per expert is unchanged, so the only differences from the
 single-process forward are the order in which the per-expert contributions are
 summed (float rounding; greedy choices agree), plus, with the grouped path in
@@ -31,6 +37,7 @@ bf16, one more rounding of each rank's partial sum.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -45,7 +52,7 @@ from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.decode import DecodeInputs, decode_attention
 from ds4d.models.deepseek_v4.hyper import hc_head, hc_post, hc_pre
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
-from ds4d.models.deepseek_v4.model import _holds_bf16_values
+from ds4d.models.deepseek_v4.model import _bucket, _holds_bf16_values
 from ds4d.models.deepseek_v4.moe import _routed_grouped, _swiglu, route
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
 from ds4d.models.deepseek_v4.weights import (
@@ -200,6 +207,7 @@ class ShardRunner:
         dtype: torch.dtype,
         *,
         fast_path: bool | None = None,
+        use_graphs: bool = True,
     ) -> None:
         self.cfg, self.layout, self.weights, self.groups, self.dtype = cfg, layout, weights, groups, dtype
         self.device = groups.device
@@ -214,8 +222,21 @@ class ShardRunner:
         self.stage_cfg = stage_config(cfg, layout.layers)
         self.rope_main, self.rope_compress = Rope.for_layers(cfg, self.device)
         self.cache: DeepseekV4Cache | None = None
+        self.graphs = None
+        if self.fast_path and self.device.type == "cuda" and use_graphs:
+            from ds4d.cuda.graphs import GraphCache
+
+            self.graphs = GraphCache(self._decode_step)
+
+    def release_graphs(self) -> None:
+        """Destroy the captured decode graphs (before the process group goes: they hold NCCL work)."""
+        if self.graphs is not None:
+            torch.cuda.synchronize(self.device)
+            self.graphs.clear()
 
     def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
+        if self.graphs is not None:
+            self.graphs.clear()  # they hold the old cache's addresses
         self.cache = None
         self.cache = DeepseekV4Cache(self.stage_cfg, num_blocks, max_seqs, self.dtype, self.device)
 
@@ -228,10 +249,27 @@ class ShardRunner:
     @torch.inference_mode()
     def step(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits ``[rows, vocab]`` on rank 0 (the :meth:`Model.forward` answer); None on other ranks."""
-        cfg, device, groups = self.cfg, self.device, self.groups
+        chunks = [c for c in batch.chunks if c.token_ids]
+        if self.graphs is not None and chunks and all(len(c.token_ids) == c.logits_tokens == 1 for c in chunks):
+            try:
+                return self._decode_graphed(chunks)
+            except RuntimeError as exc:  # every rank fails the same capture; all go on eagerly
+                logging.getLogger("ds4d.models").warning("decode graph capture failed, running eagerly: %s", exc)
+                self.graphs.clear()
+                self.graphs = None
         token_ids, step, keep = self._inputs(batch)
         if token_ids is None:
-            return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=device) if groups.rank == 0 else None
+            return self._no_rows()
+        return self._run(token_ids, step, keep)
+
+    def _no_rows(self) -> torch.Tensor | None:
+        if self.groups.rank != 0:
+            return None
+        return torch.zeros(0, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
+
+    def _run(self, token_ids: torch.Tensor, step, keep: torch.Tensor | None) -> torch.Tensor | None:
+        """Embed or receive, this rank's layers, send on; logits of rows ``keep`` (None: all) on rank 0."""
+        cfg, device, groups = self.cfg, self.device, self.groups
         if self.layout.first_stage:
             embedded = self.weights.embed[token_ids].to(self.dtype)
             streams = embedded.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
@@ -241,20 +279,48 @@ class ShardRunner:
         streams = self._layers(streams, token_ids, step)
         if not self.layout.last_stage:
             dist.send(streams, dst=groups.rank_of(groups.stage + 1, groups.ep_rank))
+        rows = len(token_ids) if keep is None else len(keep)
+        if not rows:
+            return self._no_rows()
         head_rank = groups.rank_of(groups.stages - 1, 0)
         logits = None
         if groups.rank == head_rank:
-            logits = self._logits(streams[keep]) if len(keep) else None
-            if logits is not None and head_rank != 0:
+            logits = self._logits(streams if keep is None else streams[keep])
+            if head_rank != 0:
                 dist.send(logits, dst=0)
         if groups.rank != 0:
             return None
-        if not len(keep):
-            return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=device)
         if head_rank != 0:
-            logits = torch.empty(len(keep), cfg.vocab_size, dtype=torch.float32, device=device)
+            logits = torch.empty(rows, cfg.vocab_size, dtype=torch.float32, device=device)
             dist.recv(logits, src=head_rank)
         return logits
+
+    def _decode_graphed(self, chunks) -> torch.Tensor | None:
+        """Pad the decode rows to buckets (scratch slot, trash block) and replay the bucket's graph."""
+        count, cache = len(chunks), self.cache
+        rows, width = _bucket(count), max(8, _bucket(max(len(c.block_ids) for c in chunks)))
+        trash = cache.trash_block
+        table = [
+            [c.token_ids[0], c.start_pos, c.state_slot, *c.block_ids] + [trash] * (width - len(c.block_ids))
+            for c in chunks
+        ]
+        table += [[0, 0, cache.scratch_slot] + [trash] * width] * (rows - count)
+        packed = torch.tensor(table, dtype=torch.long).to(self.device)
+        logits = self.graphs.run((rows, width), packed)
+        return None if logits is None else logits[:count].clone()
+
+    def _decode_step(self, packed: torch.Tensor) -> torch.Tensor | None:
+        """The captured decode step: packed ``[token, position, slot, block table...]`` rows."""
+        positions = packed[:, 1]
+        step = DecodeInputs(
+            positions=positions,
+            slots=packed[:, 2],
+            block_table=packed[:, 3:],
+            trash_block=self.cache.trash_block,
+            rope_main=self.rope_main.cos_sin(positions),
+            rope_compress=self.rope_compress.cos_sin(positions),
+        )
+        return self._run(packed[:, 0], step, None)
 
     def _inputs(self, batch: ForwardBatch):
         """(token ids, per-step attention inputs, rows needing logits) as in the single-process forward."""
