@@ -6,6 +6,7 @@ any CUDA library, so CPU-only installs never touch the driver.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -18,19 +19,53 @@ def cuda_available() -> bool:
 
 
 def gpu_memory() -> list[dict[str, Any]]:
-    """Per-GPU used/total bytes as the driver reports them (empty without CUDA)."""
+    """Per-GPU used/total bytes as the driver reports them (empty without CUDA).
+
+    Read through NVML when its numbering is torch's (PCI bus order, no
+    ``CUDA_VISIBLE_DEVICES``), so asking about a GPU this process does not
+    use (another rank's) does not open a CUDA context there."""
     if not cuda_available():
         return []
     import torch
 
+    count = torch.cuda.device_count()
+    driver = _nvml_memory(count)
     out = []
-    for index in range(torch.cuda.device_count()):
-        free, total = torch.cuda.mem_get_info(index)
+    for index in range(count):
+        if driver is not None:
+            used, total = driver[index]
+        else:
+            free, total = torch.cuda.mem_get_info(index)
+            used = total - free
         out.append({
             "index": index,
             "name": torch.cuda.get_device_name(index),
-            "used_bytes": total - free,
+            "used_bytes": used,
             "total_bytes": total,
             "torch_allocated_bytes": torch.cuda.memory_allocated(index),
         })
     return out
+
+
+def _nvml_memory(count: int) -> list[tuple[int, int]] | None:
+    """(used, total) bytes of GPUs ``0 .. count - 1`` from NVML, or None where its order may differ from torch's."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None or os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no NVML library or driver: fall back to the CUDA runtime
+        return None
+    try:
+        if pynvml.nvmlDeviceGetCount() != count:
+            return None
+        out = []
+        for index in range(count):
+            info = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(index))
+            out.append((int(info.used), int(info.total)))
+        return out
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()

@@ -10,6 +10,9 @@ graceful shutdown must take the worker processes with it.
 
 from __future__ import annotations
 
+import json
+import urllib.request
+
 import openai
 import psutil
 import pytest
@@ -82,6 +85,11 @@ def test_two_process_daemon_equals_one_process(checkpoint, reference, layout):
         # reused up to the checkpoint at the end of the first reply (its last token was never fed back)
         assert usage.prompt_tokens_details.cached_tokens == len(PROMPT) + NEW_TOKENS - 1, usage
         assert by_tier["ram"] >= 128, by_tier
+        with urllib.request.urlopen(d.url + "/v1/ds4d/stats", timeout=10) as r:
+            plan = json.loads(r.read())["model"]["parallel"]
+        assert (plan["stages"], plan["ep_size"]) == {"ep": (1, 2), "pp": (2, 1)}[layout], plan
+        layers = sorted(tuple(rank["layers"]) for rank in plan["ranks"])
+        assert layers == ([(0, 4), (0, 4)] if layout == "ep" else [(0, 2), (2, 4)]), plan
     finally:
         assert d.stop() == 0, d.log
     _, alive = psutil.wait_procs(workers, timeout=15)
