@@ -153,6 +153,7 @@ def run(args) -> int:
                             **measure(split, name)})
         finally:
             split.close()
+            del split  # before the next layout loads: its weights would still hold GPU 0
             gc.collect()
             if not on_cpu:
                 torch.cuda.empty_cache()
