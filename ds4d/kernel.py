@@ -68,6 +68,16 @@ def parse_gpus(text: str) -> list[int] | int:
     return ranks
 
 
+def check_split_knobs(config) -> None:
+    """Knobs a model split over ``gpus`` does not honour yet: refused at start, not ignored."""
+    if config.expert_vram_gib > 0:
+        raise PluginError(f"expert_vram_gib={config.expert_vram_gib}: expert offload does not work with a model "
+                          f"split over gpus={config.gpus!r} yet; set one or the other")
+    if config.weight_format in ("native", "int4"):
+        raise PluginError(f"weight_format={config.weight_format}: a model split over gpus={config.gpus!r} keeps "
+                          "dense weights; use auto or dense")
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     model: Model
@@ -117,6 +127,7 @@ class Kernel:
         if family != "deepseek_v4":
             raise PluginError(f"gpus={self.config.gpus!r}: only the deepseek_v4 family can be split over processes")
         ranks = parse_gpus(self.config.gpus)
+        check_split_knobs(self.config)
         log.info("loading deepseek_v4 from %s over %s (layout %s)", path,
                  f"{ranks} CPU processes" if isinstance(ranks, int) else f"GPUs {ranks}", self.config.parallel_layout)
         threads = self.config.threads or None

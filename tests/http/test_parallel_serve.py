@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from ds4d.kernel import parse_gpus
+from ds4d.kernel import check_split_knobs, parse_gpus
 from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
 from ds4d.models.deepseek_v4.family import load_tokenizer
 from ds4d.registry import PluginError
@@ -103,3 +103,13 @@ def test_gpus_knob_parsing():
     for bad in ("cpu:0", "cpu:x", "0,0", "a,b", "-1"):
         with pytest.raises(PluginError):
             parse_gpus(bad)
+
+
+def test_knobs_a_split_model_does_not_honour_are_refused():
+    from ds4d.config import Config
+
+    check_split_knobs(Config(gpus="0,1"))  # the defaults are fine
+    check_split_knobs(Config(gpus="0,1", weight_format="dense"))
+    for bad in ({"expert_vram_gib": 8.0}, {"weight_format": "native"}):
+        with pytest.raises(PluginError, match=next(iter(bad))):
+            check_split_knobs(Config(gpus="0,1", **bad))
