@@ -73,9 +73,9 @@ def check_split_knobs(config) -> None:
     if config.expert_vram_gib > 0:
         raise PluginError(f"expert_vram_gib={config.expert_vram_gib}: expert offload does not work with a model "
                           f"split over gpus={config.gpus!r} yet; set one or the other")
-    if config.weight_format in ("native", "int4"):
-        raise PluginError(f"weight_format={config.weight_format}: a model split over gpus={config.gpus!r} keeps "
-                          "dense weights; use auto or dense")
+    if config.weight_format == "int4":
+        raise PluginError(f"weight_format=int4 is for GGUF files; a model split over gpus={config.gpus!r} takes "
+                          "auto, dense or native")
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,7 @@ class Kernel:
 
     def _load_parallel(self, path: Path, family: str) -> Model:
         """One model over several processes (``gpus`` knob): GPU indices, or ``cpu:N`` gloo processes."""
+        from ds4d.models.deepseek_v4.family import _dtype, native_weights
         from ds4d.models.deepseek_v4.parallel import build_parallel_model
 
         if family != "deepseek_v4":
@@ -131,8 +132,15 @@ class Kernel:
         log.info("loading deepseek_v4 from %s over %s (layout %s)", path,
                  f"{ranks} CPU processes" if isinstance(ranks, int) else f"GPUs {ranks}", self.config.parallel_layout)
         threads = self.config.threads or None
+        native = False  # auto: decoded weights (native ones on split GPUs must be asked for)
+        if self.config.weight_format != "auto":
+            device = "cpu" if isinstance(ranks, int) else "cuda"
+            try:
+                native = native_weights(self.config.weight_format, _dtype(self.ctx.config.dtype), device)
+            except ValueError as exc:
+                raise PluginError(str(exc)) from None
         model = build_parallel_model(path, ranks, self.config.parallel_layout, dtype=self.ctx.config.dtype,
-                                     threads=threads)
+                                     threads=threads, native=native)
         self.on_shutdown.append(lambda: asyncio.to_thread(model.close))
         return model
 

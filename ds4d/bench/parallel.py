@@ -46,6 +46,8 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=int, default=1024, help="decode context tokens")
     p.add_argument("--prefill-chunk", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--native", action="store_true",
+                   help="FP8 linears and MXFP4 experts as the release stores them, on every row")
     p.add_argument("--json", default="", help="also write the results here")
     p.set_defaults(run=run)
 
@@ -94,7 +96,7 @@ def run(args) -> int:
     ratios = [int(x) for x in args.layers.split(",")]
     config = {**base, "num_hidden_layers": len(ratios), "compress_ratios": ratios}
     config.pop("quantization_config", None)
-    args.device, args.native, args.no_hf = str(device), False, True
+    args.device, args.no_hf = str(device), True
     gen = torch.Generator().manual_seed(args.seed)
     vocab = config["vocab_size"]
     check_ids = torch.randint(100, vocab, (256,), generator=gen).tolist()
@@ -115,9 +117,8 @@ def run(args) -> int:
     # one GPU, single process: the reference logits and the one-GPU deployment's speed
     t0 = time.perf_counter()
     cfg, reader, model, _, _ = build(torch, args, device)
-    floors = {1: Floors(cfg, reader.issued, bandwidth, matmul)}
-    for ep in range(2, count + 1):
-        floors[ep] = Floors(cfg, reader.issued, bandwidth, matmul, ep=ep)
+    floors = {ep: Floors(cfg, reader.issued, bandwidth, matmul, native=args.native, ep=ep)
+              for ep in range(1, count + 1)}
     del reader
     _say(f"one process built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}")
     reference = _prompt_logits(torch, model, check_ids)
@@ -135,7 +136,7 @@ def run(args) -> int:
         t0 = time.perf_counter()
         try:
             split = build_parallel_model(RandomWeights(config, args.seed), ranks, "1x1" if layout == ONE else layout,
-                                         dtype=args.dtype)
+                                         dtype=args.dtype, native=args.native)
         except Exception as exc:  # noqa: BLE001 - one layout failing must not lose the others
             _say(f"{layout}: could not start: {type(exc).__name__}: {exc}")
             continue
@@ -169,8 +170,9 @@ def _table(torch, results, floors, cfg, args, batches, device, bandwidth, matmul
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     base = next((r for r in results if r["layout"].endswith(", sharded step")), results[0])
     say()
+    weights = " with FP8 linears + MXFP4 experts as stored" if args.native else ""
     say(f"# ds4d bench parallel — random V4 ({cfg.hidden_size} wide, {cfg.n_routed_experts} experts, layers "
-        f"{list(cfg.compress_ratios)}), {args.dtype}, {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
+        f"{list(cfg.compress_ratios)}), {args.dtype}{weights}, {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
     say(f"# one GPU's ceilings: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
         f"prefill {args.prefill} tokens b1; decode {args.decode_tokens} tokens after {args.context}; "
         f"scaling = tok/s over '{base['layout']}'")

@@ -76,17 +76,19 @@ class RandomWeights:
     seed: int = 0
 
 
-def _load_runner(source, placement: Placement, groups: ParallelGroups, dtype: torch.dtype, fast_path):
+def _load_runner(
+    source, placement: Placement, groups: ParallelGroups, dtype: torch.dtype, fast_path, native: bool = False
+):
     if isinstance(source, RandomWeights):
         cfg = DeepseekV4Config.from_dict(source.config, name="random-v4")
     else:
         cfg = DeepseekV4Config.from_file(source)
     layout = shard_layout(cfg, groups.stage, groups.stages, groups.ep_rank, groups.ep_size)
     if isinstance(source, RandomWeights):
-        reader = RandomReader(cfg, dtype=dtype, device=groups.device, seed=source.seed)
+        reader = RandomReader(cfg, dtype=dtype, device=groups.device, seed=source.seed, native=native)
         weights = shard_weights(reader, cfg, layout)
     else:
-        weights = read_shard(source, cfg, layout, dtype, groups.device)
+        weights = read_shard(source, cfg, layout, dtype, groups.device, native=native)
     return ShardRunner(cfg, layout, weights, groups, dtype, fast_path=fast_path)
 
 
@@ -96,6 +98,7 @@ def _facts(runner: ShardRunner) -> dict[str, Any]:
         "experts": (runner.layout.experts.start, runner.layout.experts.stop),
         "device": str(runner.device),
         "parameter_bytes": runner.weights.parameter_bytes(),
+        "weights": "native" if runner.native_weights else "decoded",
         "cache_bytes_per_block": runner.cache_bytes_per_block(),
         "state_bytes_per_seq": runner.state_bytes_per_seq(),
     }
@@ -124,6 +127,7 @@ def run_worker(
     use_cuda: bool,
     threads: int | None = None,
     fast_path: bool | None = None,
+    native: bool = False,
 ) -> None:
     """Body of ranks 1 .. world - 1: load the shard, then obey rank 0's commands until ``stop``."""
     if threads:
@@ -131,7 +135,7 @@ def run_worker(
     groups = init_groups(rank, placement, init_method, use_cuda=use_cuda)
     if not isinstance(source, RandomWeights):
         source = Path(source)
-    loaded = _attempt(lambda: _load_runner(source, placement, groups, _dtype(dtype_name), fast_path))
+    loaded = _attempt(lambda: _load_runner(source, placement, groups, _dtype(dtype_name), fast_path, native))
     gather_objects((loaded[0], _facts(loaded[1]) if loaded[0] else loaded[1]), groups)
     runner = loaded[1] if loaded[0] else None
     try:
@@ -198,6 +202,7 @@ class ParallelDeepseekV4Model:
                 "compress_ratios": list(cfg.compress_ratios),
                 "sliding_window": cfg.sliding_window,
                 "num_hash_layers": cfg.num_hash_layers,
+                "weights": rank_facts[0]["weights"],
                 "parallel": {
                     "stages": placement.stages,
                     "ep_size": placement.ep_size,
@@ -316,6 +321,7 @@ def build_parallel_model(
     init_method: str | None = None,
     threads: int | None = None,
     fast_path: bool | None = None,
+    native: bool = False,
 ) -> ParallelDeepseekV4Model:
     """Start the workers and join as rank 0.
 
@@ -323,6 +329,8 @@ def build_parallel_model(
     NCCL), or a number of CPU processes (gloo; for tests and development).
     ``layout``: ``auto`` | ``ep`` | ``pp`` | ``SxE`` (see ``ds4d.parallel.topology``).
     ``path``: the checkpoint, or :class:`RandomWeights` (no tokenizer).
+    ``native``: FP8 linears and MXFP4 experts kept as stored and multiplied by
+    the Triton kernels (``weight_format = native``); else decoded to ``dtype``.
     Call :meth:`ParallelDeepseekV4Model.close` at shutdown."""
     random = isinstance(path, RandomWeights)
     path = path if random else Path(path)
@@ -337,14 +345,14 @@ def build_parallel_model(
     workers = start_workers(
         placement.world_size,
         run_worker,
-        (path if random else str(path), placement, init_method, dtype, use_cuda, threads, fast_path),
+        (path if random else str(path), placement, init_method, dtype, use_cuda, threads, fast_path, native),
     )
     try:
         groups = init_groups(0, placement, init_method, use_cuda=use_cuda)
     except Exception:
         stop_workers(workers, timeout_s=0)
         raise
-    loaded = _attempt(lambda: _load_runner(path, placement, groups, _dtype(dtype), fast_path))
+    loaded = _attempt(lambda: _load_runner(path, placement, groups, _dtype(dtype), fast_path, native))
     reports = gather_objects((loaded[0], _facts(loaded[1]) if loaded[0] else loaded[1]), groups)
     failures = {rank: detail for rank, (ok, detail) in enumerate(reports) if not ok}
     if failures:

@@ -58,12 +58,15 @@ from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_no
 from ds4d.models.deepseek_v4.weights import (
     F32,
     ExpertBank,
+    Fp8Weight,
     HyperWeights,
     LayerWeights,
     ModelWeights,
     MoEWeights,
     _attention,
     _hyper,
+    _keep_packed,
+    _linear,
 )
 from ds4d.parallel.launch import ParallelGroups
 
@@ -136,9 +139,12 @@ def _local_experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int, expe
             weights[which][local] = weight
             if scale is not None:
                 scales[which][local] = scale
-    return ExpertBank(
+    bank = ExpertBank(
         kind=kind or "float", weights=weights, scales=scales, dtype=reader.dtype, block=reader.block, gate_up=gate_up
     )
+    if kind == "mxfp4" and getattr(reader, "native", False):
+        _keep_packed(bank)
+    return bank
 
 
 def _layer(reader: WeightReader, cfg: DeepseekV4Config, layer: int, experts: range) -> LayerWeights:
@@ -156,18 +162,21 @@ def _layer(reader: WeightReader, cfg: DeepseekV4Config, layer: int, experts: ran
             bias=None if hashed else reader.tensor(f + "gate.bias", F32),
             tid2eid=reader.index(f + "gate.tid2eid") if hashed else None,
             experts=_local_experts(reader, cfg, layer, experts),
-            shared_w1=reader.tensor(f + "shared_experts.w1.weight"),
-            shared_w2=reader.tensor(f + "shared_experts.w2.weight"),
-            shared_w3=reader.tensor(f + "shared_experts.w3.weight"),
+            shared_w1=_linear(reader, f + "shared_experts.w1.weight"),
+            shared_w2=_linear(reader, f + "shared_experts.w2.weight"),
+            shared_w3=_linear(reader, f + "shared_experts.w3.weight"),
         ),
     )
 
 
-def read_shard(path, cfg: DeepseekV4Config, layout: ShardLayout, dtype: torch.dtype, device) -> ModelWeights:
-    """Decode only this rank's tensors of the checkpoint at ``path`` (see :func:`shard_weights`)."""
+def read_shard(
+    path, cfg: DeepseekV4Config, layout: ShardLayout, dtype: torch.dtype, device, *, native: bool = False
+) -> ModelWeights:
+    """Only this rank's tensors of the checkpoint at ``path`` (see :func:`shard_weights`): decoded, or
+    with ``native`` FP8 linears and MXFP4 experts as stored (``weight_format = native``)."""
     checkpoint = SafetensorsCheckpoint(path)
     try:
-        reader = WeightReader(checkpoint, cfg, dtype=dtype, device=device)
+        reader = WeightReader(checkpoint, cfg, dtype=dtype, device=device, native=native)
         reader.check_complete()
         return shard_weights(reader, cfg, layout)
     finally:
@@ -219,6 +228,9 @@ class ShardRunner:
             from ds4d.cuda.hc_kernels import available
 
             self.fused_hc = available()
+        self.native_weights = any(
+            isinstance(layer.attn.wq_b, Fp8Weight) or layer.ffn.experts.native is not None for layer in weights.layers
+        )
         self.stage_cfg = stage_config(cfg, layout.layers)
         self.rope_main, self.rope_compress = Rope.for_layers(cfg, self.device)
         self.cache: DeepseekV4Cache | None = None
