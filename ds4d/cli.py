@@ -26,6 +26,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     loaded = _loaded(args)
     logging.basicConfig(level=loaded.config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if loaded.config.gpus.strip().lower() == "torchrun" and os.environ.get("RANK", "0") != "0":
+        from ds4d.kernel import serve_torchrun_rank
+
+        return serve_torchrun_rank(loaded.config)
     asyncio.run(Kernel(loaded).serve())
     return 0
 

@@ -51,9 +51,15 @@ def embedded_model_path() -> Path:
     return path
 
 
-def parse_gpus(text: str) -> list[int] | int:
-    """``gpus`` knob: ``"0,1,2,3"`` -> GPU indices; ``"cpu:2"`` -> 2 CPU processes."""
+TORCHRUN = "torchrun"
+"""``gpus`` value: this process is one rank of a job torchrun started (one or several hosts)."""
+
+
+def parse_gpus(text: str) -> list[int] | int | str:
+    """``gpus`` knob: ``"0,1,2,3"`` -> GPU indices; ``"cpu:2"`` -> 2 CPU processes; ``"torchrun"``."""
     text = text.strip().lower()
+    if text == TORCHRUN:
+        return TORCHRUN
     if text.startswith("cpu:"):
         count = text[4:]
         if not count.isdigit() or int(count) < 1:
@@ -62,7 +68,7 @@ def parse_gpus(text: str) -> list[int] | int:
     try:
         ranks = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise PluginError(f"gpus={text!r}: give GPU indices such as 0,1,2,3 (or cpu:N)") from None
+        raise PluginError(f"gpus={text!r}: give GPU indices such as 0,1,2,3 (or cpu:N, or torchrun)") from None
     if not ranks or len(set(ranks)) != len(ranks) or min(ranks) < 0:
         raise PluginError(f"gpus={text!r}: give distinct GPU indices such as 0,1,2,3")
     return ranks
@@ -76,6 +82,44 @@ def check_split_knobs(config) -> None:
     if config.weight_format == "int4":
         raise PluginError(f"weight_format=int4 is for GGUF files; a model split over gpus={config.gpus!r} takes "
                           "auto, dense or native")
+
+
+def torchrun_job(config):
+    """This process's place in the torchrun job (``gpus = torchrun``); CUDA unless ``device`` is cpu."""
+    from ds4d.parallel.launch import TorchrunJob
+
+    try:
+        return TorchrunJob.from_environment(use_cuda=config.resolved_device().startswith("cuda"))
+    except RuntimeError as exc:
+        raise PluginError(str(exc)) from None
+
+
+def split_native(config, ranks) -> bool:
+    """Whether a split model keeps FP8/MXFP4 weights as stored (only with ``weight_format = native``)."""
+    from ds4d.models.deepseek_v4.family import _dtype, native_weights
+
+    if config.weight_format == "auto":
+        return False  # decoded weights when split, unless native is asked for
+    on_cuda = not isinstance(ranks, int) and getattr(ranks, "use_cuda", True)
+    try:
+        return native_weights(config.weight_format, _dtype(config.resolved_dtype()), "cuda" if on_cuda else "cpu")
+    except ValueError as exc:
+        raise PluginError(str(exc)) from None
+
+
+def serve_torchrun_rank(config) -> int:
+    """``ds4d serve`` on a rank other than 0 of a torchrun job: load this rank's shard, follow rank 0."""
+    from ds4d.models.deepseek_v4.parallel import serve_torchrun_worker
+
+    check_split_knobs(config)
+    job = torchrun_job(config)
+    if not config.model:
+        raise PluginError("gpus = torchrun needs model = a DeepSeek-V4 checkpoint directory")
+    log.info("torchrun rank %d of %d: worker (rank 0 serves)", job.rank, job.world_size)
+    serve_torchrun_worker(job, Path(config.model).expanduser(), config.parallel_layout,
+                          dtype=config.resolved_dtype(), threads=config.threads or None,
+                          native=split_native(config, job))
+    return 0
 
 
 @dataclass(frozen=True)
@@ -122,23 +166,20 @@ class Kernel:
 
     def _load_parallel(self, path: Path, family: str) -> Model:
         """One model over several processes (``gpus`` knob): GPU indices, or ``cpu:N`` gloo processes."""
-        from ds4d.models.deepseek_v4.family import _dtype, native_weights
         from ds4d.models.deepseek_v4.parallel import build_parallel_model
 
         if family != "deepseek_v4":
             raise PluginError(f"gpus={self.config.gpus!r}: only the deepseek_v4 family can be split over processes")
         ranks = parse_gpus(self.config.gpus)
         check_split_knobs(self.config)
-        log.info("loading deepseek_v4 from %s over %s (layout %s)", path,
-                 f"{ranks} CPU processes" if isinstance(ranks, int) else f"GPUs {ranks}", self.config.parallel_layout)
+        if ranks == TORCHRUN:
+            ranks = torchrun_job(self.config)
+            where = f"{ranks.world_size} torchrun ranks"
+        else:
+            where = f"{ranks} CPU processes" if isinstance(ranks, int) else f"GPUs {ranks}"
+        log.info("loading deepseek_v4 from %s over %s (layout %s)", path, where, self.config.parallel_layout)
         threads = self.config.threads or None
-        native = False  # auto: decoded weights (native ones on split GPUs must be asked for)
-        if self.config.weight_format != "auto":
-            device = "cpu" if isinstance(ranks, int) else "cuda"
-            try:
-                native = native_weights(self.config.weight_format, _dtype(self.ctx.config.dtype), device)
-            except ValueError as exc:
-                raise PluginError(str(exc)) from None
+        native = split_native(self.config, ranks)
         model = build_parallel_model(path, ranks, self.config.parallel_layout, dtype=self.ctx.config.dtype,
                                      threads=threads, native=native)
         self.on_shutdown.append(lambda: asyncio.to_thread(model.close))

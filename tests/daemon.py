@@ -20,14 +20,15 @@ class Daemon:
     call :meth:`wait_ready` later.  The default waits for "ds4d ready on ..."."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, startup_timeout: float = 180.0,
-                 wait_for: str = "ready") -> None:
+                 wait_for: str = "ready", launcher: list[str] | None = None) -> None:
+        """``launcher``: what runs ``-m ds4d.cli serve ...`` (default this Python; e.g. torchrun)."""
         self.args = ["--host", "127.0.0.1", "--port", "0", *args]
         self.log_lines: list[str] = []
         self.startup_timeout = startup_timeout
         full_env = {**os.environ, "DS4D_CONFIG": str(REPO / "etc" / "ds4d.toml"), "PYTHONUNBUFFERED": "1",
                     **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ds4d.cli", "serve", *self.args], cwd=REPO, env=full_env,
+            [*(launcher or [sys.executable]), "-m", "ds4d.cli", "serve", *self.args], cwd=REPO, env=full_env,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.port: int | None = None
         self._events = {"listening": threading.Event(), "ready": threading.Event()}

@@ -4,7 +4,9 @@ One process per device.  Global rank ``stage * ep_size + ep_rank`` runs on
 ``placement.device_of(rank)``; rank 0 is the daemon's own process (the engine
 thread drives it) and starts ranks ``1 .. world - 1`` with
 :func:`start_workers` (``torch.multiprocessing``, spawn).  Under ``torchrun``
-(several hosts) every rank is started by torchrun instead and the same
+(``gpus = torchrun``, one host or several) torchrun starts every rank instead:
+each runs ``ds4d serve`` with the same configuration, rank 0 becomes the
+daemon, the others become workers (:class:`TorchrunJob`), and the same
 :func:`init_groups` runs with ``init_method="env://"``.
 
 Groups, made identically on every rank (``new_group`` is collective):
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ds4d.parallel.topology import Placement
+from ds4d.parallel.topology import Placement, parse_layout
 
 INIT_TIMEOUT = timedelta(minutes=10)
 
@@ -64,6 +66,42 @@ class ParallelGroups:
 
     def rank_of(self, stage: int, ep_rank: int) -> int:
         return stage * self.ep_size + ep_rank
+
+
+@dataclass(frozen=True)
+class TorchrunJob:
+    """This process is one rank of a job torchrun started (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT`` in the environment).
+
+    torchrun numbers ranks host by host, so rank ``r`` runs on GPU ``LOCAL_RANK``
+    of its host.  ``auto`` makes each host one stage whose GPUs split the experts:
+    the per-layer all-reduce stays inside a host, and only the streams of a stage
+    boundary (one send per step) cross the network."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    use_cuda: bool
+
+    @classmethod
+    def from_environment(cls, use_cuda: bool) -> TorchrunJob:
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        missing = [name for name in names if name not in os.environ]
+        if missing:
+            raise RuntimeError(f"gpus = torchrun, but {', '.join(missing)} not set: start ds4d under torchrun")
+        values = {name: int(os.environ[name]) for name in names[:4]}
+        return cls(values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"], values["LOCAL_WORLD_SIZE"], use_cuda)
+
+    def placement(self, layout: str) -> Placement:
+        if self.world_size % self.local_world_size:
+            raise ValueError(f"{self.world_size} ranks are not whole hosts of {self.local_world_size}")
+        if layout.strip().lower() == "auto":
+            stages, ep = self.world_size // self.local_world_size, self.local_world_size
+        else:
+            stages, ep = parse_layout(layout, self.world_size)
+        grid = tuple(tuple((s * ep + e) % self.local_world_size for e in range(ep)) for s in range(stages))
+        return Placement(grid)
 
 
 def free_tcp_init_method(host: str = "127.0.0.1") -> str:

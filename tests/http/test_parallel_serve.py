@@ -11,6 +11,7 @@ graceful shutdown must take the worker processes with it.
 from __future__ import annotations
 
 import json
+import sys
 import urllib.request
 
 import openai
@@ -96,10 +97,39 @@ def test_two_process_daemon_equals_one_process(checkpoint, reference, layout):
     assert not alive, [p.cmdline() for p in alive]
 
 
+def test_torchrun_job_serves_the_split_model(checkpoint, reference):
+    """``torchrun --nproc-per-node 2 -m ds4d.cli serve --gpus torchrun``: rank 0 serves, rank 1 follows."""
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    d = Daemon("--model", str(checkpoint), "--gpus", "torchrun", "--device", "cpu", "--parallel-layout", "auto",
+               "--threads", "1", "--kv-cache-tokens", "1024", "--max-num-seqs", "1", "--prefill-chunk", "64",
+               launcher=torchrun, env={"OMP_NUM_THREADS": "1"})
+    try:
+        processes = _workers_of(d)
+        assert len([p for p in processes if "ds4d.cli" in " ".join(p.cmdline())]) == 2, processes
+        client = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        resp = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPT,
+                                         max_tokens=NEW_TOKENS, temperature=0, logprobs=0,
+                                         extra_body={"ignore_eos": True})
+        (tokens, logprobs), _ = reference
+        tok = load_tokenizer(checkpoint)
+        assert resp.choices[0].logprobs.tokens == [tok.decode([t]) for t in tokens]
+        assert resp.choices[0].logprobs.token_logprobs == pytest.approx(logprobs, abs=2e-3, rel=1e-3)
+        with urllib.request.urlopen(d.url + "/v1/ds4d/stats", timeout=10) as r:
+            plan = json.loads(r.read())["model"]["parallel"]
+        # one host: auto makes it one stage whose two ranks split the experts
+        assert (plan["stages"], plan["ep_size"]) == (1, 2), plan
+    finally:
+        d.stop()
+    _, alive = psutil.wait_procs(processes, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    assert any("torchrun rank 1 of 2: worker" in line for line in d.log_lines), d.log
+
+
 def test_gpus_knob_parsing():
     assert parse_gpus("0,1,2,3") == [0, 1, 2, 3]
     assert parse_gpus(" 3, 1 ") == [3, 1]
     assert parse_gpus("cpu:2") == 2
+    assert parse_gpus("torchrun") == "torchrun"
     for bad in ("cpu:0", "cpu:x", "0,0", "a,b", "-1"):
         with pytest.raises(PluginError):
             parse_gpus(bad)

@@ -32,6 +32,7 @@ placement (``ds4d.parallel.topology``), starts the workers
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -49,6 +50,7 @@ from ds4d.models.deepseek_v4.random_init import RandomReader
 from ds4d.models.deepseek_v4.shard import ShardRunner, read_shard, shard_layout, shard_weights
 from ds4d.parallel.launch import (
     ParallelGroups,
+    TorchrunJob,
     broadcast_object,
     free_tcp_init_method,
     gather_objects,
@@ -312,9 +314,22 @@ class ParallelDeepseekV4Model:
             raise RuntimeError("allocate_cache() must run before forward()")
         check_batch(batch, self.cfg, self._max_seqs, self._num_blocks)
 
+def serve_torchrun_worker(
+    job: TorchrunJob, path: str | Path, layout: str, *, dtype: str, threads: int | None = None, native: bool = False
+) -> None:
+    """Ranks ``1 ..`` of a torchrun job: follow rank 0 (the daemon) until it stops.
+
+    SIGINT and SIGTERM are ignored: torchrun forwards them to every rank, and a
+    worker leaves when rank 0, draining on the same signal, sends ``stop``
+    (or when rank 0 is gone)."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)
+    run_worker(job.rank, str(path), job.placement(layout), "env://", dtype, job.use_cuda, threads, None, native)
+
+
 def build_parallel_model(
     path: str | Path | RandomWeights,
-    ranks: Sequence[int] | int,
+    ranks: Sequence[int] | int | TorchrunJob,
     layout: str = "auto",
     *,
     dtype: str = "bfloat16",
@@ -326,7 +341,8 @@ def build_parallel_model(
     """Start the workers and join as rank 0.
 
     ``ranks``: the GPU indices to use (``[0, 1, 2, 3]``; one process each,
-    NCCL), or a number of CPU processes (gloo; for tests and development).
+    NCCL), a number of CPU processes (gloo; for tests and development), or
+    the :class:`~ds4d.parallel.launch.TorchrunJob` this process is rank 0 of.
     ``layout``: ``auto`` | ``ep`` | ``pp`` | ``SxE`` (see ``ds4d.parallel.topology``).
     ``path``: the checkpoint, or :class:`RandomWeights` (no tokenizer).
     ``native``: FP8 linears and MXFP4 experts kept as stored and multiplied by
@@ -334,19 +350,26 @@ def build_parallel_model(
     Call :meth:`ParallelDeepseekV4Model.close` at shutdown."""
     random = isinstance(path, RandomWeights)
     path = path if random else Path(path)
-    use_cuda = not isinstance(ranks, int)
-    if use_cuda:
-        placement, _ = plan_for_gpus(list(ranks), layout)
-    else:
+    workers = []
+    if isinstance(ranks, TorchrunJob):  # torchrun started the other ranks (serve_torchrun_worker)
+        if ranks.rank != 0:
+            raise ValueError("only rank 0 builds the model; the other ranks run serve_torchrun_worker")
+        use_cuda, placement, init_method = ranks.use_cuda, ranks.placement(layout), "env://"
+    elif isinstance(ranks, int):
+        use_cuda = False
         stages, ep = parse_layout(layout, ranks)
         placement = plan_placement([[0] * ranks for _ in range(ranks)], stages, ep)
+    else:
+        use_cuda = True
+        placement, _ = plan_for_gpus(list(ranks), layout)
     log.info("%s", describe(placement))
-    init_method = init_method or free_tcp_init_method()
-    workers = start_workers(
-        placement.world_size,
-        run_worker,
-        (path if random else str(path), placement, init_method, dtype, use_cuda, threads, fast_path, native),
-    )
+    if not isinstance(ranks, TorchrunJob):
+        init_method = init_method or free_tcp_init_method()
+        workers = start_workers(
+            placement.world_size,
+            run_worker,
+            (path if random else str(path), placement, init_method, dtype, use_cuda, threads, fast_path, native),
+        )
     try:
         groups = init_groups(0, placement, init_method, use_cuda=use_cuda)
     except Exception:
