@@ -75,10 +75,7 @@ def parse_gpus(text: str) -> list[int] | int | str:
 
 
 def check_split_knobs(config) -> None:
-    """Knobs a model split over ``gpus`` does not honour yet: refused at start, not ignored."""
-    if config.expert_vram_gib > 0:
-        raise PluginError(f"expert_vram_gib={config.expert_vram_gib}: expert offload does not work with a model "
-                          f"split over gpus={config.gpus!r} yet; set one or the other")
+    """Knobs a model split over ``gpus`` cannot honour: refused at start, not ignored."""
     if config.weight_format == "int4":
         raise PluginError(f"weight_format=int4 is for GGUF files; a model split over gpus={config.gpus!r} takes "
                           "auto, dense or native")
@@ -109,6 +106,7 @@ def split_native(config, ranks) -> bool:
 
 def serve_torchrun_rank(config) -> int:
     """``ds4d serve`` on a rank other than 0 of a torchrun job: load this rank's shard, follow rank 0."""
+    from ds4d.models.deepseek_v4.family import offload_options
     from ds4d.models.deepseek_v4.parallel import serve_torchrun_worker
 
     check_split_knobs(config)
@@ -118,7 +116,7 @@ def serve_torchrun_rank(config) -> int:
     log.info("torchrun rank %d of %d: worker (rank 0 serves)", job.rank, job.world_size)
     serve_torchrun_worker(job, Path(config.model).expanduser(), config.parallel_layout,
                           dtype=config.resolved_dtype(), threads=config.threads or None,
-                          native=split_native(config, job))
+                          native=split_native(config, job), offload=offload_options(config, {}))
     return 0
 
 
@@ -166,6 +164,7 @@ class Kernel:
 
     def _load_parallel(self, path: Path, family: str) -> Model:
         """One model over several processes (``gpus`` knob): GPU indices, or ``cpu:N`` gloo processes."""
+        from ds4d.models.deepseek_v4.family import offload_options
         from ds4d.models.deepseek_v4.parallel import build_parallel_model
 
         if family != "deepseek_v4":
@@ -181,7 +180,7 @@ class Kernel:
         threads = self.config.threads or None
         native = split_native(self.config, ranks)
         model = build_parallel_model(path, ranks, self.config.parallel_layout, dtype=self.ctx.config.dtype,
-                                     threads=threads, native=native)
+                                     threads=threads, native=native, offload=offload_options(self.config, {}))
         self.on_shutdown.append(lambda: asyncio.to_thread(model.close))
         return model
 

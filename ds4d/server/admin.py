@@ -215,7 +215,13 @@ def _expert_metrics(lines: list[str], experts: dict | None) -> None:
         lines += [f"# HELP ds4d_{name} Routed experts held {where}.", f"# TYPE ds4d_{name} gauge",
                   f"ds4d_{name} {experts.get(key, 0)}"]
     for name, kind, key, scale, help_text in EXPERT_LAYER_METRICS:
-        rows = [(row["layer"], row[key]) for row in experts.get("layers", []) if row.get(key) is not None]
+        rows = [(_layer_labels(row), row[key]) for row in experts.get("layers", []) if row.get(key) is not None]
         if rows:
             lines += [f"# HELP ds4d_{name} {help_text}", f"# TYPE ds4d_{name} {kind}"]
-            lines += [f'ds4d_{name}{{layer="{layer}"}} {value * scale}' for layer, value in rows]
+            lines += [f"ds4d_{name}{{{labels}}} {value * scale}" for labels, value in rows]
+
+
+def _layer_labels(row: dict) -> str:
+    """``layer="3"``, plus ``rank="1"`` for a model split over processes (its ranks share layers)."""
+    labels = f'layer="{row["layer"]}"'
+    return labels + (f',rank="{row["rank"]}"' if "rank" in row else "")

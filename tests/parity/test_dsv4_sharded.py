@@ -17,6 +17,7 @@ order of float32 sums differs.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -137,13 +138,18 @@ def short_scenario(model: Model) -> dict[str, torch.Tensor]:
 
 
 def _rank0(
-    path: str, ranks, layout: str, fast_path: bool | None, result: str, dtype: str = "float32", native: bool = False
+    path: str, ranks, layout: str, fast_path: bool | None, result: str, dtype: str = "float32", native: bool = False,
+    offload: bool = False,
 ) -> None:
     """Rank 0 of a sharded model (``ranks``: a number of CPU processes or a list of GPU indices)."""
+    from ds4d.models.deepseek_v4.offload import OffloadOptions
     from ds4d.models.deepseek_v4.parallel import build_parallel_model
 
     torch.set_num_threads(1)
-    model = build_parallel_model(path, ranks, layout, dtype=dtype, threads=1, fast_path=fast_path, native=native)
+    # offload: no expert kept on the "device"; every used expert is staged in, two at a time
+    options = OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy") if offload else None
+    model = build_parallel_model(path, ranks, layout, dtype=dtype, threads=1, fast_path=fast_path, native=native,
+                                 offload=options)
     try:
         assert isinstance(model, Model)
         if native:  # the kernels run in Triton's interpreter: a short scenario
@@ -165,18 +171,20 @@ def _rank0(
         out["parallel"] = torch.tensor(
             [model.info.extra["parallel"]["stages"], model.info.extra["parallel"]["ep_size"]]
         )
+        out["expert_stats"] = model.expert_stats()
     finally:
         model.close()
     torch.save(out, result)
 
 
 def run_rank0(
-    path, ranks, layout: str, fast_path: bool | None, tmp_path: Path, dtype: str = "float32", native: bool = False
+    path, ranks, layout: str, fast_path: bool | None, tmp_path: Path, dtype: str = "float32", native: bool = False,
+    offload: bool = False,
 ) -> dict:
     """Play :func:`scenario` on a sharded model whose rank 0 is a spawned process; its results."""
     result = tmp_path / f"result-{layout}-{dtype}.pt"
     process = mp.get_context("spawn").Process(
-        target=_rank0, args=(str(path), ranks, layout, fast_path, str(result), dtype, native), daemon=False
+        target=_rank0, args=(str(path), ranks, layout, fast_path, str(result), dtype, native, offload), daemon=False
     )
     process.start()
     process.join(PROCESS_TIMEOUT_S)
@@ -185,7 +193,7 @@ def run_rank0(
         process.join()
         pytest.fail(f"{layout} on {ranks} did not finish in {PROCESS_TIMEOUT_S} s")
     assert process.exitcode == 0 and result.is_file()
-    return torch.load(result)
+    return torch.load(result, weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -239,3 +247,25 @@ def test_expert_parallel_with_native_weights(checkpoint, tmp_path):
     want = short_scenario(load_model(checkpoint))
     _assert_close(got["logits"], want["logits"], "logits")
     assert torch.equal(got["tokens"], want["tokens"])
+
+
+@pytest.mark.parametrize("layout", ["ep", "pp"])
+def test_sharded_forward_with_expert_offload(checkpoint, reference, tmp_path, layout):
+    """Each rank keeps its routed experts in host RAM and stages the used ones onto its device: the same
+    scenario, the same logits and greedy tokens as the single process with every expert in place."""
+    got = run_rank0(checkpoint, 2, layout, True, tmp_path, offload=True)
+    for key in ("whole", "chunked", "decode_b", "decode_c", "resumed", "after_refusal", "payloads"):
+        _assert_close(got[key], reference[key], key)
+    for key in ("whole_argmax", "chunked_argmax", "tokens_b", "tokens_c"):
+        assert torch.equal(got[key], reference[key]), key
+    stats = got["expert_stats"]
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    layers, experts = cfg["num_hidden_layers"], cfg["n_routed_experts"]
+    assert stats["gpu_experts"] == 0 and stats["ram_experts"] == layers * experts, stats
+    assert stats["bytes_copied"] > 0, stats
+    # every rank reports its own layers, numbered as in the whole model
+    ranks_of_layer = {}
+    for row in stats["layers"]:
+        ranks_of_layer.setdefault(row["layer"], set()).add(row["rank"])
+    assert sorted(ranks_of_layer) == list(range(layers))
+    assert all(len(ranks) == (2 if layout == "ep" else 1) for ranks in ranks_of_layer.values()), ranks_of_layer

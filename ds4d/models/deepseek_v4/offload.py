@@ -380,7 +380,15 @@ class ExpertOffload:
         tally_routing(tally, indices)
         limit = cfg.swiglu_limit
         shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit)
-        return self._routed(layer, x, expert_weights, indices, limit, decode) + shared
+        return self.routed(layer, x, expert_weights, indices, limit=limit, decode=decode) + shared
+
+    def routed(
+        self, layer: int, x: torch.Tensor, expert_weights: torch.Tensor, indices: torch.Tensor, *, limit: float,
+        decode: bool = False,
+    ) -> torch.Tensor:
+        """The routed experts' weighted output for routing already done (``indices`` into this offload's
+        experts; a split model's rank passes its own experts' pairs and zero weights for the others)."""
+        return self._routed(layer, x, expert_weights, indices, limit, decode)
 
     def _observe_decode_counts(self) -> None:
         """Routing counts of zero-copy decode steps (kept on the device) into the placement policy."""

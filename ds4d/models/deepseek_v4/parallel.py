@@ -15,6 +15,7 @@ command            what every rank does
 ``load_state``     each rank takes its stage's part of the snapshot
 ``export_blocks``  each stage's ep-rank 0 hands its layers' part of the KV blocks to rank 0
 ``import_blocks``  each rank writes its stage's part of the KV block payloads
+``expert_stats``   each rank hands rank 0 its expert-offload counters (about once a second)
 ``stop``           leaves the loop; the process group is torn down
 =================  ==================================================================
 
@@ -33,8 +34,9 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,7 @@ from ds4d.contracts import ForwardBatch, ModelInfo
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.family import _dtype, load_tokenizer
 from ds4d.models.deepseek_v4.model import check_batch
+from ds4d.models.deepseek_v4.offload import OffloadOptions
 from ds4d.models.deepseek_v4.random_init import RandomReader
 from ds4d.models.deepseek_v4.shard import ShardRunner, read_shard, shard_layout, shard_weights
 from ds4d.parallel.launch import (
@@ -79,8 +82,10 @@ class RandomWeights:
 
 
 def _load_runner(
-    source, placement: Placement, groups: ParallelGroups, dtype: torch.dtype, fast_path, native: bool = False
+    source, placement: Placement, groups: ParallelGroups, dtype: torch.dtype, fast_path, native: bool = False,
+    offload: OffloadOptions | None = None,
 ):
+    expert_device = torch.device("cpu") if offload is not None else None
     if isinstance(source, RandomWeights):
         cfg = DeepseekV4Config.from_dict(source.config, name="random-v4")
     else:
@@ -88,10 +93,12 @@ def _load_runner(
     layout = shard_layout(cfg, groups.stage, groups.stages, groups.ep_rank, groups.ep_size)
     if isinstance(source, RandomWeights):
         reader = RandomReader(cfg, dtype=dtype, device=groups.device, seed=source.seed, native=native)
-        weights = shard_weights(reader, cfg, layout)
+        weights = shard_weights(reader, cfg, layout, expert_device)
     else:
-        weights = read_shard(source, cfg, layout, dtype, groups.device, native=native)
-    return ShardRunner(cfg, layout, weights, groups, dtype, fast_path=fast_path)
+        weights = read_shard(source, cfg, layout, dtype, groups.device, native=native, expert_device=expert_device)
+    if offload is not None and native:
+        offload = replace(offload, native=True)
+    return ShardRunner(cfg, layout, weights, groups, dtype, fast_path=fast_path, offload=offload)
 
 
 def _facts(runner: ShardRunner) -> dict[str, Any]:
@@ -130,6 +137,7 @@ def run_worker(
     threads: int | None = None,
     fast_path: bool | None = None,
     native: bool = False,
+    offload: OffloadOptions | None = None,
 ) -> None:
     """Body of ranks 1 .. world - 1: load the shard, then obey rank 0's commands until ``stop``."""
     if threads:
@@ -137,7 +145,9 @@ def run_worker(
     groups = init_groups(rank, placement, init_method, use_cuda=use_cuda)
     if not isinstance(source, RandomWeights):
         source = Path(source)
-    loaded = _attempt(lambda: _load_runner(source, placement, groups, _dtype(dtype_name), fast_path, native))
+    loaded = _attempt(
+        lambda: _load_runner(source, placement, groups, _dtype(dtype_name), fast_path, native, offload)
+    )
     gather_objects((loaded[0], _facts(loaded[1]) if loaded[0] else loaded[1]), groups)
     runner = loaded[1] if loaded[0] else None
     try:
@@ -158,12 +168,33 @@ def run_worker(
                 gather_objects(runner.export_blocks(command[1]) if groups.ep_rank == 0 else None, groups)
             elif kind == "import_blocks":
                 runner.import_blocks(command[1], command[2][groups.stage])
+            elif kind == "expert_stats":
+                gather_objects(runner.offload.expert_stats() if runner.offload is not None else None, groups)
     except (RuntimeError, ConnectionError) as exc:  # rank 0 went away mid-broadcast
         log.warning("rank %d leaving: %s", rank, exc)
         return
     if runner is not None:
-        runner.release_graphs()
+        runner.release()
     dist.destroy_process_group()
+
+
+EXPERT_STATS_EVERY_S = 1.0
+_SUMMED_EXPERT_STATS = ("gpu_experts", "ram_experts", "replans", "bytes_copied", "bytes_skipped", "skipped_transfers",
+                        "placement_bytes", "host_read_bytes")
+
+
+def merge_expert_stats(parts: Sequence[dict[str, Any]], first_layers: Sequence[int]) -> dict[str, Any]:
+    """One expert-offload report from every rank's (``ExpertOffload.expert_stats``), rank order."""
+    merged: dict[str, Any] = {key: sum(part[key] for part in parts) for key in _SUMMED_EXPERT_STATS}
+    merged.update(
+        placement=parts[0]["placement"],
+        zero_copy=all(part["zero_copy"] for part in parts),
+        pcie_gb_s=min(part["pcie_gb_s"] for part in parts),
+        cpu_expert_ms=max(part["cpu_expert_ms"] for part in parts),
+        layers=[{**row, "layer": first + row["layer"], "rank": rank}
+                for rank, (part, first) in enumerate(zip(parts, first_layers)) for row in part["layers"]],
+    )
+    return merged
 
 
 class ParallelDeepseekV4Model:
@@ -183,6 +214,8 @@ class ParallelDeepseekV4Model:
         self.placement, self.rank_facts, self.workers = placement, list(rank_facts), list(workers)
         self._closed = False
         self._num_blocks = self._max_seqs = 0
+        self._expert_stats: dict[str, Any] = {}
+        self._expert_stats_at = 0.0
         self._payload_bytes: list[int] = []
         """Bytes of each stage's part of a block payload (stage order), known once the cache exists."""
         self.info = ModelInfo(
@@ -225,12 +258,29 @@ class ParallelDeepseekV4Model:
             raise ParallelStartError(f"could not allocate {num_blocks} blocks: {failed}")
         self._num_blocks, self._max_seqs = num_blocks, max_seqs
         self._payload_bytes = [outcomes[self.groups.rank_of(stage, 0)][1] for stage in range(self.groups.stages)]
+        if self.runner.offload is not None:
+            self._gather_expert_stats()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         self._check(batch)
         self._bind_device()
         broadcast_object(("forward", batch), self.groups)
-        return self.runner.step(batch)
+        logits = self.runner.step(batch)
+        if self.runner.offload is not None and time.monotonic() - self._expert_stats_at >= EXPERT_STATS_EVERY_S:
+            self._gather_expert_stats()
+        return logits
+
+    def expert_stats(self) -> dict[str, Any]:
+        """Expert-offload counters of every rank (layers numbered as in the whole model, with their rank),
+        as of the last gathering (after a step, at most once a second); empty without offload."""
+        return self._expert_stats
+
+    def _gather_expert_stats(self) -> None:
+        """On the engine thread, between steps: the control group is not shared with the HTTP side."""
+        broadcast_object(("expert_stats",), self.groups)
+        parts = gather_objects(self.runner.offload.expert_stats(), self.groups)
+        self._expert_stats = merge_expert_stats(parts, [facts["layers"][0] for facts in self.rank_facts])
+        self._expert_stats_at = time.monotonic()
 
     def save_state(self, slot: int) -> list[list[torch.Tensor]]:
         """The slot's state, one list of tensors per stage (host copies)."""
@@ -285,7 +335,7 @@ class ParallelDeepseekV4Model:
         self._closed = True
         self._bind_device()
         broadcast_object(("stop",), self.groups)
-        self.runner.release_graphs()
+        self.runner.release()
         stop_workers(self.workers)
         dist.destroy_process_group()
 
@@ -315,7 +365,8 @@ class ParallelDeepseekV4Model:
         check_batch(batch, self.cfg, self._max_seqs, self._num_blocks)
 
 def serve_torchrun_worker(
-    job: TorchrunJob, path: str | Path, layout: str, *, dtype: str, threads: int | None = None, native: bool = False
+    job: TorchrunJob, path: str | Path, layout: str, *, dtype: str, threads: int | None = None, native: bool = False,
+    offload: OffloadOptions | None = None,
 ) -> None:
     """Ranks ``1 ..`` of a torchrun job: follow rank 0 (the daemon) until it stops.
 
@@ -324,7 +375,8 @@ def serve_torchrun_worker(
     (or when rank 0 is gone)."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
-    run_worker(job.rank, str(path), job.placement(layout), "env://", dtype, job.use_cuda, threads, None, native)
+    run_worker(job.rank, str(path), job.placement(layout), "env://", dtype, job.use_cuda, threads, None, native,
+               offload)
 
 
 def build_parallel_model(
@@ -337,6 +389,7 @@ def build_parallel_model(
     threads: int | None = None,
     fast_path: bool | None = None,
     native: bool = False,
+    offload: OffloadOptions | None = None,
 ) -> ParallelDeepseekV4Model:
     """Start the workers and join as rank 0.
 
@@ -347,6 +400,8 @@ def build_parallel_model(
     ``path``: the checkpoint, or :class:`RandomWeights` (no tokenizer).
     ``native``: FP8 linears and MXFP4 experts kept as stored and multiplied by
     the Triton kernels (``weight_format = native``); else decoded to ``dtype``.
+    ``offload``: each rank keeps its routed experts in host RAM and the hot
+    ones on its device (``vram_bytes`` per device).
     Call :meth:`ParallelDeepseekV4Model.close` at shutdown."""
     random = isinstance(path, RandomWeights)
     path = path if random else Path(path)
@@ -368,14 +423,15 @@ def build_parallel_model(
         workers = start_workers(
             placement.world_size,
             run_worker,
-            (path if random else str(path), placement, init_method, dtype, use_cuda, threads, fast_path, native),
+            (path if random else str(path), placement, init_method, dtype, use_cuda, threads, fast_path, native,
+         offload),
         )
     try:
         groups = init_groups(0, placement, init_method, use_cuda=use_cuda)
     except Exception:
         stop_workers(workers, timeout_s=0)
         raise
-    loaded = _attempt(lambda: _load_runner(path, placement, groups, _dtype(dtype), fast_path, native))
+    loaded = _attempt(lambda: _load_runner(path, placement, groups, _dtype(dtype), fast_path, native, offload))
     reports = gather_objects((loaded[0], _facts(loaded[1]) if loaded[0] else loaded[1]), groups)
     failures = {rank: detail for rank, (ok, detail) in enumerate(reports) if not ok}
     if failures:

@@ -54,6 +54,7 @@ from ds4d.models.deepseek_v4.hyper import hc_head, hc_post, hc_pre
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
 from ds4d.models.deepseek_v4.model import _bucket, _holds_bf16_values
 from ds4d.models.deepseek_v4.moe import _routed_grouped, _swiglu, route
+from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
 from ds4d.models.deepseek_v4.weights import (
     F32,
@@ -114,8 +115,11 @@ def stage_config(cfg: DeepseekV4Config, layers: range) -> DeepseekV4Config:
 # --------------------------------------------------------------------------- loading
 
 
-def _local_experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int, experts: range) -> ExpertBank:
-    """Experts ``experts`` of ``layer`` stacked as an :class:`ExpertBank` (local index 0 = ``experts[0]``)."""
+def _local_experts(
+    reader: WeightReader, cfg: DeepseekV4Config, layer: int, experts: range, device: torch.device | None = None
+) -> ExpertBank:
+    """Experts ``experts`` of ``layer`` stacked as an :class:`ExpertBank` (local index 0 = ``experts[0]``),
+    on ``device`` when given (the host, for expert offload)."""
     count = len(experts)
     kind, gate_up = None, None
     weights: dict[str, torch.Tensor] = {}
@@ -123,6 +127,8 @@ def _local_experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int, expe
     for which in ("w1", "w2", "w3"):
         for local, expert in enumerate(experts):
             this_kind, weight, scale = reader.expert_stored(layer, expert, which)
+            if device is not None:
+                weight, scale = weight.to(device), scale.to(device) if scale is not None else None
             kind = kind or this_kind
             if this_kind != kind:
                 raise ValueError(f"layer {layer}: routed experts mix {kind} and {this_kind} storage")
@@ -142,12 +148,14 @@ def _local_experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int, expe
     bank = ExpertBank(
         kind=kind or "float", weights=weights, scales=scales, dtype=reader.dtype, block=reader.block, gate_up=gate_up
     )
-    if kind == "mxfp4" and getattr(reader, "native", False):
+    if kind == "mxfp4" and getattr(reader, "native", False) and (device is None or device == reader.device):
         _keep_packed(bank)
     return bank
 
 
-def _layer(reader: WeightReader, cfg: DeepseekV4Config, layer: int, experts: range) -> LayerWeights:
+def _layer(
+    reader: WeightReader, cfg: DeepseekV4Config, layer: int, experts: range, expert_device: torch.device | None
+) -> LayerWeights:
     p = f"layers.{layer}."
     f = p + "ffn."
     hashed = cfg.is_hash_layer(layer)
@@ -161,7 +169,7 @@ def _layer(reader: WeightReader, cfg: DeepseekV4Config, layer: int, experts: ran
             gate=reader.tensor(f + "gate.weight", F32),
             bias=None if hashed else reader.tensor(f + "gate.bias", F32),
             tid2eid=reader.index(f + "gate.tid2eid") if hashed else None,
-            experts=_local_experts(reader, cfg, layer, experts),
+            experts=_local_experts(reader, cfg, layer, experts, expert_device),
             shared_w1=_linear(reader, f + "shared_experts.w1.weight"),
             shared_w2=_linear(reader, f + "shared_experts.w2.weight"),
             shared_w3=_linear(reader, f + "shared_experts.w3.weight"),
@@ -170,7 +178,8 @@ def _layer(reader: WeightReader, cfg: DeepseekV4Config, layer: int, experts: ran
 
 
 def read_shard(
-    path, cfg: DeepseekV4Config, layout: ShardLayout, dtype: torch.dtype, device, *, native: bool = False
+    path, cfg: DeepseekV4Config, layout: ShardLayout, dtype: torch.dtype, device, *, native: bool = False,
+    expert_device: torch.device | None = None,
 ) -> ModelWeights:
     """Only this rank's tensors of the checkpoint at ``path`` (see :func:`shard_weights`): decoded, or
     with ``native`` FP8 linears and MXFP4 experts as stored (``weight_format = native``)."""
@@ -178,18 +187,21 @@ def read_shard(
     try:
         reader = WeightReader(checkpoint, cfg, dtype=dtype, device=device, native=native)
         reader.check_complete()
-        return shard_weights(reader, cfg, layout)
+        return shard_weights(reader, cfg, layout, expert_device)
     finally:
         checkpoint.close()
 
 
-def shard_weights(reader, cfg: DeepseekV4Config, layout: ShardLayout) -> ModelWeights:
+def shard_weights(
+    reader, cfg: DeepseekV4Config, layout: ShardLayout, expert_device: torch.device | None = None
+) -> ModelWeights:
     """This rank's tensors from ``reader`` (its layers, its experts, embedding/head where its stage needs them).
 
     ``reader``: a checkpoint's :class:`WeightReader` or a
     :class:`~ds4d.models.deepseek_v4.random_init.RandomReader`.
     ``ModelWeights.layers`` holds the stage's layers in order; tensors the stage
-    does not use are empty placeholders."""
+    does not use are empty placeholders.  ``expert_device``: where the routed experts go (the host,
+    for expert offload)."""
     nothing = torch.empty(0, device=reader.device)
     last = layout.last_stage
     return ModelWeights(
@@ -197,7 +209,7 @@ def shard_weights(reader, cfg: DeepseekV4Config, layout: ShardLayout) -> ModelWe
         norm=reader.tensor("norm.weight", F32) if last else nothing,
         head=reader.tensor("head.weight", F32) if last else nothing,
         head_hc=_hyper(reader, "hc_head_") if last else HyperWeights(nothing, nothing, nothing),
-        layers=[_layer(reader, cfg, layer, layout.experts) for layer in layout.layers],
+        layers=[_layer(reader, cfg, layer, layout.experts, expert_device) for layer in layout.layers],
     )
 
 
@@ -217,6 +229,7 @@ class ShardRunner:
         *,
         fast_path: bool | None = None,
         use_graphs: bool = True,
+        offload: OffloadOptions | None = None,
     ) -> None:
         self.cfg, self.layout, self.weights, self.groups, self.dtype = cfg, layout, weights, groups, dtype
         self.device = groups.device
@@ -234,17 +247,26 @@ class ShardRunner:
         self.stage_cfg = stage_config(cfg, layout.layers)
         self.rope_main, self.rope_compress = Rope.for_layers(cfg, self.device)
         self.cache: DeepseekV4Cache | None = None
+        self.offload: ExpertOffload | None = None
+        """This rank's routed experts in host RAM, the hot ones on its device (``expert_vram_gib`` per GPU)."""
+        if offload is not None:
+            local_cfg = replace(self.stage_cfg, n_routed_experts=len(layout.experts))
+            self.offload = ExpertOffload(weights, local_cfg, device=self.device, dtype=dtype, options=offload)
         self.graphs = None
         if self.fast_path and self.device.type == "cuda" and use_graphs:
             from ds4d.cuda.graphs import GraphCache
 
             self.graphs = GraphCache(self._decode_step)
 
-    def release_graphs(self) -> None:
-        """Destroy the captured decode graphs (before the process group goes: they hold NCCL work)."""
+    def release(self) -> None:
+        """Destroy the captured decode graphs (before the process group goes: they hold NCCL work);
+        stop the expert offload's threads and unpin its host memory."""
         if self.graphs is not None:
             torch.cuda.synchronize(self.device)
             self.graphs.clear()
+        if self.offload is not None:
+            self.offload.close()
+            self.offload = None
 
     def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
         if self.graphs is not None:
@@ -262,7 +284,10 @@ class ShardRunner:
     def step(self, batch: ForwardBatch) -> torch.Tensor | None:
         """Logits ``[rows, vocab]`` on rank 0 (the :meth:`Model.forward` answer); None on other ranks."""
         chunks = [c for c in batch.chunks if c.token_ids]
-        if self.graphs is not None and chunks and all(len(c.token_ids) == c.logits_tokens == 1 for c in chunks):
+        if self.offload is not None:
+            self.offload.begin_step()
+        decode = bool(chunks) and all(len(c.token_ids) == c.logits_tokens == 1 for c in chunks)
+        if self.graphs is not None and decode and (self.offload is None or self.offload.capturable(_bucket(len(chunks)))):
             try:
                 return self._decode_graphed(chunks)
             except RuntimeError as exc:  # every rank fails the same capture; all go on eagerly
@@ -373,25 +398,31 @@ class ShardRunner:
             attend = decode_attention
         else:
             attend = partial(attention_forward, local_window=self.fast_path)
-        for layer, layer_cache in zip(self.weights.layers, self.cache.layers):
+        decode = isinstance(step, DecodeInputs)
+        for index, (layer, layer_cache) in enumerate(zip(self.weights.layers, self.cache.layers)):
             x, post, comb = hc_pre(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, fused=fused)
             x = attend(rms_norm(x, layer.attn_norm, eps), step, layer.attn, layer_cache, cfg, self.rope_compress)
             streams = hc_post(x, streams, post, comb)
             x, post, comb = hc_pre(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, fused=fused)
-            x = self._moe(rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn)
+            x = self._moe(rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn, index, decode)
             streams = hc_post(x, streams, post, comb)
         return streams
 
-    def _moe(self, x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights) -> torch.Tensor:
+    def _moe(
+        self, x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, index: int, decode: bool
+    ) -> torch.Tensor:
         """Routed experts of this rank, summed over the stage, plus the (replicated) shared expert."""
         cfg, limit = self.cfg, self.cfg.swiglu_limit
         expert_weights, indices = route(x, token_ids, weights, cfg)
         first, end = self.layout.experts.start, self.layout.experts.stop
-        if self.fast_path:
+        if self.fast_path or self.offload is not None:
             # fixed shapes (capturable): pairs routed elsewhere go to local expert 0 with weight 0
             mine = (indices >= first) & (indices < end)
             local = torch.where(mine, indices - first, torch.zeros_like(indices))
-            routed = _routed_grouped(x, expert_weights * mine, local, weights, limit)
+            if self.offload is not None:
+                routed = self.offload.routed(index, x, expert_weights * mine, local, limit=limit, decode=decode)
+            else:
+                routed = _routed_grouped(x, expert_weights * mine, local, weights, limit)
         else:
             routed = torch.zeros_like(x)
             bank = weights.experts
