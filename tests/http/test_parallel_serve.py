@@ -1,8 +1,8 @@
 """`ds4d serve --gpus cpu:2`: one tiny DeepSeek-V4 split over two processes (gloo) behind the daemon.
 
 The served greedy tokens and their log-probabilities must equal the
-single-process model's on the same checkpoint, for expert parallel and for a
-layer split.  The next turn (the prompt plus the reply plus more) reuses the
+single-process model's on the same checkpoint, for expert parallel (with
+expert offload on both ranks) and for a layer split.  The next turn (the prompt plus the reply plus more) reuses the
 first turn's KV after its blocks were pushed out of the pool into the RAM tier
 by another prompt, and still continues as the single-process model does.  A
 graceful shutdown must take the worker processes with it.
@@ -60,8 +60,11 @@ def _workers_of(daemon: Daemon) -> list[psutil.Process]:
 
 @pytest.mark.parametrize("layout", ["ep", "pp"])
 def test_two_process_daemon_equals_one_process(checkpoint, reference, layout):
+    # expert parallel also with expert offload: each rank's experts in host RAM, a few hot on its "device"
+    offload = ("--expert-vram-gib", "0.0005") if layout == "ep" else ()
     d = Daemon("--model", str(checkpoint), "--gpus", "cpu:2", "--parallel-layout", layout, "--threads", "1",
-               "--kv-cache-tokens", "1024", "--max-num-seqs", "1", "--prefill-chunk", "64", "--cache-ram-gib", "0.5")
+               "--kv-cache-tokens", "1024", "--max-num-seqs", "1", "--prefill-chunk", "64", "--cache-ram-gib", "0.5",
+               *offload)
     try:
         workers = _workers_of(d)
         assert workers, "no worker process was started"
@@ -91,6 +94,12 @@ def test_two_process_daemon_equals_one_process(checkpoint, reference, layout):
         assert (plan["stages"], plan["ep_size"]) == {"ep": (1, 2), "pp": (2, 1)}[layout], plan
         layers = sorted(tuple(rank["layers"]) for rank in plan["ranks"])
         assert layers == ([(0, 4), (0, 4)] if layout == "ep" else [(0, 2), (2, 4)]), plan
+        with urllib.request.urlopen(d.url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        if offload:  # both ranks' counters, per layer and rank
+            assert 'ds4d_expert_bytes_copied_total{layer="3",rank="1"}' in metrics, metrics
+        else:
+            assert "ds4d_experts_in_ram" not in metrics
     finally:
         assert d.stop() == 0, d.log
     _, alive = psutil.wait_procs(workers, timeout=15)
