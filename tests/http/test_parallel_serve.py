@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -152,3 +154,25 @@ def test_knobs_a_split_model_cannot_honour_are_refused():
     check_split_knobs(Config(gpus="0,1", expert_vram_gib=8.0))
     with pytest.raises(PluginError, match="weight_format=int4"):
         check_split_knobs(Config(gpus="0,1", weight_format="int4"))
+
+
+def test_a_lost_worker_is_named_and_the_daemon_stops_serving(checkpoint):
+    d = Daemon("--model", str(checkpoint), "--gpus", "cpu:2", "--parallel-layout", "pp", "--threads", "1",
+               "--kv-cache-tokens", "1024", "--max-num-seqs", "1")
+    try:
+        client = openai.OpenAI(base_url=d.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        model_id = client.models.list().data[0].id
+        client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2)
+        (worker,) = [p for p in _workers_of(d) if "spawn_main" in " ".join(p.cmdline())]
+        worker.kill()
+        deadline = time.monotonic() + 10  # the daemon reaps it, so here it only turns into a zombie
+        while worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(openai.InternalServerError, match="rank 1 .CPU. exited with code -9"):
+            client.completions.create(model=model_id, prompt=PROMPT, max_tokens=2)
+        with pytest.raises(urllib.error.HTTPError) as health:
+            urllib.request.urlopen(d.url + "/health", timeout=10)
+        assert health.value.code == 503
+    finally:
+        assert d.stop() == 0, d.log
+    assert not any("shutdown hook" in line for line in d.log_lines), d.log

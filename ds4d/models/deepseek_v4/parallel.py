@@ -36,6 +36,7 @@ import logging
 import signal
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -68,6 +69,10 @@ log = logging.getLogger("ds4d.models")
 
 class ParallelStartError(RuntimeError):
     """A rank failed to load its shard or to allocate its cache."""
+
+
+class ParallelRankLost(RuntimeError):
+    """A worker process of the split model has exited: the model cannot run any more."""
 
 
 @dataclass(frozen=True)
@@ -251,8 +256,9 @@ class ParallelDeepseekV4Model:
 
     def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
         self._bind_device()
-        broadcast_object(("allocate", num_blocks, max_seqs), self.groups)
-        outcomes = gather_objects(_attempt(lambda: _allocate(self.runner, num_blocks, max_seqs)), self.groups)
+        with self._ranks_alive():
+            broadcast_object(("allocate", num_blocks, max_seqs), self.groups)
+            outcomes = gather_objects(_attempt(lambda: _allocate(self.runner, num_blocks, max_seqs)), self.groups)
         failed = {rank: detail for rank, (ok, detail) in enumerate(outcomes) if not ok}
         if failed:
             raise ParallelStartError(f"could not allocate {num_blocks} blocks: {failed}")
@@ -264,10 +270,11 @@ class ParallelDeepseekV4Model:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         self._check(batch)
         self._bind_device()
-        broadcast_object(("forward", batch), self.groups)
-        logits = self.runner.step(batch)
-        if self.runner.offload is not None and time.monotonic() - self._expert_stats_at >= EXPERT_STATS_EVERY_S:
-            self._gather_expert_stats()
+        with self._ranks_alive():
+            broadcast_object(("forward", batch), self.groups)
+            logits = self.runner.step(batch)
+            if self.runner.offload is not None and time.monotonic() - self._expert_stats_at >= EXPERT_STATS_EVERY_S:
+                self._gather_expert_stats()
         return logits
 
     def expert_stats(self) -> dict[str, Any]:
@@ -285,24 +292,27 @@ class ParallelDeepseekV4Model:
     def save_state(self, slot: int) -> list[list[torch.Tensor]]:
         """The slot's state, one list of tensors per stage (host copies)."""
         self._check_slot(slot)
-        broadcast_object(("save_state", slot), self.groups)
-        parts = gather_objects(self.runner.export_slot(slot), self.groups)
+        with self._ranks_alive():
+            broadcast_object(("save_state", slot), self.groups)
+            parts = gather_objects(self.runner.export_slot(slot), self.groups)
         return [parts[self.groups.rank_of(stage, 0)] for stage in range(self.groups.stages)]
 
     def load_state(self, slot: int, snapshot: list[list[torch.Tensor]]) -> None:
         self._check_slot(slot)
         if len(snapshot) != self.groups.stages:
             raise ValueError("state snapshot does not match this model's stages")
-        broadcast_object(("load_state", slot, snapshot), self.groups)
-        self.runner.import_slot(slot, snapshot[0])
+        with self._ranks_alive():
+            broadcast_object(("load_state", slot, snapshot), self.groups)
+            self.runner.import_slot(slot, snapshot[0])
 
     def export_blocks(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
         """Each block as one uint8 host tensor: every stage's part, in stage order (the prefix cache's payload)."""
         block_ids = [self._check_block(b) for b in block_ids]
         if not block_ids:
             return []
-        broadcast_object(("export_blocks", block_ids), self.groups)
-        parts = gather_objects(self.runner.export_blocks(block_ids), self.groups)
+        with self._ranks_alive():
+            broadcast_object(("export_blocks", block_ids), self.groups)
+            parts = gather_objects(self.runner.export_blocks(block_ids), self.groups)
         stages = [parts[self.groups.rank_of(stage, 0)] for stage in range(self.groups.stages)]
         return [torch.cat([stage[i] for stage in stages]) for i in range(len(block_ids))]
 
@@ -325,8 +335,9 @@ class ParallelDeepseekV4Model:
         for size in self._payload_bytes:  # clones: a pickled view would carry the whole row
             per_stage.append([row[offset:offset + size].clone() for row in rows])
             offset += size
-        broadcast_object(("import_blocks", block_ids, per_stage), self.groups)
-        self.runner.import_blocks(block_ids, per_stage[0])
+        with self._ranks_alive():
+            broadcast_object(("import_blocks", block_ids, per_stage), self.groups)
+            self.runner.import_blocks(block_ids, per_stage[0])
 
     def close(self) -> None:
         """Stop the workers and leave the process group (idempotent)."""
@@ -334,12 +345,44 @@ class ParallelDeepseekV4Model:
             return
         self._closed = True
         self._bind_device()
-        broadcast_object(("stop",), self.groups)
+        lost = self._lost_ranks()
+        if lost:
+            log.warning("%s", lost)
+        else:
+            try:
+                broadcast_object(("stop",), self.groups)
+            except (RuntimeError, ConnectionError) as exc:  # a rank went away meanwhile
+                log.warning("could not tell every rank to stop: %s", exc)
         self.runner.release()
         stop_workers(self.workers)
         dist.destroy_process_group()
 
     # ------------------------------------------------------------------ checks (rank 0 only)
+
+    def _lost_ranks(self) -> str:
+        """Which worker processes have exited, in words ("" when all run, or when torchrun started them)."""
+        gone = [(rank, process.exitcode) for rank, process in enumerate(self.workers, start=1)
+                if not process.is_alive()]
+        if not gone:
+            return ""
+        devices = self.placement.devices
+        where = ", ".join(f"rank {rank} ({'GPU ' + str(devices[rank]) if self.groups.device.type == 'cuda' else 'CPU'})"
+                          f" exited with code {code}" for rank, code in gone)
+        return f"{where}: a model split over processes cannot go on without it; restart the daemon"
+
+    @contextmanager
+    def _ranks_alive(self):
+        """Run a command with every rank; a lost worker process is named rather than left as a socket error."""
+        lost = self._lost_ranks()
+        if lost:
+            raise ParallelRankLost(lost)
+        try:
+            yield
+        except (RuntimeError, ConnectionError) as exc:
+            lost = self._lost_ranks()
+            if lost:
+                raise ParallelRankLost(lost) from exc
+            raise
 
     def _bind_device(self) -> None:
         """The CUDA current device is per thread; the engine thread is not the one that loaded."""
