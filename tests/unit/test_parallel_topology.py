@@ -112,3 +112,23 @@ def test_without_nvml_the_plan_keeps_the_given_order(monkeypatch, capsys):
     assert "NVML unavailable" in out
     assert "stage 0: rank 0 -> GPU 0, rank 1 -> GPU 1" in out
     assert "stage 1: rank 2 -> GPU 2, rank 3 -> GPU 3" in out
+
+
+def test_torchrun_job_places_one_stage_per_host(monkeypatch):
+    from ds4d.parallel.launch import TorchrunJob
+
+    env = {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    job = TorchrunJob.from_environment(use_cuda=True)
+    assert (job.rank, job.world_size, job.local_rank, job.local_world_size) == (5, 8, 1, 4)
+    auto = job.placement("auto")  # two hosts of four: the all-reduce stays inside a host
+    assert (auto.stages, auto.ep_size) == (2, 4)
+    assert [auto.device_of(rank) for rank in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert auto.device_of(job.rank) == job.local_rank
+    flat = job.placement("ep")
+    assert (flat.stages, flat.ep_size) == (1, 8) and flat.device_of(5) == 1
+    monkeypatch.delenv("MASTER_PORT")
+    with pytest.raises(RuntimeError, match="MASTER_PORT not set"):
+        TorchrunJob.from_environment(use_cuda=True)

@@ -90,13 +90,12 @@ def _load_runner(
     source, placement: Placement, groups: ParallelGroups, dtype: torch.dtype, fast_path, native: bool = False,
     offload: OffloadOptions | None = None,
 ):
+    """This rank's shard of the checkpoint (or random weights) and its step; experts on the host with offload."""
     expert_device = torch.device("cpu") if offload is not None else None
-    if isinstance(source, RandomWeights):
-        cfg = DeepseekV4Config.from_dict(source.config, name="random-v4")
-    else:
-        cfg = DeepseekV4Config.from_file(source)
+    random = isinstance(source, RandomWeights)
+    cfg = DeepseekV4Config.from_dict(source.config, name="random-v4") if random else DeepseekV4Config.from_file(source)
     layout = shard_layout(cfg, groups.stage, groups.stages, groups.ep_rank, groups.ep_size)
-    if isinstance(source, RandomWeights):
+    if random:
         reader = RandomReader(cfg, dtype=dtype, device=groups.device, seed=source.seed, native=native)
         weights = shard_weights(reader, cfg, layout, expert_device)
     else:
@@ -265,7 +264,8 @@ class ParallelDeepseekV4Model:
         self._num_blocks, self._max_seqs = num_blocks, max_seqs
         self._payload_bytes = [outcomes[self.groups.rank_of(stage, 0)][1] for stage in range(self.groups.stages)]
         if self.runner.offload is not None:
-            self._gather_expert_stats()
+            with self._ranks_alive():
+                self._gather_expert_stats()
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         self._check(batch)
@@ -365,9 +365,11 @@ class ParallelDeepseekV4Model:
                 if not process.is_alive()]
         if not gone:
             return ""
-        devices = self.placement.devices
-        where = ", ".join(f"rank {rank} ({'GPU ' + str(devices[rank]) if self.groups.device.type == 'cuda' else 'CPU'})"
-                          f" exited with code {code}" for rank, code in gone)
+        on_gpu = self.groups.device.type == "cuda"
+        where = ", ".join(
+            f"rank {rank} ({f'GPU {self.placement.device_of(rank)}' if on_gpu else 'CPU'}) exited with code {code}"
+            for rank, code in gone
+        )
         return f"{where}: a model split over processes cannot go on without it; restart the daemon"
 
     @contextmanager

@@ -29,6 +29,12 @@ its own CUDA graph of the whole step, NCCL sends, receives and all-reduces
 included: all ranks see the same batch, so they capture and replay the same
 buckets in the same order.
 
+With ``weight_format = native`` a rank keeps its FP8 linears and MXFP4 experts
+as stored (the single-process kernels).  With expert offload a rank keeps its
+own experts in host RAM and the hot ones on its device
+(:class:`~ds4d.models.deepseek_v4.offload.ExpertOffload` over the rank's local
+experts; the pairs routed to other ranks reach it with weight 0).
+
 Arithmetic per expert is unchanged, so the only differences from the
 single-process forward are the order in which the per-expert contributions are
 summed (float rounding; greedy choices agree), plus, with the grouped path in
