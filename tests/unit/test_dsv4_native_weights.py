@@ -125,3 +125,42 @@ def test_offload_with_native_banks_equals_all_on_device(checkpoint):
     assert stats["host_read_bytes"] > 0  # decode read cold experts in place
     assert sum(row["zero_copy_pairs"] for row in stats["layers"]) == 3 * 2 * model.cfg.num_hidden_layers
     offload.close()
+
+
+class _EagerBuckets:
+    """Stands in for ``GraphCache`` on the CPU: the padded bucket runs, eagerly."""
+
+    def __init__(self, step) -> None:
+        self.step = step
+
+    def run(self, key, *inputs):
+        return self.step(*inputs)
+
+    def clear(self) -> None:
+        pass
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests run the compiled kernels")
+def test_zero_copy_counts_leave_out_bucket_padding(checkpoint):
+    """Decode steps padded to a bucket (as the CUDA graphs run them): three sequences fill a bucket of
+    four, and the padding row (scratch slot) is computed but neither counted nor read from the host."""
+    model = _load(checkpoint, native=True)
+    offload = ExpertOffload(model.weights, model.cfg, device="cpu", dtype=model.dtype,
+                            options=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy", native=True))
+    model.expert_offload = offload
+    offload.set_placement([[e for e in range(8) if (e + layer) % 2] for layer in range(model.cfg.num_hidden_layers)])
+    model._graphs, model.use_graphs = _EagerBuckets(model._decode_step), True
+    driver = Driver(model)
+    names = ("a", "b", "c")
+    tokens = {}
+    for i, name in enumerate(names):
+        driver.start(name)
+        tokens[name] = int(driver.prefill(name, [(j * 7919 + i) % 5000 + 10 for j in range(4)], chunk=4)[-1].argmax())
+    steps, k, layers = 1, model.cfg.num_experts_per_tok, model.cfg.num_hidden_layers
+    for _ in range(steps):
+        for name, logits in zip(names, driver.step([(name, [tokens[name]], 1) for name in names])):
+            tokens[name] = int(logits[-1].argmax())
+    stats = offload.expert_stats()
+    assert sum(row["zero_copy_pairs"] for row in stats["layers"]) == steps * len(names) * k * layers
+    assert 0 < sum(row["host_read_pairs"] for row in stats["layers"]) <= steps * len(names) * k * layers
+    offload.close()

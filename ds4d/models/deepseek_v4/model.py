@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -275,7 +276,8 @@ class DeepseekV4Model:
             rope_main=self.rope_main.cos_sin(positions),
             rope_compress=self.rope_compress.cos_sin(positions),
         )
-        return self._logits(self._layers(token_ids, dec, cache))
+        with counted_rows(self.expert_offload, packed[:, 2] != cache.scratch_slot):
+            return self._logits(self._layers(token_ids, dec, cache))
 
     def _layers(self, token_ids: torch.Tensor, step: StepInputs | DecodeInputs, cache: DeepseekV4Cache) -> torch.Tensor:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
@@ -305,6 +307,20 @@ class DeepseekV4Model:
 
 def _holds_bf16_values(tensor: torch.Tensor) -> bool:
     return tensor.dtype == torch.float32 and torch.equal(tensor, tensor.to(torch.bfloat16).float())
+
+
+@contextmanager
+def counted_rows(offload, real: torch.Tensor):
+    """While a padded decode step runs: the offload counts routing of the ``real`` rows only
+    (bucket padding, at the scratch slot, would otherwise pull placement towards its experts)."""
+    if offload is None:
+        yield
+        return
+    offload.row_valid = real
+    try:
+        yield
+    finally:
+        offload.row_valid = None
 
 
 def _bucket(n: int) -> int:

@@ -200,6 +200,9 @@ class ExpertOffload:
         self.decode_counts = torch.zeros(self.layers, self.experts, dtype=torch.int64, device=self.device)
         self.host_reads = torch.zeros(self.layers, dtype=torch.int64, device=self.device)
         """Zero-copy (token, expert) pairs whose expert was read from host memory, per layer."""
+        self.row_valid: torch.Tensor | None = None
+        """Set by the model around a padded decode step (``model.counted_rows``): True for the real rows;
+        the bucket's padding rows are computed but not counted."""
         self.on_host = torch.zeros(self.layers, self.experts, dtype=torch.int64, device=self.device)
         self._counts_seen = torch.zeros(self.layers, self.experts, dtype=torch.int64)
         stage_n = max(1, options.stage_experts)
@@ -419,8 +422,9 @@ class ExpertOffload:
         over the layer's address tables, the per-row MXFP4 kernel, with no host read."""
         tokens, k = indices.shape
         flat = indices.reshape(-1)
-        self.decode_counts[layer].index_add_(0, flat, torch.ones_like(flat))
-        self.host_reads[layer] += self.on_host[layer][flat].sum()
+        real = torch.ones_like(flat) if self.row_valid is None else self.row_valid.to(flat.dtype).repeat_interleave(k)
+        self.decode_counts[layer].index_add_(0, flat, real)
+        self.host_reads[layer] += (self.on_host[layer][flat] * real).sum()
         expert_of_row, order = torch.sort(flat, stable=True)
         gate_up, down = self.addressed[layer]
         out = expert_ffn(x[order // k], gate_up, down, None, expert_of_row, limit, step_rows=tokens * k)

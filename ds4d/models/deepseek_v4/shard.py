@@ -58,7 +58,7 @@ from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.decode import DecodeInputs, decode_attention
 from ds4d.models.deepseek_v4.hyper import hc_head, hc_post, hc_pre
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
-from ds4d.models.deepseek_v4.model import _bucket, _holds_bf16_values
+from ds4d.models.deepseek_v4.model import _bucket, _holds_bf16_values, counted_rows
 from ds4d.models.deepseek_v4.moe import _routed_grouped, _swiglu, route
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
@@ -363,7 +363,8 @@ class ShardRunner:
             rope_main=self.rope_main.cos_sin(positions),
             rope_compress=self.rope_compress.cos_sin(positions),
         )
-        return self._run(packed[:, 0], step, None)
+        with counted_rows(self.offload, packed[:, 2] != self.cache.scratch_slot):
+            return self._run(packed[:, 0], step, None)
 
     def _inputs(self, batch: ForwardBatch):
         """(token ids, per-step attention inputs, rows needing logits) as in the single-process forward."""
