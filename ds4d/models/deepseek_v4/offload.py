@@ -422,7 +422,10 @@ class ExpertOffload:
         over the layer's address tables, the per-row MXFP4 kernel, with no host read."""
         tokens, k = indices.shape
         flat = indices.reshape(-1)
-        real = torch.ones_like(flat) if self.row_valid is None else self.row_valid.to(flat.dtype).repeat_interleave(k)
+        if self.row_valid is None:
+            real = torch.ones_like(flat)
+        else:  # each row's k pairs (expand: no host read, capturable)
+            real = self.row_valid.to(flat.dtype).unsqueeze(1).expand(tokens, k).reshape(-1)
         self.decode_counts[layer].index_add_(0, flat, real)
         self.host_reads[layer] += (self.on_host[layer][flat] * real).sum()
         expert_of_row, order = torch.sort(flat, stable=True)
