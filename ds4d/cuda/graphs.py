@@ -74,3 +74,22 @@ class GraphCache:
         with torch.cuda.graph(graph, pool=self._pool):
             output = self.step(*buffers)
         return _Captured(graph, buffers, output)
+
+
+class EagerBuckets:
+    """:class:`GraphCache`'s interface without capture: each step runs eagerly at its bucket's padded
+    shapes.  Lets a CPU run the exact padded decode path the graphs replay (tests)."""
+
+    def __init__(self, step: Callable[..., torch.Tensor]) -> None:
+        self.step = step
+        self.keys: set[Hashable] = set()
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def run(self, key: Hashable, *inputs: torch.Tensor) -> torch.Tensor:
+        self.keys.add(key)
+        return self.step(*inputs)
+
+    def clear(self) -> None:
+        self.keys.clear()

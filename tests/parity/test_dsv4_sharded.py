@@ -137,9 +137,27 @@ def short_scenario(model: Model) -> dict[str, torch.Tensor]:
     return {"logits": torch.cat(logits).cpu(), "tokens": torch.tensor(tokens)}
 
 
+def padded_scenario(model: Model) -> dict[str, torch.Tensor]:
+    """Three sequences of 1, 2 and 3 blocks decoding together: a bucket of four rows (one of them padding,
+    at the scratch slot) and block tables padded with the trash block, as the decode graphs run them."""
+    driver = Driver(model)
+    tokens: dict[str, list[int]] = {}
+    for i, name in enumerate("abc"):
+        driver.start(name)
+        (prompt_logits,) = driver.step([(name, _prompt((40, 170, 300)[i], 10 + i), 1)])
+        tokens[name] = [int(prompt_logits[-1].argmax())]
+    logits = []
+    for _ in range(4):
+        work = [(name, tokens[name][-1:], 1) for name in "abc"]
+        for (name, _, _), row in zip(work, driver.step(work)):
+            logits.append(row[0])
+            tokens[name].append(int(row[0].argmax()))
+    return {"logits": torch.stack(logits).cpu(), "tokens": torch.tensor([tokens[name] for name in "abc"])}
+
+
 def _rank0(
     path: str, ranks, layout: str, fast_path: bool | None, result: str, dtype: str = "float32", native: bool = False,
-    offload: bool = False,
+    offload: bool = False, padded: bool = False,
 ) -> None:
     """Rank 0 of a sharded model (``ranks``: a number of CPU processes or a list of GPU indices)."""
     from ds4d.models.deepseek_v4.offload import OffloadOptions
@@ -149,9 +167,14 @@ def _rank0(
     # offload: no expert kept on the "device"; every used expert is staged in, two at a time
     options = OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy") if offload else None
     model = build_parallel_model(path, ranks, layout, dtype=dtype, threads=1, fast_path=fast_path, native=native,
-                                 offload=options)
+                                 offload=options, padded_decode=padded)
     try:
         assert isinstance(model, Model)
+        if padded:
+            out = padded_scenario(model)
+            out["buckets"] = torch.tensor(sorted(model.runner.graphs.keys) if model.runner.graphs is not None else [])
+            torch.save(out, result)
+            return
         if native:  # the kernels run in Triton's interpreter: a short scenario
             out = short_scenario(model)
             out["native"] = torch.tensor(model.info.extra["weights"] == "native")
@@ -179,12 +202,13 @@ def _rank0(
 
 def run_rank0(
     path, ranks, layout: str, fast_path: bool | None, tmp_path: Path, dtype: str = "float32", native: bool = False,
-    offload: bool = False,
+    offload: bool = False, padded: bool = False,
 ) -> dict:
     """Play :func:`scenario` on a sharded model whose rank 0 is a spawned process; its results."""
     result = tmp_path / f"result-{layout}-{dtype}.pt"
     process = mp.get_context("spawn").Process(
-        target=_rank0, args=(str(path), ranks, layout, fast_path, str(result), dtype, native, offload), daemon=False
+        target=_rank0, args=(str(path), ranks, layout, fast_path, str(result), dtype, native, offload, padded),
+        daemon=False,
     )
     process.start()
     process.join(PROCESS_TIMEOUT_S)
@@ -269,3 +293,14 @@ def test_sharded_forward_with_expert_offload(checkpoint, reference, tmp_path, la
         ranks_of_layer.setdefault(row["layer"], set()).add(row["rank"])
     assert sorted(ranks_of_layer) == list(range(layers))
     assert all(len(ranks) == (2 if layout == "ep" else 1) for ranks in ranks_of_layer.values()), ranks_of_layer
+
+
+def test_padded_decode_buckets_equal_single_process(checkpoint, tmp_path):
+    """The decode path the CUDA graphs replay (rows padded to a bucket, block tables to a width), run
+    eagerly on CPU ranks under ep and pp, against the single-process model."""
+    want = padded_scenario(load_model(checkpoint))
+    for layout in ("ep", "pp"):
+        got = run_rank0(checkpoint, 2, layout, True, tmp_path, padded=True)
+        assert got["buckets"].tolist() == [[4, 8]], layout  # 3 rows -> 4, up to 3 blocks -> width 8
+        _assert_close(got["logits"], want["logits"], f"{layout} logits")
+        assert torch.equal(got["tokens"], want["tokens"]), layout

@@ -88,7 +88,7 @@ class RandomWeights:
 
 def _load_runner(
     source, placement: Placement, groups: ParallelGroups, dtype: torch.dtype, fast_path, native: bool = False,
-    offload: OffloadOptions | None = None,
+    offload: OffloadOptions | None = None, padded_decode: bool = False,
 ):
     """This rank's shard of the checkpoint (or random weights) and its step; experts on the host with offload."""
     expert_device = torch.device("cpu") if offload is not None else None
@@ -102,7 +102,8 @@ def _load_runner(
         weights = read_shard(source, cfg, layout, dtype, groups.device, native=native, expert_device=expert_device)
     if offload is not None and native:
         offload = replace(offload, native=True)
-    return ShardRunner(cfg, layout, weights, groups, dtype, fast_path=fast_path, offload=offload)
+    return ShardRunner(cfg, layout, weights, groups, dtype, fast_path=fast_path, offload=offload,
+                       padded_decode=padded_decode)
 
 
 def _facts(runner: ShardRunner) -> dict[str, Any]:
@@ -142,6 +143,7 @@ def run_worker(
     fast_path: bool | None = None,
     native: bool = False,
     offload: OffloadOptions | None = None,
+    padded_decode: bool = False,
 ) -> None:
     """Body of ranks 1 .. world - 1: load the shard, then obey rank 0's commands until ``stop``."""
     if threads:
@@ -150,7 +152,7 @@ def run_worker(
     if not isinstance(source, RandomWeights):
         source = Path(source)
     loaded = _attempt(
-        lambda: _load_runner(source, placement, groups, _dtype(dtype_name), fast_path, native, offload)
+        lambda: _load_runner(source, placement, groups, _dtype(dtype_name), fast_path, native, offload, padded_decode)
     )
     gather_objects((loaded[0], _facts(loaded[1]) if loaded[0] else loaded[1]), groups)
     runner = loaded[1] if loaded[0] else None
@@ -435,6 +437,7 @@ def build_parallel_model(
     fast_path: bool | None = None,
     native: bool = False,
     offload: OffloadOptions | None = None,
+    padded_decode: bool = False,
 ) -> ParallelDeepseekV4Model:
     """Start the workers and join as rank 0.
 
@@ -447,6 +450,8 @@ def build_parallel_model(
     the Triton kernels (``weight_format = native``); else decoded to ``dtype``.
     ``offload``: each rank keeps its routed experts in host RAM and the hot
     ones on its device (``vram_bytes`` per device).
+    ``padded_decode``: without CUDA, run decode steps padded to buckets as the
+    graphs would (tests of that path on CPU processes).
     Call :meth:`ParallelDeepseekV4Model.close` at shutdown."""
     random = isinstance(path, RandomWeights)
     path = path if random else Path(path)
@@ -469,14 +474,16 @@ def build_parallel_model(
             placement.world_size,
             run_worker,
             (path if random else str(path), placement, init_method, dtype, use_cuda, threads, fast_path, native,
-         offload),
+         offload, padded_decode),
         )
     try:
         groups = init_groups(0, placement, init_method, use_cuda=use_cuda)
     except Exception:
         stop_workers(workers, timeout_s=0)
         raise
-    loaded = _attempt(lambda: _load_runner(path, placement, groups, _dtype(dtype), fast_path, native, offload))
+    loaded = _attempt(
+        lambda: _load_runner(path, placement, groups, _dtype(dtype), fast_path, native, offload, padded_decode)
+    )
     reports = gather_objects((loaded[0], _facts(loaded[1]) if loaded[0] else loaded[1]), groups)
     failures = {rank: detail for rank, (ok, detail) in enumerate(reports) if not ok}
     if failures:

@@ -236,6 +236,7 @@ class ShardRunner:
         fast_path: bool | None = None,
         use_graphs: bool = True,
         offload: OffloadOptions | None = None,
+        padded_decode: bool = False,
     ) -> None:
         self.cfg, self.layout, self.weights, self.groups, self.dtype = cfg, layout, weights, groups, dtype
         self.device = groups.device
@@ -263,12 +264,17 @@ class ShardRunner:
             from ds4d.cuda.graphs import GraphCache
 
             self.graphs = GraphCache(self._decode_step)
+        elif self.fast_path and padded_decode:  # the same padded steps, run eagerly (CPU tests)
+            from ds4d.cuda.graphs import EagerBuckets
+
+            self.graphs = EagerBuckets(self._decode_step)
 
     def release(self) -> None:
         """Destroy the captured decode graphs (before the process group goes: they hold NCCL work);
         stop the expert offload's threads and unpin its host memory."""
         if self.graphs is not None:
-            torch.cuda.synchronize(self.device)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             self.graphs.clear()
         if self.offload is not None:
             self.offload.close()
