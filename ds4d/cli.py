@@ -19,14 +19,14 @@ def _loaded(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ds4d.kernel import Kernel
+    from ds4d.kernel import TORCHRUN, Kernel
 
     # GPU indices (--gpus, cuda:N) in the order nvidia-smi and NVML use, not CUDA's fastest-first
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     loaded = _loaded(args)
     logging.basicConfig(level=loaded.config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if loaded.config.gpus.strip().lower() == "torchrun" and os.environ.get("RANK", "0") != "0":
+    if loaded.config.gpus.strip().lower() == TORCHRUN and os.environ.get("RANK", "0") != "0":
         from ds4d.kernel import serve_torchrun_rank
 
         return serve_torchrun_rank(loaded.config)

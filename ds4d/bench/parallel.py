@@ -62,13 +62,11 @@ def _prompt_logits(torch, model, ids: list[int]):
     return model.forward(ForwardBatch((chunk,))).float().cpu()
 
 
-def _gpu_used(torch, gpus) -> list[float]:
-    """GiB in use on each GPU, all processes counted."""
-    used = []
-    for gpu in gpus:
-        free, total = torch.cuda.mem_get_info(gpu)
-        used.append((total - free) / 2**30)
-    return used
+def _gpu_used(gpus) -> list[float]:
+    """GiB in use on each of ``gpus``, all processes counted."""
+    from ds4d.cuda.devices import gpu_memory
+
+    return [gpu["used_bytes"] / 2**30 for gpu in gpu_memory() if gpu["index"] in gpus]
 
 
 def run(args) -> int:
@@ -123,7 +121,7 @@ def run(args) -> int:
     _say(f"one process built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}")
     reference = _prompt_logits(torch, model, check_ids)
     one = "1 process" if on_cpu else "1 GPU"
-    results = [{"layout": one, "stages": 1, "ep": 1, "gpu_gib": _gpu_used(torch, gpus) if not on_cpu else [],
+    results = [{"layout": one, "stages": 1, "ep": 1, "gpu_gib": _gpu_used(gpus) if not on_cpu else [],
                 "max_diff": None, "argmax_same": None, **measure(model, one)}]
     del model
     gc.collect()
@@ -149,7 +147,7 @@ def run(args) -> int:
             diff = (logits - reference).abs().max().item() / reference.abs().max().item()
             same = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
             results.append({"layout": name, "stages": stages, "ep": ep,
-                            "gpu_gib": _gpu_used(torch, gpus) if not on_cpu else [],
+                            "gpu_gib": _gpu_used(gpus) if not on_cpu else [],
                             "max_diff": diff, "argmax_same": same,
                             **measure(split, name)})
         finally:

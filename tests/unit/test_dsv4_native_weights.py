@@ -18,6 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
+from ds4d.cuda.graphs import EagerBuckets
 from ds4d.models.deepseek_v4 import write_tiny_checkpoint
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.family import native_weights
@@ -127,19 +128,6 @@ def test_offload_with_native_banks_equals_all_on_device(checkpoint):
     offload.close()
 
 
-class _EagerBuckets:
-    """Stands in for ``GraphCache`` on the CPU: the padded bucket runs, eagerly."""
-
-    def __init__(self, step) -> None:
-        self.step = step
-
-    def run(self, key, *inputs):
-        return self.step(*inputs)
-
-    def clear(self) -> None:
-        pass
-
-
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests run the compiled kernels")
 def test_zero_copy_counts_leave_out_bucket_padding(checkpoint):
     """Decode steps padded to a bucket (as the CUDA graphs run them): three sequences fill a bucket of
@@ -149,7 +137,7 @@ def test_zero_copy_counts_leave_out_bucket_padding(checkpoint):
                             options=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy", native=True))
     model.expert_offload = offload
     offload.set_placement([[e for e in range(8) if (e + layer) % 2] for layer in range(model.cfg.num_hidden_layers)])
-    model._graphs, model.use_graphs = _EagerBuckets(model._decode_step), True
+    model._graphs, model.use_graphs = EagerBuckets(model._decode_step), True
     driver = Driver(model)
     names = ("a", "b", "c")
     tokens = {}

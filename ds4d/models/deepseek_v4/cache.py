@@ -172,20 +172,10 @@ class DeepseekV4Cache:
         sync (``non_blocking``) on the current stream, so the pool writes and the next forward
         are ordered after the copy while the engine thread goes on; the caching host allocator
         keeps the buffer until the copy is done."""
-        if len(block_ids) != len(payloads):
-            raise ValueError(f"{len(block_ids)} block ids for {len(payloads)} payloads")
-        if not block_ids:
-            return
-        pools = self.block_pools()
         width = self.payload_bytes()
-        raw = []
-        for payload in payloads:
-            row = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(bytearray(payload),
-                                                                                      dtype=torch.uint8)
-            if row.dtype != torch.uint8 or row.numel() != width:
-                raise ValueError(f"block payload of {row.numel()} bytes, expected {width}")
-            raw.append(row.reshape(-1))
-        if not pools:
+        raw = payload_rows(block_ids, payloads, width)
+        pools = self.block_pools()
+        if not raw or not pools:
             return
         device = pools[0].device
         pinned = device.type == "cuda"
@@ -199,3 +189,17 @@ class DeepseekV4Cache:
             values = rows[:, offset:offset + size].contiguous().view(pool.dtype).view(len(block_ids), *pool.shape[1:])
             pool.index_copy_(0, index, values)
             offset += size
+
+
+def payload_rows(block_ids: Sequence[int], payloads: Sequence[Any], width: int) -> list[torch.Tensor]:
+    """Each block payload (a tensor or bytes-like, as the cache tiers hand them back) as a flat uint8
+    tensor of ``width`` bytes; a count or size that does not match raises ``ValueError``."""
+    if len(block_ids) != len(payloads):
+        raise ValueError(f"{len(block_ids)} block ids for {len(payloads)} payloads")
+    rows = []
+    for payload in payloads:
+        row = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        if row.dtype != torch.uint8 or row.numel() != width:
+            raise ValueError(f"block payload of {row.numel()} bytes, expected {width}")
+        rows.append(row.reshape(-1))
+    return rows

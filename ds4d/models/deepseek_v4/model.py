@@ -248,13 +248,7 @@ class DeepseekV4Model:
         rows = count
         if graphs is not None:
             rows, width = _bucket(count), max(8, _bucket(width))
-        trash = cache.trash_block
-        table = [
-            [c.token_ids[0], c.start_pos, c.state_slot, *c.block_ids] + [trash] * (width - len(c.block_ids))
-            for c in batch.chunks
-        ]
-        table += [[0, 0, cache.scratch_slot] + [trash] * width] * (rows - count)
-        packed = torch.tensor(table, dtype=torch.long).to(self.device)
+        packed = pack_decode_rows(batch.chunks, cache, rows, width).to(self.device)
         if graphs is not None:
             try:
                 return graphs.run((rows, width), packed)[:count].clone()
@@ -267,17 +261,9 @@ class DeepseekV4Model:
     def _decode_step(self, packed: torch.Tensor, cache: DeepseekV4Cache | None = None) -> torch.Tensor:
         """Logits ``[B, V]`` for packed decode rows (capturable: no host reads, fixed shapes)."""
         cache = cache if cache is not None else self.cache
-        token_ids, positions = packed[:, 0], packed[:, 1]
-        dec = DecodeInputs(
-            positions=positions,
-            slots=packed[:, 2],
-            block_table=packed[:, 3:],
-            trash_block=cache.trash_block,
-            rope_main=self.rope_main.cos_sin(positions),
-            rope_compress=self.rope_compress.cos_sin(positions),
-        )
+        dec = unpack_decode_rows(packed, cache, self.rope_main, self.rope_compress)
         with counted_rows(self.expert_offload, packed[:, 2] != cache.scratch_slot):
-            return self._logits(self._layers(token_ids, dec, cache))
+            return self._logits(self._layers(packed[:, 0], dec, cache))
 
     def _layers(self, token_ids: torch.Tensor, step: StepInputs | DecodeInputs, cache: DeepseekV4Cache) -> torch.Tensor:
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
@@ -307,6 +293,29 @@ class DeepseekV4Model:
 
 def _holds_bf16_values(tensor: torch.Tensor) -> bool:
     return tensor.dtype == torch.float32 and torch.equal(tensor, tensor.to(torch.bfloat16).float())
+
+
+def pack_decode_rows(chunks: Sequence[SeqChunk], cache: DeepseekV4Cache, rows: int, width: int) -> torch.Tensor:
+    """One-token chunks as ``[rows, 3 + width]`` int64 host rows ``[token, position, slot, block table...]``:
+    tables padded with the trash block, rows past the chunks padding (scratch slot, trash blocks)."""
+    trash = cache.trash_block
+    table = [[c.token_ids[0], c.start_pos, c.state_slot, *c.block_ids] + [trash] * (width - len(c.block_ids))
+             for c in chunks]
+    table += [[0, 0, cache.scratch_slot] + [trash] * width] * (rows - len(chunks))
+    return torch.tensor(table, dtype=torch.long)
+
+
+def unpack_decode_rows(packed: torch.Tensor, cache: DeepseekV4Cache, rope_main: Rope, rope_compress: Rope) -> DecodeInputs:
+    """The decode step's inputs from :func:`pack_decode_rows` rows on the device (capturable)."""
+    positions = packed[:, 1]
+    return DecodeInputs(
+        positions=positions,
+        slots=packed[:, 2],
+        block_table=packed[:, 3:],
+        trash_block=cache.trash_block,
+        rope_main=rope_main.cos_sin(positions),
+        rope_compress=rope_compress.cos_sin(positions),
+    )
 
 
 @contextmanager

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ds4d.contracts import ForwardBatch, ModelInfo
+from ds4d.models.deepseek_v4.cache import payload_rows
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.family import _dtype, load_tokenizer
 from ds4d.models.deepseek_v4.model import check_batch
@@ -321,18 +322,9 @@ class ParallelDeepseekV4Model:
     def import_blocks(self, block_ids: Sequence[int], payloads: Sequence[Any]) -> None:
         """Write payloads made by :meth:`export_blocks`: each rank takes its stage's slice of each."""
         block_ids = [self._check_block(b) for b in block_ids]
-        if len(block_ids) != len(payloads):
-            raise ValueError(f"{len(block_ids)} block ids for {len(payloads)} payloads")
-        if not block_ids:
+        rows = payload_rows(block_ids, payloads, sum(self._payload_bytes))
+        if not rows:
             return
-        width = sum(self._payload_bytes)
-        rows = []
-        for payload in payloads:
-            row = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(bytearray(payload),
-                                                                                      dtype=torch.uint8)
-            if row.dtype != torch.uint8 or row.numel() != width:
-                raise ValueError(f"block payload of {row.numel()} bytes, expected {width}")
-            rows.append(row.reshape(-1))
         per_stage, offset = [], 0
         for size in self._payload_bytes:  # clones: a pickled view would carry the whole row
             per_stage.append([row[offset:offset + size].clone() for row in rows])

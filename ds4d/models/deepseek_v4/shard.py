@@ -58,21 +58,26 @@ from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.decode import DecodeInputs, decode_attention
 from ds4d.models.deepseek_v4.hyper import hc_head, hc_post, hc_pre
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
-from ds4d.models.deepseek_v4.model import _bucket, _holds_bf16_values, counted_rows
+from ds4d.models.deepseek_v4.model import (
+    _bucket,
+    _holds_bf16_values,
+    counted_rows,
+    pack_decode_rows,
+    unpack_decode_rows,
+)
 from ds4d.models.deepseek_v4.moe import _routed_grouped, _swiglu, route
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
 from ds4d.models.deepseek_v4.weights import (
     F32,
-    ExpertBank,
     Fp8Weight,
     HyperWeights,
     LayerWeights,
     ModelWeights,
     MoEWeights,
     _attention,
+    _experts,
     _hyper,
-    _keep_packed,
     _linear,
 )
 from ds4d.parallel.launch import ParallelGroups
@@ -121,44 +126,6 @@ def stage_config(cfg: DeepseekV4Config, layers: range) -> DeepseekV4Config:
 # --------------------------------------------------------------------------- loading
 
 
-def _local_experts(
-    reader: WeightReader, cfg: DeepseekV4Config, layer: int, experts: range, device: torch.device | None = None
-) -> ExpertBank:
-    """Experts ``experts`` of ``layer`` stacked as an :class:`ExpertBank` (local index 0 = ``experts[0]``),
-    on ``device`` when given (the host, for expert offload)."""
-    count = len(experts)
-    kind, gate_up = None, None
-    weights: dict[str, torch.Tensor] = {}
-    scales: dict[str, torch.Tensor] = {}
-    for which in ("w1", "w2", "w3"):
-        for local, expert in enumerate(experts):
-            this_kind, weight, scale = reader.expert_stored(layer, expert, which)
-            if device is not None:
-                weight, scale = weight.to(device), scale.to(device) if scale is not None else None
-            kind = kind or this_kind
-            if this_kind != kind:
-                raise ValueError(f"layer {layer}: routed experts mix {kind} and {this_kind} storage")
-            if which not in weights:
-                if this_kind == "float" and which == "w3":  # w1 over w3 in one tensor, as grouped matmuls want
-                    rows = weight.shape[0]
-                    gate_up = weight.new_empty((count, 2 * rows, weight.shape[1]))
-                    gate_up[:, :rows] = weights["w1"]
-                    weights["w1"], weights["w3"] = gate_up[:, :rows], gate_up[:, rows:]
-                else:
-                    weights[which] = weight.new_empty((count, *weight.shape))
-                if scale is not None:
-                    scales[which] = scale.new_empty((count, *scale.shape))
-            weights[which][local] = weight
-            if scale is not None:
-                scales[which][local] = scale
-    bank = ExpertBank(
-        kind=kind or "float", weights=weights, scales=scales, dtype=reader.dtype, block=reader.block, gate_up=gate_up
-    )
-    if kind == "mxfp4" and getattr(reader, "native", False) and (device is None or device == reader.device):
-        _keep_packed(bank)
-    return bank
-
-
 def _layer(
     reader: WeightReader, cfg: DeepseekV4Config, layer: int, experts: range, expert_device: torch.device | None
 ) -> LayerWeights:
@@ -175,7 +142,7 @@ def _layer(
             gate=reader.tensor(f + "gate.weight", F32),
             bias=None if hashed else reader.tensor(f + "gate.bias", F32),
             tid2eid=reader.index(f + "gate.tid2eid") if hashed else None,
-            experts=_local_experts(reader, cfg, layer, experts, expert_device),
+            experts=_experts(reader, cfg, layer, expert_device, experts),
             shared_w1=_linear(reader, f + "shared_experts.w1.weight"),
             shared_w2=_linear(reader, f + "shared_experts.w2.weight"),
             shared_w3=_linear(reader, f + "shared_experts.w3.weight"),
@@ -346,29 +313,15 @@ class ShardRunner:
 
     def _decode_graphed(self, chunks) -> torch.Tensor | None:
         """Pad the decode rows to buckets (scratch slot, trash block) and replay the bucket's graph."""
-        count, cache = len(chunks), self.cache
+        count = len(chunks)
         rows, width = _bucket(count), max(8, _bucket(max(len(c.block_ids) for c in chunks)))
-        trash = cache.trash_block
-        table = [
-            [c.token_ids[0], c.start_pos, c.state_slot, *c.block_ids] + [trash] * (width - len(c.block_ids))
-            for c in chunks
-        ]
-        table += [[0, 0, cache.scratch_slot] + [trash] * width] * (rows - count)
-        packed = torch.tensor(table, dtype=torch.long).to(self.device)
+        packed = pack_decode_rows(chunks, self.cache, rows, width).to(self.device)
         logits = self.graphs.run((rows, width), packed)
         return None if logits is None else logits[:count].clone()
 
     def _decode_step(self, packed: torch.Tensor) -> torch.Tensor | None:
         """The captured decode step: packed ``[token, position, slot, block table...]`` rows."""
-        positions = packed[:, 1]
-        step = DecodeInputs(
-            positions=positions,
-            slots=packed[:, 2],
-            block_table=packed[:, 3:],
-            trash_block=self.cache.trash_block,
-            rope_main=self.rope_main.cos_sin(positions),
-            rope_compress=self.rope_compress.cos_sin(positions),
-        )
+        step = unpack_decode_rows(packed, self.cache, self.rope_main, self.rope_compress)
         with counted_rows(self.offload, packed[:, 2] != self.cache.scratch_slot):
             return self._run(packed[:, 0], step, None)
 

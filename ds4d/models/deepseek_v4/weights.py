@@ -276,13 +276,19 @@ def _attention(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> Atten
     return weights
 
 
-def _experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int, device: torch.device | None) -> ExpertBank:
+def _experts(
+    reader: WeightReader, cfg: DeepseekV4Config, layer: int, device: torch.device | None, experts: range | None = None
+) -> ExpertBank:
+    """Routed experts ``experts`` of ``layer`` (default all; local index 0 = ``experts[0]``) stacked as
+    an :class:`ExpertBank`, on ``device`` when given (the host, for expert offload)."""
+    experts = range(cfg.n_routed_experts) if experts is None else experts
+    count = len(experts)
     kind = None
     gate_up = None
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     for which in ("w1", "w2", "w3"):
-        for expert in range(cfg.n_routed_experts):
+        for local, expert in enumerate(experts):
             this_kind, weight, scale = reader.expert_stored(layer, expert, which)
             if device is not None:
                 weight, scale = weight.to(device), scale.to(device) if scale is not None else None
@@ -292,16 +298,16 @@ def _experts(reader: WeightReader, cfg: DeepseekV4Config, layer: int, device: to
                 raise CheckpointError(f"layer {layer}: routed experts mix {kind} and {this_kind} storage")
             if which not in weights:  # stacked storage, filled one expert at a time
                 if this_kind == "float" and which == "w3":  # w1 over w3 in one tensor, as grouped matmuls want
-                    gate_up = weight.new_empty((cfg.n_routed_experts, 2 * weight.shape[0], weight.shape[1]))
+                    gate_up = weight.new_empty((count, 2 * weight.shape[0], weight.shape[1]))
                     gate_up[:, : weight.shape[0]] = weights["w1"]
                     weights["w1"], weights["w3"] = gate_up[:, : weight.shape[0]], gate_up[:, weight.shape[0] :]
                 else:
-                    weights[which] = weight.new_empty((cfg.n_routed_experts, *weight.shape))
+                    weights[which] = weight.new_empty((count, *weight.shape))
                 if scale is not None:
-                    scales[which] = scale.new_empty((cfg.n_routed_experts, *scale.shape))
-            weights[which][expert] = weight
+                    scales[which] = scale.new_empty((count, *scale.shape))
+            weights[which][local] = weight
             if scale is not None:
-                scales[which][expert] = scale
+                scales[which][local] = scale
     bank = ExpertBank(
         kind=kind or "float", weights=weights, scales=scales, dtype=reader.dtype, block=reader.block, gate_up=gate_up
     )
