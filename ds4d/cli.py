@@ -94,7 +94,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     from ds4d.models.deepseek_v4.make_tiny import main_make_tiny
 
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
-    main_make_tiny(Path(args.out), args.seed, layers)
+    main_make_tiny(Path(args.out), args.seed, layers, widths=args.widths, device=args.device)
     return 0
 
 
@@ -141,11 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=cmd_bench)
 
-    tiny = sub.add_parser("make-tiny", help="write a random tiny checkpoint in the official format")
+    tiny = sub.add_parser("make-tiny", help="write a random checkpoint in the official format")
     tiny.add_argument("--family", default="deepseek_v4")
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--layers", default="", help="comma-separated compress ratios, e.g. 0,4,128")
+    tiny.add_argument("--widths", default="tiny", choices=["tiny", "flash"],
+                      help="tiny widths, or V4-Flash's (about 3.3 GB per layer; for benchmarks)")
+    tiny.add_argument("--device", default="cpu", help="where to draw and quantise (cuda: far faster at flash widths)")
     tiny.set_defaults(func=cmd_make_tiny)
     return parser
 

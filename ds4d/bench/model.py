@@ -28,14 +28,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FLASH = {  # V4-Flash widths (reference/dsv4/config.flash.json); depth and pattern come from --layers
-    "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096, "num_attention_heads": 64,
-    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024,
-    "sliding_window": 128, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 6,
-    "moe_intermediate_size": 2048, "num_hash_layers": 3, "routed_scaling_factor": 1.5,
-    "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "swiglu_limit": 10.0, "index_n_heads": 64,
-    "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
-    "rms_norm_eps": 1e-6, "rope_theta": 10000, "compress_rope_theta": 160000,
+from ds4d.models.deepseek_v4.config import FLASH_WIDTHS
+
+FLASH = {  # V4-Flash (reference/dsv4/config.flash.json); depth and pattern come from --layers
+    "model_type": "deepseek_v4", "vocab_size": 129280, **FLASH_WIDTHS, "sliding_window": 128,
+    "n_shared_experts": 1, "num_hash_layers": 3, "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "swiglu_limit": 10.0, "hc_mult": 4,
+    "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+    "compress_rope_theta": 160000,
     "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
                      "beta_fast": 32, "beta_slow": 1},
     "max_position_embeddings": 1048576, "bos_token_id": 0, "eos_token_id": 1,

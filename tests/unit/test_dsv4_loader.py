@@ -18,13 +18,14 @@ import torch
 from safetensors import safe_open
 
 from ds4d.models.deepseek_v4 import DeepseekV4Config, load_model, main_make_tiny, write_tiny_checkpoint
-from ds4d.models.deepseek_v4.config import QuantizationConfig
+from ds4d.models.deepseek_v4.config import FLASH_WIDTHS, QuantizationConfig
 from ds4d.models.deepseek_v4.loader import (
     CheckpointError,
     SafetensorsCheckpoint,
     WeightReader,
     stored_to_reference_name,
 )
+from ds4d.models.deepseek_v4.make_tiny import tiny_config
 
 REFERENCE = Path("/work/shared/reference/dsv4")
 
@@ -260,3 +261,12 @@ def test_make_tiny_entry_point(tmp_path, capsys):
     assert cfg.compress_ratios == (128, 0) and cfg.num_hash_layers == 2
     with pytest.raises(ValueError, match="compress ratios"):
         write_tiny_checkpoint(tmp_path / "bad", layers=[3])
+
+
+def test_flash_widths_are_the_release_widths():
+    release = json.loads((REFERENCE / "config.flash.json").read_text())
+    assert FLASH_WIDTHS == {k: release[k] for k in FLASH_WIDTHS}
+    cfg = tiny_config([0, 0, 4], **FLASH_WIDTHS)
+    assert cfg["hidden_size"] == 4096 and cfg["n_routed_experts"] == 256 and cfg["num_hidden_layers"] == 3
+    with pytest.raises(ValueError, match="widths"):
+        write_tiny_checkpoint("/nonexistent/never-written", layers=[0], widths="pro")

@@ -25,6 +25,13 @@ _LAYER_TYPE_TO_RATIO = {
 RATIO_TO_LAYER_TYPE = {ratio: name for name, ratio in _LAYER_TYPE_TO_RATIO.items()}
 CSA_RATIO = 4
 """The one compress ratio that uses overlapped windows and the lightning indexer."""
+FLASH_WIDTHS = {  # every width of V4-Flash, none of its depth
+    "hidden_size": 4096, "num_attention_heads": 64, "head_dim": 512, "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "n_routed_experts": 256,
+    "num_experts_per_tok": 6, "moe_intermediate_size": 2048, "index_n_heads": 64,
+    "index_head_dim": 128, "index_topk": 512,
+}
+"""V4-Flash's widths (reference config.flash.json), for random models of any depth."""
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,8 @@ This keeps every structural feature (FP8 block-scaled and MXFP4 tensors, bf16
 and f32 ones, sharding with an index, ``gate.tid2eid``, hyper-connections, all
 three attention kinds, hash- and score-routed MoE, an ``mtp.*`` block to skip,
 the real 129,280-token vocabulary and tokenizer) and shrinks only the widths.
+With ``widths="flash"`` it writes V4-Flash's widths instead, at the depth asked
+for: a checkpoint for benchmarks that serve a real-sized model from disk.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ds4d.models.deepseek_v4.config import CSA_RATIO
+from ds4d.models.deepseek_v4.config import CSA_RATIO, FLASH_WIDTHS
 from ds4d.models.deepseek_v4.quant import quantize_fp8_block, quantize_mxfp4
 
 DEFAULT_LAYERS = (0, 4, 128, 4)
 VOCAB_SIZE = 129280
+WIDTHS = {"tiny": {}, "flash": FLASH_WIDTHS}
 
 
 def tiny_config(layers: Sequence[int], **overrides: object) -> dict:
@@ -93,26 +96,32 @@ class _Writer:
         self.gen = generator
         self.fp4_experts = fp4_experts
         self.tensors: dict[str, torch.Tensor] = {}
+        """Host tensors by reference name (drawn and quantised on the generator's device)."""
 
     def randn(self, *shape: int, std: float = 1.0, mean: float = 0.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=self.gen) * std + mean
+        return torch.randn(*shape, generator=self.gen, device=self.gen.device) * std + mean
+
+    def _keep(self, name: str, tensor: torch.Tensor) -> None:
+        self.tensors[name] = tensor.contiguous().cpu()
 
     def linear(self, out_f: int, in_f: int) -> torch.Tensor:
         return self.randn(out_f, in_f, std=in_f**-0.5)
 
     def plain(self, name: str, tensor: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
-        self.tensors[name] = tensor.to(dtype).contiguous()
+        self._keep(name, tensor.to(dtype))
 
     def fp8(self, name: str, tensor: torch.Tensor) -> None:
         weight, scale = quantize_fp8_block(tensor)
-        self.tensors[name + ".weight"], self.tensors[name + ".scale"] = weight, scale
+        self._keep(name + ".weight", weight)
+        self._keep(name + ".scale", scale)
 
     def expert(self, name: str, tensor: torch.Tensor) -> None:
         if not self.fp4_experts:
             self.fp8(name, tensor)
             return
         weight, scale = quantize_mxfp4(tensor)
-        self.tensors[name + ".weight"], self.tensors[name + ".scale"] = weight, scale
+        self._keep(name + ".weight", weight)
+        self._keep(name + ".scale", scale)
 
     def hyper(self, prefix: str, mix: int, width: int, scales: int = 3) -> None:
         self.plain(prefix + "fn", self.randn(mix, width, std=width**-0.5))
@@ -155,7 +164,7 @@ def _layer(w: _Writer, cfg: dict, layer: int, ratio: int, prefix: str | None = N
     f = p + "ffn."
     w.plain(f + "gate.weight", w.linear(experts, d), torch.bfloat16)
     if layer < cfg["num_hash_layers"]:
-        table = torch.rand(cfg["vocab_size"], experts, generator=w.gen).argsort(dim=-1)
+        table = torch.rand(cfg["vocab_size"], experts, generator=w.gen, device=w.gen.device).argsort(dim=-1)
         w.plain(f + "gate.tid2eid", table[:, : cfg["num_experts_per_tok"]], torch.int64)
     else:
         w.plain(f + "gate.bias", w.randn(experts, std=0.1))
@@ -174,43 +183,52 @@ def write_tiny_checkpoint(
     layers: Sequence[int] | None = None,
     *,
     shards: int = 3,
+    widths: str = "tiny",
+    device: str | torch.device = "cpu",
     **config_overrides: object,
 ) -> Path:
-    """Write config.json, sharded safetensors + index and the V4 tokenizer into ``out_dir``."""
+    """Write config.json, sharded safetensors + index and the V4 tokenizer into ``out_dir``.
+
+    ``widths``: ``tiny`` (the default, seconds on a CPU) or ``flash`` (V4-Flash's widths, about
+    3.3 GB of FP8 + MXFP4 per layer).  ``device``: where the random draws and the quantisation
+    run (the same seed gives other values on another device).  A shard is written as soon as
+    its layers are drawn, so the host holds one shard at a time."""
     layers = list(DEFAULT_LAYERS if layers is None else layers)
     if not layers:
         raise ValueError("a checkpoint needs at least one layer")
     bad = [ratio for ratio in layers if ratio < 0 or (ratio and 128 % ratio)]
     if bad:
         raise ValueError(f"compress ratios must be 0 or divide 128 (V4 uses 0, 4 and 128), got {bad}")
-    cfg = tiny_config(layers, **config_overrides)
+    if widths not in WIDTHS:
+        raise ValueError(f"widths must be one of {sorted(WIDTHS)}, got {widths!r}")
+    depth = {"num_hash_layers": min(3, len(layers))} if widths == "flash" else {}
+    cfg = tiny_config(layers, **{**WIDTHS[widths], **depth, **config_overrides})
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    writer = _Writer(torch.Generator().manual_seed(seed), cfg.get("expert_dtype") == "fp4")
+    writer = _Writer(torch.Generator(device=device).manual_seed(seed), cfg.get("expert_dtype") == "fp4")
     d, m = cfg["hidden_size"], cfg["hc_mult"]
 
-    groups: list[list[str]] = []
-    writer.plain("embed.weight", writer.randn(cfg["vocab_size"], d), torch.bfloat16)
-    writer.plain("head.weight", writer.linear(cfg["vocab_size"], d), torch.bfloat16)
-    writer.plain("norm.weight", writer.randn(d, std=0.1, mean=1.0))
-    writer.hyper("hc_head_", m, m * d, scales=1)
-    groups.append(list(writer.tensors))
-    for layer, ratio in enumerate(layers):
-        before = set(writer.tensors)
-        _layer(writer, cfg, layer, ratio)
-        groups.append([n for n in writer.tensors if n not in before])
-    before = set(writer.tensors)
-    _layer(writer, cfg, len(layers), 0, prefix="mtp.0.")
-    groups.append([n for n in writer.tensors if n not in before])
+    def head() -> None:
+        writer.plain("embed.weight", writer.randn(cfg["vocab_size"], d), torch.bfloat16)
+        writer.plain("head.weight", writer.linear(cfg["vocab_size"], d), torch.bfloat16)
+        writer.plain("norm.weight", writer.randn(d, std=0.1, mean=1.0))
+        writer.hyper("hc_head_", m, m * d, scales=1)
 
+    groups = [head, *(lambda layer=layer, ratio=ratio: _layer(writer, cfg, layer, ratio)
+                      for layer, ratio in enumerate(layers)),
+              lambda: _layer(writer, cfg, len(layers), 0, prefix="mtp.0.")]
     shards = max(2, min(shards, len(groups)))
     weight_map: dict[str, str] = {}
-    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
-    for index, file in enumerate(files):
-        names = [n for i, g in enumerate(groups) if i * shards // len(groups) == index for n in g]
-        save_file({n: writer.tensors[n] for n in names}, str(out / file), metadata={"format": "pt"})
-        weight_map.update({n: file for n in names})
-    total = sum(t.numel() * t.element_size() for t in writer.tensors.values())
+    total = 0
+    for index in range(shards):
+        file = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        for i, draw in enumerate(groups):
+            if i * shards // len(groups) == index:
+                draw()
+        save_file(writer.tensors, str(out / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in writer.tensors})
+        total += sum(t.numel() * t.element_size() for t in writer.tensors.values())
+        writer.tensors.clear()
     index_data = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index_data, indent=2))
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -226,14 +244,16 @@ def _copy_tokenizer(out: Path) -> None:
         shutil.copyfile(source / name, out / name)
 
 
-def main_make_tiny(out: Path, seed: int, layers: list[int] | None) -> None:
+def main_make_tiny(out: Path, seed: int, layers: list[int] | None, *, widths: str = "tiny",
+                   device: str = "cpu") -> None:
     """``ds4d make-tiny``: write the checkpoint and say what it holds."""
-    path = write_tiny_checkpoint(out, seed=seed, layers=layers)
+    shards = 3 if widths == "tiny" else len(layers or DEFAULT_LAYERS) + 2  # one layer per shard
+    path = write_tiny_checkpoint(out, seed=seed, layers=layers, shards=shards, widths=widths, device=device)
     cfg = json.loads((path / "config.json").read_text())
     ratios = cfg["compress_ratios"][: cfg["num_hidden_layers"]]
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(
-        f"wrote tiny DeepSeek-V4 checkpoint to {path}: {len(ratios)} layers, "
+        f"wrote random DeepSeek-V4 checkpoint ({widths} widths) to {path}: {len(ratios)} layers, "
         f"compress ratios {ratios}, {cfg['num_hash_layers']} hash-routed, "
         f"hidden {cfg['hidden_size']}, {size / 2**20:.1f} MiB"
     )
