@@ -77,6 +77,8 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    cached_by_tier: dict[str, int] | None = None
+    """ds4d's usage extension: cached prompt tokens per cache tier (gpu, ram, disk)."""
     latency_ms: float = 0.0
     text: str = ""
     """The content the stream delivered (an agent's next turn sends it back)."""
@@ -145,6 +147,7 @@ async def send_request(session, url: str, plan: RequestPlan, timeout_s: float) -
                         usage_tokens = usage.get("completion_tokens")
                         result.prompt_tokens = usage.get("prompt_tokens")
                         result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                        result.cached_by_tier = (usage.get("ds4d") or {}).get("cached_tokens_by_tier")
                     result.text += "".join(c.get("delta", {}).get("content") or "" for c in chunk.get("choices") or ())
                     if any(c.get("delta", {}).get("content") or c.get("delta", {}).get("reasoning_content")
                            for c in chunk.get("choices") or ()):

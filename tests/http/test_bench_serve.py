@@ -89,3 +89,26 @@ def test_bench_agent_reuses_the_previous_step(daemon, tmp_path):
         assert row["step2_prompt_tokens"] > row["step2_cached_tokens"] > 0
         assert row["reused_share_of_step1"] >= 0.9  # all full blocks of step 1's prompt and reply
         assert row["ttft_reused_ms"] > 0 and row["ttft_cold_ms"] > 0
+
+
+def test_bench_agent_between_request_moves_the_reuse_to_ram(tmp_path):
+    """With another session's request between the steps and a KV pool too small for both, step 2's
+    reuse comes from the RAM tier (promoted blocks), still all of step 1, and the output is the same
+    tokens as cold (the bench fails when a cold copy reuses anything)."""
+    small = Daemon("--threads", "2", "--max-num-seqs", "2", "--max-context", "1024", "--kv-cache-tokens", "1024")
+    try:
+        out = tmp_path / "agent.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "ds4d.cli", "bench", "agent", "--url", small.url, "--reused-words", "300",
+             "--new-words", "60", "--between-words", "700", "--max-tokens", "6", "--repeats", "1",
+             "--json", str(out)],
+            check=False, cwd=REPO, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "700 words of another session in between" in proc.stdout
+        row = json.loads(out.read_text())["rows"][0]
+        assert row["cold_cached_tokens"] == 0
+        assert row["reused_share_of_step1"] >= 0.9
+        assert row["step2_cached_by_tier"]["ram"] > 0
+        assert sum(row["step2_cached_by_tier"].values()) == row["step2_cached_tokens"]
+    finally:
+        small.stop()

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# `ds4d bench agent` against a daemon serving a random V4 checkpoint written for the run (default:
+# V4-Flash widths, 8 layers in the published pattern, native FP8 + MXFP4, on one GPU); logs under $OUT.
+# Two runs on one daemon: step 2 right after step 1 (reuse from the GPU pool), then with another
+# session's long request in between (the pool holds about one conversation, so step 1's blocks are
+# pushed to the RAM tier and step 2 is served by promotions).
+# A quick run on the CPU: WIDTHS=tiny DEVICE=cpu LAYERS=0,4,128,4 REUSED=600 NEW=100 BETWEEN=900 CTX=2048.
+set -o pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+PY=${PY:-python3}
+if [ -d .whl ] && [ "${INSTALL:-1}" = 1 ]; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:.
+fi
+export PYTHONUNBUFFERED=1
+WIDTHS=${WIDTHS:-flash} DEVICE=${DEVICE:-cuda} LAYERS=${LAYERS:-0,0,4,128,4,128,4,128}
+REUSED=${REUSED:-65000} NEW=${NEW:-1400} BETWEEN=${BETWEEN:-73000} CTX=${CTX:-81920} PORT=${PORT:-8123}
+CKPT=${CKPT:-/tmp/ds4d-agent-ckpt}
+FORMAT=$([ "$DEVICE" = cpu ] && echo auto || echo native)
+[ "$DEVICE" = cpu ] || nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
+free -g | tee -a "$OUT/gpu.txt"
+
+began=$(date +%s%N)
+$PY -m ds4d.cli make-tiny --widths "$WIDTHS" --device "$DEVICE" --layers "$LAYERS" --out "$CKPT" || exit 1
+echo "checkpoint written in $(( ($(date +%s%N) - began) / 1000000 )) ms: $(du -sh "$CKPT" | cut -f1)" | tee "$OUT/timing.txt"
+
+began=$(date +%s%N)
+$PY -m ds4d.cli serve --model "$CKPT" --device "$DEVICE" --weight-format "$FORMAT" --port "$PORT" \
+  --max-context "$CTX" --kv-cache-tokens "$CTX" --max-num-seqs 2 --cache-disk-dir "" >"$OUT/daemon.log" 2>&1 &
+daemon=$!
+trap 'kill $daemon 2>/dev/null' EXIT
+$PY - "$PORT" "${LOAD_S:-400}" <<'EOF' || { tail -30 "$OUT/daemon.log"; exit 1; }
+import json, sys, time, urllib.request
+port, limit = sys.argv[1], float(sys.argv[2])
+deadline = time.time() + limit
+while time.time() < deadline:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            if json.loads(r.read()).get("status") == "ok":
+                sys.exit(0)
+    except OSError:
+        pass
+    time.sleep(1)
+sys.exit(f"daemon not ready after {limit:g} s")
+EOF
+echo "daemon ready in $(( ($(date +%s%N) - began) / 1000000 )) ms" | tee -a "$OUT/timing.txt"
+grep -E "loaded|KV pool|memory plan|GiB" "$OUT/daemon.log" | head -20
+
+URL=http://127.0.0.1:$PORT
+$PY -m ds4d.cli bench agent --url "$URL" --reused-words "$REUSED" --new-words "$NEW" --repeats "${REPEATS:-2}" \
+  --json "$OUT/agent_gpu.json" 2>&1 | tee "$OUT/agent_gpu.log"
+$PY -m ds4d.cli bench agent --url "$URL" --reused-words "$REUSED" --new-words "$NEW" --between-words "$BETWEEN" \
+  --repeats "${REPEATS:-2}" --seed 1 --json "$OUT/agent_ram.json" 2>&1 | tee "$OUT/agent_ram.log"
+$PY -c "import urllib.request; print(urllib.request.urlopen('$URL/v1/ds4d/stats').read().decode())" >"$OUT/stats.json"
+kill -TERM $daemon; wait $daemon
+grep -E "cached|finish" "$OUT/daemon.log" | tail -24 | cut -c1-260
