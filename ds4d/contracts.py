@@ -194,6 +194,10 @@ class RenderedPrompt:
     token_ids: tuple[int, ...]
     ends_in_reasoning: bool = False
     """The prompt leaves the model inside a reasoning block (e.g. ends with ``<think>``)."""
+    volatile_tail: int = 0
+    """How many of the last ``token_ids`` the conversation's next request renders differently
+    once this turn is history (the engine checkpoints before them; see
+    ``EngineRequest.volatile_tail``)."""
 
 
 class ChatEncoder(Protocol):

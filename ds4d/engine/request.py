@@ -58,6 +58,12 @@ class EngineRequest:
     params: SamplingParams
     cache_salt: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
+    volatile_tail: int = 0
+    """The last this-many prompt tokens are a hand-over that the conversation's next request
+    renders differently (DeepSeek-V4 in thinking mode without tools: the ``<think>`` that opens
+    this turn's reasoning is ``</think>`` once the turn is history).  A model with per-sequence
+    state also saves a checkpoint just before them, so that next request reuses the prompt up to
+    there.  0 = none."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.request.prompt_ids) + len(self.output_ids)
+
+    @property
+    def stable_prompt_end(self) -> int:
+        """Where the prompt stops being what the conversation's next request repeats (see
+        ``EngineRequest.volatile_tail``): the prompt length when nothing at its end is volatile."""
+        return self.num_prompt_tokens - min(max(self.request.volatile_tail, 0), self.num_prompt_tokens)
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -16,6 +16,9 @@ everything that guarantees progress lives here:
 * A waiting request whose cached prefix is being read from disk in the
   background (:meth:`PrefixCache.prefetch`) is skipped until the reads are
   done; the running requests and the requests behind it go on meanwhile.
+* A model with per-sequence state checkpoints at the end of each prompt, and
+  also before a volatile tail (``EngineRequest.volatile_tail``): the chunk that
+  would cross it ends there, so the state at that position exists.
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if budget == 0:
                 break
-            n = min(seq.num_uncomputed_tokens, self.prefill_chunk, budget)
+            n = self._chunk_tokens(seq, budget)
             if not self._grow(seq, seq.num_computed_tokens + n, preempted):
                 continue
             chunks.append(self._chunk(seq, n))
@@ -148,7 +151,7 @@ class Scheduler:
                 if not self._prefix_ready(seq):
                     continue  # its cached prefix is still being read from disk
                 reuse = self._admit(seq)
-                n = min(seq.num_uncomputed_tokens, self.prefill_chunk, budget)
+                n = self._chunk_tokens(seq, budget)
                 if not self._grow(seq, seq.num_computed_tokens + n, None):
                     self._release(seq)
                     self.running.remove(seq)
@@ -165,6 +168,19 @@ class Scheduler:
                 budget -= n
         self.cache.after_plan()
         return StepPlan(tuple(chunks), tuple(preempted))
+
+    def _chunk_tokens(self, seq: Sequence, budget: int) -> int:
+        """Tokens of ``seq`` to compute this step: ``min(uncomputed, prefill_chunk, budget)``, cut
+        short to end at the prompt's stable end when a stateful model checkpoints there."""
+        n = min(seq.num_uncomputed_tokens, self.prefill_chunk, budget)
+        start, mark = seq.num_computed_tokens, seq.stable_prompt_end
+        if self._checkpoints_volatile_tail(seq) and start < mark < start + n:
+            n = mark - start
+        return n
+
+    def _checkpoints_volatile_tail(self, seq: Sequence) -> bool:
+        return (seq.stable_prompt_end < seq.num_prompt_tokens and self.prefix_reuse and self.cache.stateful
+                and not seq.output_ids)
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
@@ -285,3 +301,5 @@ class Scheduler:
             self._register_full_blocks(seq)
         if seq.num_computed_tokens == seq.num_prompt_tokens and not seq.output_ids:
             self._checkpoint(seq)  # end of the prompt: a request boundary
+        elif seq.num_computed_tokens == seq.stable_prompt_end and self._checkpoints_volatile_tail(seq):
+            self._checkpoint(seq)  # before the hand-over the next request renders otherwise

@@ -354,6 +354,12 @@ def _render_one(
     return text
 
 
+def drops_history_reasoning(messages: Sequence[Mapping[str, Any]], drop_thinking: bool) -> bool:
+    """Whether reasoning before the last user turn is left out: ``drop_thinking`` and no tools
+    declared (``messages`` normalised, tools attached to a system message)."""
+    return drop_thinking and not any(m.get("tools") for m in messages)
+
+
 def render_messages(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
@@ -387,7 +393,7 @@ def render_messages(
             normalised.insert(0, {"role": "system", "content": "", "tools": functions})
 
     turns = _merge_tool_results(normalised)
-    drop = drop_thinking and not any(turn.get("tools") for turn in turns)
+    drop = drops_history_reasoning(turns, drop_thinking)
     if thinking and drop:
         turns = _drop_history_reasoning(turns)
 
@@ -451,24 +457,39 @@ class DeepseekV4ChatEncoder:
                 return value
         return self.thinking_default
 
-    def render_text(self, request: ChatRenderRequest) -> str:
+    def resolve_drop_thinking(self, request: ChatRenderRequest) -> bool:
         drop = request.drop_thinking
         if drop is None:
             drop = _optional_bool((request.template_kwargs or {}).get("drop_thinking"))
+        return self.drop_thinking_default if drop is None else drop
+
+    def render_text(self, request: ChatRenderRequest) -> str:
         return render_messages(
             request.messages,
             request.tools,
             self.resolve_thinking(request),
-            self.drop_thinking_default if drop is None else drop,
+            self.resolve_drop_thinking(request),
             request.reasoning_effort,
             add_generation_prompt=request.add_generation_prompt,
         )
 
     def render(self, request: ChatRenderRequest) -> RenderedPrompt:
         text = self.render_text(request)
-        token_ids = self._tokenizer.encode(text, add_special_tokens=False)
+        token_ids = tuple(self._tokenizer.encode(text, add_special_tokens=False))
         return RenderedPrompt(
             text=text,
-            token_ids=tuple(token_ids),
+            token_ids=token_ids,
             ends_in_reasoning=text.endswith(THINK_START),
+            volatile_tail=self._volatile_tail(request, text, token_ids),
         )
+
+    def _volatile_tail(self, request: ChatRenderRequest, text: str, token_ids: tuple[int, ...]) -> int:
+        """The ``<think>`` that hands over to this turn's reasoning, when history reasoning is
+        dropped: the next request renders this (then past) turn with ``</think>`` there."""
+        if not text.endswith(ASSISTANT + THINK_START):
+            return 0
+        if not drops_history_reasoning([*request.messages, {"tools": request.tools}],
+                                       self.resolve_drop_thinking(request)):
+            return 0
+        tail = tuple(self._tokenizer.encode(THINK_START, add_special_tokens=False))
+        return len(tail) if token_ids[-len(tail):] == tail else 0

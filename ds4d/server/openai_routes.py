@@ -72,9 +72,15 @@ def _logprob_entry(state: ServingState, lp: TokenLogprob) -> dict:
             "top_logprobs": [{"token": tok(i), "logprob": v, "bytes": list(tok(i).encode())} for i, v in lp.top]}
 
 
-def _open(state: ServingState, request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams, salt: str):
+def _open(state: ServingState, request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams, salt: str,
+          rendered: RenderedPrompt | None = None):
+    """Hand the request to the engine; ``rendered`` (chat) carries the prompt's volatile tail,
+    kept only while the prompt still ends in those very tokens."""
+    tail = rendered.volatile_tail if rendered is not None else 0
+    if tail and tuple(prompt_ids[-tail:]) != rendered.token_ids[-tail:]:
+        tail = 0
     try:
-        return state.client.open(EngineRequest(request_id, prompt_ids, params, cache_salt=salt))
+        return state.client.open(EngineRequest(request_id, prompt_ids, params, cache_salt=salt, volatile_tail=tail))
     except EngineDead as exc:
         raise ApiError(503, f"the engine is not running: {exc}", type="server_error", code="engine_dead") from None
 
@@ -116,7 +122,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             state.malformed_tool_calls_total += 1
             log.warning("%s: malformed tool-call markup returned as content: %s", request_id, g.tool_error)
 
-    gen = Generation(_open(state, request_id, prompt_ids, params, salt), state.tokenizer,
+    gen = Generation(_open(state, request_id, prompt_ids, params, salt, rendered), state.tokenizer,
                      prompt_tokens=len(prompt_ids), stops=[] if constraint is not None else body.stop_list(),
                      reasoning=reasoning_stream, tools=tools_stream, on_finish=finished)
     created = int(time.time())

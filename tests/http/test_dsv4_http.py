@@ -75,6 +75,23 @@ def test_chat_streams_reasoning_in_thinking_mode(tiny):
     assert "<think>" not in content and "</think>" not in content
 
 
+def test_next_user_turn_in_thinking_mode_reuses_the_previous_prompt(tiny):
+    """Without tools, thinking mode drops the previous turn's reasoning and renders its ``<think>``
+    hand-over as ``</think>``: the next turn still reuses every prompt token before it."""
+    _, client, model_id = tiny
+    words = " ".join(f"note{i}" for i in range(150))  # over two 128-token blocks
+    messages = [{"role": "system", "content": f"Notes: {words}"}, {"role": "user", "content": "Summarise."}]
+    salt = {"cache_salt": "volatile-tail"}
+    first = client.chat.completions.create(model=model_id, messages=messages, max_tokens=4, temperature=0,
+                                           extra_body=salt)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [{"role": "assistant", "content": first.choices[0].message.content or ""},
+                 {"role": "user", "content": "Shorter."}]
+    second = client.chat.completions.create(model=model_id, messages=messages, max_tokens=4, temperature=0,
+                                            extra_body=salt)
+    assert second.usage.prompt_tokens_details.cached_tokens == first.usage.prompt_tokens - 1
+
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},

@@ -9,6 +9,7 @@ blocks from the pool or RAM) as computed from scratch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 
@@ -91,6 +92,27 @@ def test_agent_second_turn_on_v4_equals_recompute(model, ram_blocks):  # noqa: F
 
     cold, cold_outputs = engine(model, prefix=False)
     assert serve(cold, cold_outputs, "cold", turn2, 6)[0] == gen2
+
+
+def test_volatile_tail_checkpoint_lets_the_next_turn_reuse_the_prompt_before_it(model):  # noqa: F811
+    """A prompt whose last token the next turn renders differently (V4's ``<think>`` hand-over
+    without tools): the engine checkpoints before it, so the next turn reuses all but that token
+    and continues exactly as computed from scratch; without the mark it reuses nothing."""
+    turn1 = _tokens(model, 200, 60)
+    turn2 = turn1[:-1] + _tokens(model, 41, 63)
+    assert turn2[len(turn1) - 1] != turn1[-1]
+    core, outputs = engine(model)
+    outputs.clear()
+    tokens, _, _ = run(core, outputs, [dataclasses.replace(req("t1", turn1, 6), volatile_tail=1)])
+    cold, cold_outputs = engine(model, prefix=False)
+    assert tokens["t1"] == serve(cold, cold_outputs, "cold1", turn1, 6)[0]  # the cut chunk changes nothing
+    gen2, cached2, by_tier = serve(core, outputs, "t2", turn2, 6)
+    assert cached2 == len(turn1) - 1 and by_tier == {"gpu": cached2}
+    assert serve(cold, cold_outputs, "cold2", turn2, 6)[0] == gen2
+
+    unmarked, unmarked_outputs = engine(model)
+    serve(unmarked, unmarked_outputs, "t1", turn1, 6)
+    assert serve(unmarked, unmarked_outputs, "t2", turn2, 6)[1] == 0
 
 
 def test_restart_resumes_from_disk_blocks_and_saved_checkpoints(model, tmp_path, caplog):  # noqa: F811

@@ -249,3 +249,27 @@ def test_opencode_agent_steps_extend_the_previous_prompt() -> None:
     assert len(prompts) == 2 and prompts[0].endswith("<｜Assistant｜><think>")
     assert prompts[1].startswith(prompts[0])
     assert prompts[1].endswith("</tool_result><｜Assistant｜><think>")
+
+
+def test_volatile_tail_is_the_think_hand_over_the_next_turn_renders_otherwise() -> None:
+    """Thinking mode without tools drops history reasoning, so the next request renders this
+    turn's ``<think>`` hand-over as ``</think>``: that token is the prompt's volatile tail, and the
+    next request repeats every token before it (real tokenizer)."""
+    from ds4d.models.hf_tokenizer import deepseek_v4_tokenizer
+
+    encoder = DeepseekV4ChatEncoder(_ctx(), {}, deepseek_v4_tokenizer(), None)
+    turn1 = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."}]
+    turn2 = turn1 + [{"role": "assistant", "content": "7", "reasoning_content": "Small ones: 2, 3, 5, 7."},
+                     {"role": "user", "content": "Another."}]
+    first = encoder.render(ChatRenderRequest(messages=tuple(turn1)))
+    second = encoder.render(ChatRenderRequest(messages=tuple(turn2)))
+    keep = len(first.token_ids) - first.volatile_tail
+    assert first.volatile_tail == 1 and first.ends_in_reasoning
+    assert second.token_ids[:keep] == first.token_ids[:keep]
+    assert second.token_ids[keep] != first.token_ids[keep]
+
+    tool = {"type": "function", "function": {"name": "read", "parameters": {"type": "object", "properties": {}}}}
+    stable = [ChatRenderRequest(messages=tuple(turn1), tools=(tool,)),  # history reasoning is kept
+              ChatRenderRequest(messages=tuple(turn1), thinking=False),  # ends in </think>, as history does
+              ChatRenderRequest(messages=tuple(turn1), drop_thinking=False)]
+    assert [encoder.render(r).volatile_tail for r in stable] == [0, 0, 0]
