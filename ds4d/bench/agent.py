@@ -14,6 +14,10 @@ its own ``cache_salt``, so repeats and the cold runs share nothing):
    with the same salt and session id: the server may reuse all of step 1;
 4. the same step-2 request under a fresh salt: nothing to reuse (cold).
 
+Every request declares one tool (``--no-tools``: none), as coding agents do; with
+tools DeepSeek-V4 keeps earlier reasoning in the prompt, so step 2 (which sends
+step 1's reasoning back as ``reasoning_content``) can reuse step 1's whole reply.
+
 Reported per repeat: step 2's prompt tokens and cached tokens (from the usage
 chunk, with ds4d's per-tier breakdown), the share of step 1's prompt + output
 that was reused, and TTFT of the reused and the cold step 2; medians last.
@@ -39,12 +43,19 @@ def add_parser(sub) -> None:
     p.add_argument("--new-words", type=int, default=1000, help="words the agent adds in step 2")
     p.add_argument("--between-words", type=int, default=0,
                    help="words of another session's request sent between step 1 and step 2 (0 = none)")
+    p.add_argument("--tools", action=argparse.BooleanOptionalAction, default=True,
+                   help="declare one tool in every request, as an agent does")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens per reply")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request")
     p.add_argument("--json", default="", help="also write the results to this JSON file")
     p.set_defaults(run=run)
+
+
+READ_TOOL = {"type": "function", "function": {
+    "name": "read", "description": "Read a file of the project",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
 
 
 def _words(count: int, rng: random.Random) -> str:
@@ -68,13 +79,18 @@ async def _repeat(args: argparse.Namespace, url: str, model: str, repeat: int) -
                 {"role": "user", "content": "Summarise the notes in one sentence."}]
     base = {"model": model, "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}  # every reply has max_tokens
+    if args.tools:
+        base["tools"] = [READ_TOOL]
     async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None)) as session:
         first = await _step(session, url, 4 * repeat, {**base, "messages": messages}, salt, args.timeout)
         if args.between_words:
             other = [{"role": "user", "content": "Other notes: " + _words(args.between_words, rng)}]
             await _step(session, url, 4 * repeat + 1, {**base, "messages": other, "max_tokens": 1},
                         salt + "-other", args.timeout)
-        messages = messages + [{"role": "assistant", "content": first.text},
+        reply = {"role": "assistant", "content": first.text}
+        if first.reasoning:
+            reply["reasoning_content"] = first.reasoning
+        messages = messages + [reply,
                                {"role": "user", "content": "Tool output: " + _words(args.new_words, rng)}]
         reused = await _step(session, url, 4 * repeat + 2, {**base, "messages": messages}, salt, args.timeout)
         cold = await _step(session, url, 4 * repeat + 3, {**base, "messages": messages}, salt + "-cold", args.timeout)

@@ -82,6 +82,8 @@ class RequestResult:
     latency_ms: float = 0.0
     text: str = ""
     """The content the stream delivered (an agent's next turn sends it back)."""
+    reasoning: str = ""
+    """The reasoning_content the stream delivered."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,8 @@ async def send_request(session, url: str, plan: RequestPlan, timeout_s: float) -
                         result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
                         result.cached_by_tier = (usage.get("ds4d") or {}).get("cached_tokens_by_tier")
                     result.text += "".join(c.get("delta", {}).get("content") or "" for c in chunk.get("choices") or ())
+                    result.reasoning += "".join(c.get("delta", {}).get("reasoning_content") or ""
+                                                for c in chunk.get("choices") or ())
                     if any(c.get("delta", {}).get("content") or c.get("delta", {}).get("reasoning_content")
                            for c in chunk.get("choices") or ()):
                         last = time.perf_counter()
