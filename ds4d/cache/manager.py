@@ -108,6 +108,9 @@ class PrefixCache:
         self.last_miss = ""
         self.dropped_total = 0
         self._pending: list[tuple[bytes, tuple[int, ...], Any]] = []
+        self.copies = {"promoted_blocks": 0, "promote_seconds": 0.0, "demoted_blocks": 0, "demote_seconds": 0.0}
+        """Blocks copied into the pool from lower tiers and out of it, and the engine thread's time
+        spent on each (reads from the tiers and the model's import; the model's export and the puts)."""
         self._dropped: OrderedDict[bytes, str] = OrderedDict()  # key -> tier it was last evicted from
         self._first_block_salts: OrderedDict[bytes, set[str]] = OrderedDict()
         self.reads_ahead = any(isinstance(t, ReadAheadCacheTier) for t in self.tiers)
@@ -211,6 +214,7 @@ class PrefixCache:
         fresh = self.pool.allocate(len(found) + extra)
         if fresh is None:
             return [], None
+        began = time.perf_counter()
         payloads = []
         for n, t in enumerate(found):
             i = start + n
@@ -225,12 +229,16 @@ class PrefixCache:
             if payload is None:
                 break
             payloads.append(payload)
+        got = time.perf_counter()
         self._export_evicted()  # the fresh blocks may have held cached KV: copy it out first
         if payloads:
+            imported = time.perf_counter()
             self.mover.import_blocks(fresh[:len(payloads)], payloads)
             for n, block in enumerate(fresh[:len(payloads)]):
                 i = start + n
                 self.pool.register(block, keys[i], token_ids[i * bs:(i + 1) * bs])
+            self.copies["promoted_blocks"] += len(payloads)
+            self.copies["promote_seconds"] += got - began + time.perf_counter() - imported
         self._store_pending()
         blank = fresh[len(found)] if extra and len(payloads) == len(found) else None
         unused = [b for b in fresh[len(payloads):] if b != blank]
@@ -315,14 +323,21 @@ class PrefixCache:
         first = self.tiers[0]
         todo = [(b, k, t) for b, k, t in evicted if not first.contains(k)]
         if todo:
+            began = time.perf_counter()
             payloads = self.mover.export_blocks([b for b, _, _ in todo])
             self._pending += [(k, t, p) for (_, k, t), p in zip(todo, payloads)]
+            self.copies["demoted_blocks"] += len(todo)
+            self.copies["demote_seconds"] += time.perf_counter() - began
 
     def _store_pending(self) -> None:
         pending, self._pending = self._pending, []
         self._shed_if_low_memory()
+        if not pending:
+            return
+        began = time.perf_counter()
         for key, tokens, payload in pending:
             self._put_chain(0, key, tokens, payload)
+        self.copies["demote_seconds"] += time.perf_counter() - began
 
     def _put_chain(self, index: int, key: bytes, tokens: tuple[int, ...], payload: Any) -> None:
         if index >= len(self.tiers):
@@ -453,6 +468,7 @@ class PrefixCache:
                                                    for t in self.tiers if isinstance(t, ReadAheadCacheTier))}
         return {"tiers": tiers, "last_miss": self.last_miss, "cached_tokens_total": self.cached_tokens_total,
                 "dropped_blocks_total": self.dropped_total, "promotions": promotions,
+                "copies": {k: round(v, 4) if isinstance(v, float) else v for k, v in self.copies.items()},
                 "checkpoints": {"count": len(self.checkpoints), "saved": self.checkpoints.saved,
                                 "used": self.checkpoints.used} if self.stateful else None}
 

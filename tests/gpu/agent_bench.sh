@@ -49,8 +49,10 @@ grep -E "loaded|KV pool|memory plan|GiB" "$OUT/daemon.log" | head -20
 URL=http://127.0.0.1:$PORT
 $PY -m ds4d.cli bench agent --url "$URL" --reused-words "$REUSED" --new-words "$NEW" --repeats "${REPEATS:-2}" \
   --json "$OUT/agent_gpu.json" 2>&1 | tee "$OUT/agent_gpu.log"
+$PY -c "import urllib.request; print(urllib.request.urlopen('$URL/v1/ds4d/stats').read().decode())" >"$OUT/stats_gpu.json"
 $PY -m ds4d.cli bench agent --url "$URL" --reused-words "$REUSED" --new-words "$NEW" --between-words "$BETWEEN" \
   --repeats "${REPEATS:-2}" --seed 1 --json "$OUT/agent_ram.json" 2>&1 | tee "$OUT/agent_ram.log"
 $PY -c "import urllib.request; print(urllib.request.urlopen('$URL/v1/ds4d/stats').read().decode())" >"$OUT/stats.json"
 kill -TERM $daemon; wait $daemon
 grep -E "cached|finish" "$OUT/daemon.log" | tail -24 | cut -c1-260
+$PY -c "import json; [print(n, json.load(open(f'$OUT/{n}.json'))['cache']['copies']) for n in ('stats_gpu', 'stats')]"

@@ -89,6 +89,9 @@ def test_agent_second_turn_on_v4_equals_recompute(model, ram_blocks):  # noqa: F
     assert cached2 == len(turn1) + len(gen1) - 1
     if ram_blocks:
         assert by_tier.get("ram") == 128, by_tier
+        copies = core.scheduler.cache.stats()["copies"]
+        assert copies["promoted_blocks"] == 1 and copies["demoted_blocks"] >= 1, copies
+        assert copies["promote_seconds"] > 0 and copies["demote_seconds"] > 0, copies
 
     cold, cold_outputs = engine(model, prefix=False)
     assert serve(cold, cold_outputs, "cold", turn2, 6)[0] == gen2

@@ -153,17 +153,24 @@ class DeepseekV4Cache:
         return sum(pool[0].numel() * pool.element_size() for pool in self.block_pools())
 
     def export_blocks(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
-        """Each block as one contiguous uint8 host tensor (see the module doc for the layout)."""
-        if not block_ids:
-            return []
+        """Each block as one contiguous uint8 host tensor (see the module doc for the layout): the rows
+        of :meth:`export_rows`, views of one buffer (the tiers copy or write what they keep; pickle
+        :meth:`export_rows` instead, since a pickled view carries its whole buffer)."""
+        return list(self.export_rows(block_ids).unbind(0)) if block_ids else []
+
+    def export_rows(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The blocks' payloads as one uint8 host tensor ``[len(block_ids), payload_bytes]``."""
         pools = self.block_pools()
-        if not pools:  # no compressed layer: a block holds nothing
-            return [torch.empty(0, dtype=torch.uint8) for _ in block_ids]
+        if not block_ids or not pools:  # no compressed layer: a block holds nothing
+            return torch.empty((len(block_ids), 0), dtype=torch.uint8)
         index = torch.tensor(list(block_ids), dtype=torch.long, device=pools[0].device)
         rows = torch.cat([pool.index_select(0, index).reshape(len(block_ids), -1).view(torch.uint8)
                           for pool in pools], dim=1)
-        host = rows.cpu()
-        return [host[i].clone() for i in range(len(block_ids))]
+        if rows.device.type == "cpu":
+            return rows  # a new tensor already
+        host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)  # twice the rate of pageable memory
+        host.copy_(rows)
+        return host
 
     def import_blocks(self, block_ids: Sequence[int], payloads: Sequence[Any]) -> None:
         """Write payloads made by :meth:`export_blocks` into the given blocks.

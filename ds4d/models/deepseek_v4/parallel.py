@@ -172,7 +172,7 @@ def run_worker(
             elif kind == "load_state":
                 runner.import_slot(command[1], command[2][groups.stage])
             elif kind == "export_blocks":
-                gather_objects(runner.export_blocks(command[1]) if groups.ep_rank == 0 else None, groups)
+                gather_objects(runner.export_rows(command[1]) if groups.ep_rank == 0 else None, groups)
             elif kind == "import_blocks":
                 runner.import_blocks(command[1], command[2][groups.stage])
             elif kind == "expert_stats":
@@ -315,7 +315,7 @@ class ParallelDeepseekV4Model:
             return []
         with self._ranks_alive():
             broadcast_object(("export_blocks", block_ids), self.groups)
-            parts = gather_objects(self.runner.export_blocks(block_ids), self.groups)
+            parts = gather_objects(self.runner.export_rows(block_ids), self.groups)
         stages = [parts[self.groups.rank_of(stage, 0)] for stage in range(self.groups.stages)]
         return [torch.cat([stage[i] for stage in stages]) for i in range(len(block_ids))]
 

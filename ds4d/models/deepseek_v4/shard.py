@@ -424,8 +424,8 @@ class ShardRunner:
     def payload_bytes(self) -> int:
         return self.cache.payload_bytes()
 
-    def export_blocks(self, block_ids: list[int]) -> list[torch.Tensor]:
-        return self.cache.export_blocks(block_ids)
+    def export_rows(self, block_ids: list[int]) -> torch.Tensor:
+        return self.cache.export_rows(block_ids)
 
     def import_blocks(self, block_ids: list[int], payloads: list[torch.Tensor]) -> None:
         self.cache.import_blocks(block_ids, payloads)
