@@ -417,6 +417,23 @@ class BlockCopyModel(Protocol):
 
 
 @runtime_checkable
+class AsyncBlockCopyModel(Protocol):
+    """A :class:`BlockCopyModel` that can also copy blocks out without waiting for them.
+
+    ``start_export`` queues the copies behind the work already queued on the device
+    and returns the payloads with a ``done`` handle: None when they are complete
+    already, else an object with ``query()`` (complete yet?) and ``synchronize()``
+    (wait), such as a CUDA event.  The pool blocks may be overwritten by work queued
+    after the call; the payloads must not be read before ``done`` says so.  The
+    prefix cache uses it for blocks evicted from the pool, so a step that evicts
+    does not wait for the device to finish the step before it.
+    """
+
+    def start_export(self, block_ids: Sequence[int]) -> tuple[list[Any], Any]:
+        """(one payload per block, done handle or None)."""
+
+
+@runtime_checkable
 class StatefulModel(Protocol):
     """A model with per-sequence state beyond its KV blocks (DeepSeek-V4: sliding
     window ring and compressor tails).

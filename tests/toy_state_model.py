@@ -40,6 +40,42 @@ class ToyBlockModel(ToyModel):
             self.pool[b] = _as_tensor(p).view(torch.int64)
 
 
+class LateCopy:
+    """A done handle whose copy lands only when asked ``query`` for the ``lag``-th time, or at
+    ``synchronize``: until then the payloads hold zeros, as a device copy still under way would."""
+
+    def __init__(self, payloads: list[torch.Tensor], sources: list[torch.Tensor], lag: int) -> None:
+        self.payloads, self.sources, self.lag, self.landed = payloads, sources, lag, False
+
+    def query(self) -> bool:
+        self.lag -= 1
+        if self.lag <= 0:
+            self.synchronize()
+        return self.landed
+
+    def synchronize(self) -> None:
+        if not self.landed:
+            for payload, source in zip(self.payloads, self.sources):
+                payload.copy_(source)
+            self.landed = True
+
+
+class ToyAsyncBlockModel(ToyBlockModel):
+    """``AsyncBlockCopyModel``: ``start_export`` hands out payloads that fill in late (:class:`LateCopy`)."""
+
+    def __init__(self, block_size: int = 4, lag: int = 2) -> None:
+        super().__init__(block_size)
+        self.lag = lag
+        self.handles: list[LateCopy] = []
+
+    def start_export(self, block_ids):
+        self.exported += list(block_ids)
+        sources = [self.pool[b].clone().view(torch.uint8) for b in block_ids]
+        payloads = [torch.zeros_like(s) for s in sources]
+        self.handles.append(LateCopy(payloads, sources, self.lag))
+        return payloads, self.handles[-1]
+
+
 def step_state(state: int, token: int) -> int:
     return (state * 31 + token) % STATE_MOD
 

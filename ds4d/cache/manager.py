@@ -47,7 +47,14 @@ import torch
 from ds4d.cache.blocks import BlockPool, PrefixMatch
 from ds4d.cache.checkpoints import Checkpoint, CheckpointStore, load_checkpoints, save_checkpoints
 from ds4d.cache.tiers import GpuTier
-from ds4d.contracts import BlockCopyModel, CacheTier, DemotingCacheTier, ReadAheadCacheTier, StatefulModel
+from ds4d.contracts import (
+    AsyncBlockCopyModel,
+    BlockCopyModel,
+    CacheTier,
+    DemotingCacheTier,
+    ReadAheadCacheTier,
+    StatefulModel,
+)
 
 log = logging.getLogger("ds4d.cache")
 
@@ -108,6 +115,10 @@ class PrefixCache:
         self.last_miss = ""
         self.dropped_total = 0
         self._pending: list[tuple[bytes, tuple[int, ...], Any]] = []
+        self._copying: list[tuple[list[tuple[bytes, tuple[int, ...]]], list[Any], Any]] = []
+        """Evicted blocks whose copy out of the pool is still under way: (keys and tokens, payloads,
+        done handle), oldest first (``AsyncBlockCopyModel``)."""
+        self.async_export = isinstance(model, AsyncBlockCopyModel)
         self.copies = {"promoted_blocks": 0, "promote_seconds": 0.0, "demoted_blocks": 0, "demote_seconds": 0.0}
         """Blocks copied into the pool from lower tiers and out of it, and the engine thread's time
         spent on each (reads from the tiers and the model's import; the model's export and the puts)."""
@@ -324,12 +335,28 @@ class PrefixCache:
         todo = [(b, k, t) for b, k, t in evicted if not first.contains(k)]
         if todo:
             began = time.perf_counter()
-            payloads = self.mover.export_blocks([b for b, _, _ in todo])
-            self._pending += [(k, t, p) for (_, k, t), p in zip(todo, payloads)]
+            ids, entries = [b for b, _, _ in todo], [(k, t) for _, k, t in todo]
+            if self.async_export:
+                payloads, done = self.mover.start_export(ids)
+            else:
+                payloads, done = self.mover.export_blocks(ids), None
+            self._copying.append((entries, payloads, done))
             self.copies["demoted_blocks"] += len(todo)
             self.copies["demote_seconds"] += time.perf_counter() - began
 
-    def _store_pending(self) -> None:
+    def _collect_copies(self, *, wait: bool = False) -> None:
+        """Queue for the tiers the evicted blocks whose copies are complete (all with ``wait``)."""
+        while self._copying:
+            entries, payloads, done = self._copying[0]
+            if done is not None and not wait and not done.query():
+                break
+            if done is not None:
+                done.synchronize()
+            self._copying.pop(0)
+            self._pending += [(k, t, p) for (k, t), p in zip(entries, payloads)]
+
+    def _store_pending(self, *, wait: bool = False) -> None:
+        self._collect_copies(wait=wait)
         pending, self._pending = self._pending, []
         self._shed_if_low_memory()
         if not pending:
@@ -377,6 +404,7 @@ class PrefixCache:
     def flush(self) -> None:
         """At shutdown: copy the pool's hashed blocks and the upper tiers into the last,
         persistent tier (disk), then close every tier.  Engine thread stopped."""
+        self._store_pending(wait=True)  # evicted blocks still being copied out of the pool
         target = self.tiers[-1] if self.tiers and self.tiers[-1].stats().get("persistent") else None
         if target is not None:
             written = 0

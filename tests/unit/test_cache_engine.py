@@ -17,7 +17,7 @@ from ds4d.engine.sampler import Sampler
 from ds4d.engine.scheduler import Scheduler
 from ds4d.plugins.scheduler_fcfs import FcfsPolicy
 from tests.toy_model import reference_tokens
-from tests.toy_state_model import ToyBlockModel
+from tests.toy_state_model import ToyAsyncBlockModel, ToyBlockModel
 from tests.unit.test_engine import req, run
 
 BS = 4
@@ -147,3 +147,28 @@ def test_many_requests_with_tiny_pool_and_tiers_stay_exact(tmp_path):
     assert s["ram"]["hits"] + s["disk"]["hits"] > 0
     assert s["disk"]["bytes"] <= core.scheduler.cache.tiers[1].budget_bytes
     assert core.scheduler.pool.num_free == core.scheduler.pool.num_blocks
+
+
+def test_evicted_blocks_copied_out_without_waiting_reach_ram_once_the_copy_lands(tmp_path):
+    """``AsyncBlockCopyModel``: a block evicted from the pool goes to the RAM tier only once its
+    copy out of the pool is complete (a payload read earlier would be zeros and give wrong tokens
+    on the next hit); shutdown waits for the copies still under way."""
+    core, outputs, model = make(num_blocks=5, ram_blocks=16, model=ToyAsyncBlockModel(BS, lag=3))
+    cache, ram = core.scheduler.cache, core.scheduler.cache.tiers[0]
+    serve(core, outputs, "a", A)
+    serve(core, outputs, "b", B)  # evicts two of A's blocks: their copies are started
+    assert model.handles
+    assert len(ram.entries()) == sum(len(h.payloads) for h in model.handles if h.landed) < 2
+    for _ in range(4):
+        cache.after_plan()  # each plan asks once more: the copies land and are stored
+    assert all(h.landed for h in model.handles) and len(ram.entries()) == 2
+    tokens, cached, by_tier = serve(core, outputs, "a2", A)
+    assert tokens == reference_tokens(A, 2) and by_tier.get("ram", 0) > 0 and cached == 12
+
+    late, late_outputs, late_model = make(num_blocks=5, disk_dir=tmp_path, disk_blocks=16,
+                                          model=ToyAsyncBlockModel(BS, lag=100))
+    serve(late, late_outputs, "a", A)
+    serve(late, late_outputs, "b", B)
+    assert any(not h.landed for h in late_model.handles)
+    late.scheduler.cache.flush()  # waits for them, then writes everything to the last tier
+    assert all(h.landed for h in late_model.handles)

@@ -160,17 +160,29 @@ class DeepseekV4Cache:
 
     def export_rows(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The blocks' payloads as one uint8 host tensor ``[len(block_ids), payload_bytes]``."""
+        host, copied = self.start_export_rows(block_ids)
+        if copied is not None:
+            copied.synchronize()
+        return host
+
+    def start_export_rows(self, block_ids: Sequence[int]) -> tuple[torch.Tensor, Any]:
+        """:meth:`export_rows` without waiting: with CUDA the device -> host copy is queued on the
+        current stream (after the writes queued before it, before any write queued after it) into
+        page-locked memory, and the CUDA event returned second is complete once the rows hold the
+        blocks; None when they already do (CPU)."""
         pools = self.block_pools()
         if not block_ids or not pools:  # no compressed layer: a block holds nothing
-            return torch.empty((len(block_ids), 0), dtype=torch.uint8)
+            return torch.empty((len(block_ids), 0), dtype=torch.uint8), None
         index = torch.tensor(list(block_ids), dtype=torch.long, device=pools[0].device)
         rows = torch.cat([pool.index_select(0, index).reshape(len(block_ids), -1).view(torch.uint8)
                           for pool in pools], dim=1)
         if rows.device.type == "cpu":
-            return rows  # a new tensor already
+            return rows, None  # a new tensor already
         host = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)  # twice the rate of pageable memory
-        host.copy_(rows)
-        return host
+        host.copy_(rows, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return host, copied
 
     def import_blocks(self, block_ids: Sequence[int], payloads: Sequence[Any]) -> None:
         """Write payloads made by :meth:`export_blocks` into the given blocks.

@@ -145,6 +145,14 @@ class DeepseekV4Model:
             raise RuntimeError("allocate_cache() must run first")
         return self.cache.export_blocks(block_ids)
 
+    def start_export(self, block_ids: Sequence[int]) -> tuple[list[torch.Tensor], Any]:
+        """``AsyncBlockCopyModel``: :meth:`export_blocks` without a host sync (the payloads are
+        complete once the returned event is; None: already)."""
+        if self.cache is None:
+            raise RuntimeError("allocate_cache() must run first")
+        rows, copied = self.cache.start_export_rows(block_ids)
+        return (list(rows.unbind(0)) if block_ids else []), copied
+
     def import_blocks(self, block_ids: Sequence[int], payloads: Sequence[Any]) -> None:
         """``BlockCopyModel``: write payloads made by :meth:`export_blocks` back into the pool."""
         if self.cache is None:
