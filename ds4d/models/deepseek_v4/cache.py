@@ -173,7 +173,10 @@ class DeepseekV4Cache:
         pools = self.block_pools()
         if not block_ids or not pools:  # no compressed layer: a block holds nothing
             return torch.empty((len(block_ids), 0), dtype=torch.uint8), None
-        index = torch.tensor(list(block_ids), dtype=torch.long, device=pools[0].device)
+        device = pools[0].device
+        # the index through page-locked memory: a copy from pageable memory would wait for the device
+        index = torch.tensor(list(block_ids), dtype=torch.long, pin_memory=device.type == "cuda")
+        index = index.to(device, non_blocking=True)
         rows = torch.cat([pool.index_select(0, index).reshape(len(block_ids), -1).view(torch.uint8)
                           for pool in pools], dim=1)
         if rows.device.type == "cpu":
