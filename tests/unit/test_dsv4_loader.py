@@ -8,6 +8,7 @@ bit; ue8m0: 2^(byte - 127)), not against the code's own lookup tables.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import struct
@@ -270,3 +271,15 @@ def test_flash_widths_are_the_release_widths():
     assert cfg["hidden_size"] == 4096 and cfg["n_routed_experts"] == 256 and cfg["num_hidden_layers"] == 3
     with pytest.raises(ValueError, match="widths"):
         write_tiny_checkpoint("/nonexistent/never-written", layers=[0], widths="pro")
+
+
+def test_parameter_bytes_count_the_routed_experts(tiny):
+    model = load_model(tiny)
+    cfg = model.cfg
+    assert {layer.ffn.experts.kind for layer in model.weights.layers} == {"mxfp4"}  # kept as stored
+    matrix = cfg.moe_intermediate_size * cfg.hidden_size // 2 + cfg.moe_intermediate_size * cfg.hidden_size // 32
+    experts = cfg.num_hidden_layers * cfg.n_routed_experts * 3 * matrix  # e2m1 pairs + ue8m0 scales
+    total = model.info.parameter_bytes
+    for layer in model.weights.layers:  # without the banks' matrices, exactly the experts' bytes less
+        layer.ffn.experts = dataclasses.replace(layer.ffn.experts, weights={}, scales={}, gate_up=None, native=None)
+    assert total - model.weights.parameter_bytes() == experts

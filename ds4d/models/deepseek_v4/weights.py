@@ -210,8 +210,11 @@ class ModelWeights:
 def _walk(obj):
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif isinstance(obj, list):
+    elif isinstance(obj, (list, tuple)):
         for item in obj:
+            yield from _walk(item)
+    elif isinstance(obj, dict):  # an expert bank's matrices
+        for item in obj.values():
             yield from _walk(item)
     elif hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
