@@ -5,6 +5,7 @@ Every refusal happens before a stream starts and is an OpenAI error with Retry-A
 from __future__ import annotations
 
 import asyncio
+import threading
 
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -132,5 +133,30 @@ def test_draining_refuses_new_work_but_finishes_in_flight(tmp_path):
             assert health.status == 200 and (await health.json())["status"] == "draining"
             done = await pending
             assert done.status == 200 and (await done.json())["usage"]["completion_tokens"] == 60
+
+    asyncio.run(scenario())
+
+
+def test_rendering_a_prompt_leaves_the_event_loop_free(tmp_path):
+    """Rendering and tokenising a chat prompt (0.2 s for an agent's 68K tokens) runs off the event
+    loop: while one is held inside the encoder, /health still answers, and the request then completes."""
+    async def scenario():
+        async with toy_server(tmp_path) as (c, state):
+            entered, release = threading.Event(), threading.Event()
+            render = state.encoder.render
+
+            def held(req):
+                entered.set()
+                assert release.wait(30), "never released"
+                return render(req)
+
+            state.encoder.render = held
+            pending = asyncio.create_task(c.post("/v1/chat/completions", json=chat(state, max_tokens=2)))
+            assert await asyncio.to_thread(entered.wait, 30)
+            health = await asyncio.wait_for(c.get("/health"), 10)  # times out if the loop is blocked
+            assert health.status == 200
+            release.set()
+            reply = await asyncio.wait_for(pending, 30)
+            assert reply.status == 200 and (await reply.json())["usage"]["completion_tokens"] >= 1
 
     asyncio.run(scenario())
