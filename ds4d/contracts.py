@@ -27,7 +27,7 @@ asyncio side needs from a model goes through the tokenizer and
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +73,9 @@ class Tokenizer(Protocol):
 
     def id_to_token(self, token_id: int) -> str | None:
         """The raw vocabulary entry of one id, or None."""
+
+    # optional: ``boundary_tokens() -> tuple[str, ...]``, the added tokens the tokenizer splits the
+    # text at before anything else (text before and after one tokenises independently)
 
 
 # --------------------------------------------------------------------------- model
@@ -174,6 +177,22 @@ class ModelFamily(Protocol):
 # --------------------------------------------------------------------------- chat
 
 
+KnownPrefix = Callable[[str], "tuple[int, Sequence[int]] | None"]
+"""Given a rendered prompt text: ``(chars, ids)`` when the text's first ``chars`` characters are
+known to tokenise as ``ids`` and the rest starts where the tokenizer splits anyway (an added
+token), so only the rest needs the tokenizer; None otherwise.  The session memory provides it."""
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, known_prefix: KnownPrefix | None) -> tuple[list[int], int]:
+    """``text`` as ids, plus how many leading ids came from ``known_prefix`` (0: tokenised whole)."""
+    found = known_prefix(text) if known_prefix is not None else None
+    if found is None:
+        return tokenizer.encode(text, add_special_tokens=False), 0
+    chars, head = found
+    rest = tokenizer.encode(text[chars:], add_special_tokens=False) if chars < len(text) else []
+    return [*head, *rest], len(head)
+
+
 @dataclass(frozen=True)
 class ChatRenderRequest:
     """An OpenAI chat request reduced to what rendering needs (plain JSON values)."""
@@ -186,6 +205,8 @@ class ChatRenderRequest:
     reasoning_effort: str | None = None
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
+    known_prefix: KnownPrefix | None = field(default=None, compare=False)
+    """Tokenise through :func:`encode_prompt` with this (an agent's next turn: only its new part)."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +215,8 @@ class RenderedPrompt:
     token_ids: tuple[int, ...]
     ends_in_reasoning: bool = False
     """The prompt leaves the model inside a reasoning block (e.g. ends with ``<think>``)."""
+    prefix_tokens: int = 0
+    """Leading ``token_ids`` taken from ``ChatRenderRequest.known_prefix`` rather than the tokenizer."""
     volatile_tail: int = 0
     """How many of the last ``token_ids`` the conversation's next request renders differently
     once this turn is history (the engine checkpoints before them; see

@@ -172,6 +172,12 @@ class GGUFTokenizer:
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
+    def boundary_tokens(self) -> tuple[str, ...]:
+        """Added tokens the text is split at before anything else (``hf_tokenizer.boundary_tokens``)."""
+        from ds4d.models.hf_tokenizer import boundary_tokens
+
+        return boundary_tokens(self._tokenizer)
+
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

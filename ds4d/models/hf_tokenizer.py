@@ -43,6 +43,17 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def boundary_tokens(tokenizer: _RustTokenizer) -> tuple[str, ...]:
+    """The added tokens that split a text before normalisation and pre-tokenisation, so the text
+    before one and the text from it on tokenise independently: not ``lstrip`` (it would take the
+    spaces before it) and not ``single_word`` (whether it matches depends on its neighbours); a
+    normalised one only under an empty normaliser (it is matched on the normalised text)."""
+    normalizer = json.loads(tokenizer.to_str()).get("normalizer")
+    plain = normalizer is None or (normalizer.get("type") == "Sequence" and not normalizer.get("normalizers"))
+    return tuple(sorted(t.content for t in tokenizer.get_added_tokens_decoder().values()
+                        if t.content and not t.lstrip and not t.single_word and (plain or not t.normalized)))
+
+
 class HFTokenizer:
     """Text <-> ids through a ``tokenizer.json`` file."""
 
@@ -92,6 +103,10 @@ class HFTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tokenizer.token_to_id(token)
+
+    def boundary_tokens(self) -> tuple[str, ...]:
+        """Added tokens the text is split at before anything else (see :func:`boundary_tokens`)."""
+        return boundary_tokens(self._tokenizer)
 
     def id_to_token(self, token_id: int) -> str | None:
         if not 0 <= token_id < self.vocab_size:

@@ -51,7 +51,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ds4d.contracts import ChatRenderRequest, ModelInfo, PluginContext, RenderedPrompt, Tokenizer
+from ds4d.contracts import ChatRenderRequest, ModelInfo, PluginContext, RenderedPrompt, Tokenizer, encode_prompt
 from ds4d.plugins.dsv4_encoder import content_text
 
 IM_START = "<|im_start|>"
@@ -160,7 +160,7 @@ class ChatMLEncoder:
     def render(self, request: ChatRenderRequest) -> RenderedPrompt:
         text = render_messages(request.messages, request.tools, add_generation_prompt=request.add_generation_prompt,
                                default_system=self.default_system)
-        ids = self._tokenizer.encode(text, add_special_tokens=False)
-        if self.add_bos:
+        ids, known = encode_prompt(self._tokenizer, text, request.known_prefix)
+        if self.add_bos and not known:  # a known prefix starts with the BOS it was given
             ids = [self._tokenizer.bos_token_id, *ids]  # type: ignore[list-item]
-        return RenderedPrompt(text=text, token_ids=tuple(ids), ends_in_reasoning=False)
+        return RenderedPrompt(text=text, token_ids=tuple(ids), ends_in_reasoning=False, prefix_tokens=known)

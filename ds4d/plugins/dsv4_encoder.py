@@ -55,6 +55,7 @@ from ds4d.contracts import (
     PluginContext,
     RenderedPrompt,
     Tokenizer,
+    encode_prompt,
 )
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -475,10 +476,12 @@ class DeepseekV4ChatEncoder:
 
     def render(self, request: ChatRenderRequest) -> RenderedPrompt:
         text = self.render_text(request)
-        token_ids = tuple(self._tokenizer.encode(text, add_special_tokens=False))
+        ids, known = encode_prompt(self._tokenizer, text, request.known_prefix)
+        token_ids = tuple(ids)
         return RenderedPrompt(
             text=text,
             token_ids=token_ids,
+            prefix_tokens=known,
             ends_in_reasoning=text.endswith(THINK_START),
             volatile_tail=self._volatile_tail(request, text, token_ids),
         )

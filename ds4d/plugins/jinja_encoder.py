@@ -31,7 +31,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ds4d.contracts import ChatRenderRequest, ModelInfo, PluginContext, RenderedPrompt, Tokenizer
+from ds4d.contracts import ChatRenderRequest, ModelInfo, PluginContext, RenderedPrompt, Tokenizer, encode_prompt
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -184,10 +184,11 @@ class JinjaChatEncoder:
 
     def render(self, request: ChatRenderRequest) -> RenderedPrompt:
         text = self.render_text(request)
-        token_ids = self._tokenizer.encode(text, add_special_tokens=False)
+        token_ids, known = encode_prompt(self._tokenizer, text, request.known_prefix)
         tail = text.rstrip()
         return RenderedPrompt(
             text=text,
             token_ids=tuple(token_ids),
+            prefix_tokens=known,
             ends_in_reasoning=any(tail.endswith(tag) for tag in REASONING_OPEN_TAGS),
         )

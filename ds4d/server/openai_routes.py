@@ -9,7 +9,7 @@ import time
 
 from aiohttp import web
 
-from ds4d.contracts import ChatRenderRequest, RenderedPrompt, Tokenizer
+from ds4d.contracts import ChatRenderRequest, KnownPrefix, RenderedPrompt, Tokenizer
 from ds4d.engine.client import EngineDead
 from ds4d.engine.request import EngineRequest, SamplingParams, TokenConstraint, TokenLogprob
 from ds4d.plugins.dsml_constraint import build_tool_constraint
@@ -41,7 +41,7 @@ def _sampling(body: _Sampling, max_tokens: int, *, logprobs: int | None, prompt_
 
 
 def _render(state: ServingState, messages: list, tools: list | None, kwargs: dict | None,
-            effort: str | None) -> RenderedPrompt:
+            effort: str | None, known_prefix: KnownPrefix | None = None) -> RenderedPrompt:
     kwargs = dict(kwargs or {})
     thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
     drop = kwargs.get("drop_thinking")
@@ -52,6 +52,7 @@ def _render(state: ServingState, messages: list, tools: list | None, kwargs: dic
         messages=tuple(m.model_dump(exclude_none=True) for m in messages),
         tools=tuple(tools or ()),
         thinking=thinking, drop_thinking=drop, reasoning_effort=effort, template_kwargs=kwargs,
+        known_prefix=known_prefix,
     )
     try:
         return state.encoder.render(req)
@@ -94,13 +95,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = ChatCompletionRequest.model_validate(await parse_json(request))
     state.check_model(body.model)
     state.check_alive()
-    # rendering tokenises the whole conversation (about 0.2 s for 68K tokens): off the event loop,
-    # so the other streams and /health go on meanwhile
-    rendered = await asyncio.to_thread(_render, state, body.messages, body.tools, body.chat_template_kwargs,
-                                       body.reasoning_effort)
     salt = _salt(request, body)
     session = state.sessions.key(request.headers, salt)
-    prompt_ids = state.sessions.tokenize(session, rendered.text, rendered.token_ids).token_ids
+    # an agent's next turn tokenises only what it adds to a remembered turn; a prompt that is not
+    # one (0.2 s for 68K tokens) is rendered off the event loop, so other streams go on meanwhile
+    rendered = await asyncio.to_thread(_render, state, body.messages, body.tools, body.chat_template_kwargs,
+                                       body.reasoning_effort, state.sessions.prefix_finder(session))
+    if rendered.prefix_tokens:
+        prompt_ids = rendered.token_ids
+        state.sessions.note_continued(rendered.prefix_tokens)
+    else:
+        prompt_ids = state.sessions.tokenize(session, rendered.text, rendered.token_ids).token_ids
     previous = state.sessions.closest(session, prompt_ids)
     max_tokens = state.output_budget(len(prompt_ids), body.output_limit())
     state.check_queue_room(len(prompt_ids))

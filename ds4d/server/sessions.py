@@ -39,7 +39,7 @@ import json
 import logging
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,6 +99,8 @@ class SessionMemory:
         self.misses_total = 0
         self.continued_total = 0
         self.continued_tokens_total = 0
+        boundary = getattr(tokenizer, "boundary_tokens", None)
+        self._boundaries: tuple[str, ...] = tuple(boundary()) if boundary is not None else ()
 
     @staticmethod
     def key(headers: Mapping[str, str], salt: str) -> tuple[str, str]:
@@ -125,16 +127,49 @@ class SessionMemory:
 
     # ------------------------------------------------------------------ tokenisation
 
-    def tokenize(self, key: tuple[str, str], text: str, plain_ids: Sequence[int]) -> Tokenized:
-        """``text`` as token ids, reusing a remembered turn's ids for the part of it that turn covers."""
-        best: tuple[int, Turn, int] | None = None  # (tokens reused, turn, generated tokens used)
-        for turn in self._sessions.get(key, ()):
+    def prefix_finder(self, key: tuple[str, str]) -> Callable[[str], tuple[int, list[int]] | None]:
+        """A ``KnownPrefix`` over the session's remembered turns as they are now (safe to call from
+        another thread): for a text that continues a turn's prompt and generated text up to where
+        the tokenizer splits anyway (an added token such as the end-of-turn marker, or the end of
+        the text), that turn's ids, so only the rest of the text is tokenised.  Elsewhere None, and
+        :meth:`tokenize` decides from the whole text's tokenisation."""
+        turns = tuple(self._sessions.get(key, ()))
+        boundaries = self._boundaries
+        if not turns or not boundaries:
+            return lambda text: None
+
+        def find(text: str) -> tuple[int, list[int]] | None:
+            best = self._best_turn(turns, text)
+            if best is None:
+                return None
+            _, turn, k = best
+            covered = len(turn.prompt_text) + len(self._decode(turn.output_ids[:k]))
+            if covered < len(text) and not text.startswith(boundaries, covered):
+                return None
+            return covered, [*turn.prompt_ids, *turn.output_ids[:k]]
+
+        return find
+
+    def note_continued(self, tokens: int) -> None:
+        """A prompt whose first ``tokens`` ids came from a remembered turn (:meth:`prefix_finder`)."""
+        self.continued_total += 1
+        self.continued_tokens_total += tokens
+
+    def _best_turn(self, turns, text: str) -> tuple[int, Turn, int] | None:
+        """(tokens reused, turn, generated tokens used) of the turn ``text`` continues furthest."""
+        best: tuple[int, Turn, int] | None = None
+        for turn in turns:
             if not text.startswith(turn.prompt_text):
                 continue
             k = self._generated_prefix(turn, text)
             reused = len(turn.prompt_ids) + k
             if best is None or reused > best[0]:
                 best = (reused, turn, k)
+        return best
+
+    def tokenize(self, key: tuple[str, str], text: str, plain_ids: Sequence[int]) -> Tokenized:
+        """``text`` as token ids, reusing a remembered turn's ids for the part of it that turn covers."""
+        best = self._best_turn(self._sessions.get(key, ()), text)
         if best is None:
             return Tokenized(tuple(plain_ids))
         reused, turn, k = best
@@ -143,8 +178,7 @@ class SessionMemory:
             return Tokenized(tuple(plain_ids))  # the tokenizer agrees: nothing to substitute
         covered = len(turn.prompt_text) + len(self._decode(turn.output_ids[:k]))
         rest = self.tokenizer.encode(text[covered:], add_special_tokens=False) if covered < len(text) else []
-        self.continued_total += 1
-        self.continued_tokens_total += reused
+        self.note_continued(reused)
         return Tokenized(tuple(head + list(rest)), reused)
 
     def _generated_prefix(self, turn: Turn, text: str) -> int:

@@ -161,3 +161,31 @@ def test_a_side_request_of_the_session_is_not_taken_for_the_previous_turn(tok, e
     ids = memory.tokenize(("", "s1"), new.text, new.token_ids).token_ids
     assert memory.last(("", "s1")).request_id == "title"
     assert memory.closest(("", "s1"), ids).request_id == "r1"
+
+
+@pytest.mark.parametrize("split", ["odd", "plain"])
+def test_known_prefix_tokenises_only_the_new_part_and_gives_the_same_ids(tok, encoder, split):
+    """The session's ``prefix_finder`` hands the encoder a remembered turn's ids when the new text
+    continues it up to an added token (here the end-of-turn marker): the ids equal what tokenising
+    the whole text and then :meth:`SessionMemory.tokenize` give, whether the reply was generated in
+    the tokenizer's own split or not."""
+    memory = SessionMemory(tok, block_size=128)
+    messages = [SYSTEM, USER]
+    prompt = render(encoder, messages)
+    eos = tok.token_to_id("<｜end▁of▁sentence｜>")
+    output = (odd_split(tok, REPLY) if split == "odd" else tok.encode(REPLY)) + [eos]
+    memory.remember(("", "s1"), "r1", messages, prompt.text, prompt.token_ids, output)
+    follow = [*messages, {"role": "assistant", "content": REPLY}, {"role": "user", "content": "And its complexity?"}]
+
+    whole = render(encoder, follow)
+    slow = memory.tokenize(("", "s1"), whole.text, whole.token_ids).token_ids
+    fast = encoder.render(ChatRenderRequest(messages=tuple(follow), thinking=False,
+                                            known_prefix=memory.prefix_finder(("", "s1"))))
+    assert fast.text == whole.text and fast.token_ids == slow
+    assert fast.prefix_tokens == len(prompt.token_ids) + len(output)
+    assert whole.prefix_tokens == 0 and memory.prefix_finder(("", "other"))(whole.text) is None
+
+    edited = [*messages, {"role": "assistant", "content": REPLY.replace("halves", "two parts")},
+              {"role": "user", "content": "Thanks."}]  # the text leaves the reply mid-token: no shortcut
+    text = render(encoder, edited).text
+    assert memory.prefix_finder(("", "s1"))(text) is None
