@@ -183,14 +183,16 @@ known to tokenise as ``ids`` and the rest starts where the tokenizer splits anyw
 token), so only the rest needs the tokenizer; None otherwise.  The session memory provides it."""
 
 
-def encode_prompt(tokenizer: Tokenizer, text: str, known_prefix: KnownPrefix | None) -> tuple[list[int], int]:
-    """``text`` as ids, plus how many leading ids came from ``known_prefix`` (0: tokenised whole)."""
+def encode_prompt(tokenizer: Tokenizer, text: str,
+                  known_prefix: KnownPrefix | None) -> tuple[list[int], tuple[int, int]]:
+    """``text`` as ids, plus (ids, characters) of the leading part ``known_prefix`` supplied
+    ((0, 0): tokenised whole)."""
     found = known_prefix(text) if known_prefix is not None else None
     if found is None:
-        return tokenizer.encode(text, add_special_tokens=False), 0
+        return tokenizer.encode(text, add_special_tokens=False), (0, 0)
     chars, head = found
     rest = tokenizer.encode(text[chars:], add_special_tokens=False) if chars < len(text) else []
-    return [*head, *rest], len(head)
+    return [*head, *rest], (len(head), chars)
 
 
 @dataclass(frozen=True)
@@ -217,6 +219,8 @@ class RenderedPrompt:
     """The prompt leaves the model inside a reasoning block (e.g. ends with ``<think>``)."""
     prefix_tokens: int = 0
     """Leading ``token_ids`` taken from ``ChatRenderRequest.known_prefix`` rather than the tokenizer."""
+    prefix_chars: int = 0
+    """The characters of ``text`` those ids stand for."""
     volatile_tail: int = 0
     """How many of the last ``token_ids`` the conversation's next request renders differently
     once this turn is history (the engine checkpoints before them; see

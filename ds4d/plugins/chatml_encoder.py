@@ -161,6 +161,7 @@ class ChatMLEncoder:
         text = render_messages(request.messages, request.tools, add_generation_prompt=request.add_generation_prompt,
                                default_system=self.default_system)
         ids, known = encode_prompt(self._tokenizer, text, request.known_prefix)
-        if self.add_bos and not known:  # a known prefix starts with the BOS it was given
+        if self.add_bos and not known[0]:  # a known prefix starts with the BOS it was given
             ids = [self._tokenizer.bos_token_id, *ids]  # type: ignore[list-item]
-        return RenderedPrompt(text=text, token_ids=tuple(ids), ends_in_reasoning=False, prefix_tokens=known)
+        return RenderedPrompt(text=text, token_ids=tuple(ids), ends_in_reasoning=False, prefix_tokens=known[0],
+                              prefix_chars=known[1])

@@ -481,7 +481,8 @@ class DeepseekV4ChatEncoder:
         return RenderedPrompt(
             text=text,
             token_ids=token_ids,
-            prefix_tokens=known,
+            prefix_tokens=known[0],
+            prefix_chars=known[1],
             ends_in_reasoning=text.endswith(THINK_START),
             volatile_tail=self._volatile_tail(request, text, token_ids),
         )

@@ -189,6 +189,7 @@ class JinjaChatEncoder:
         return RenderedPrompt(
             text=text,
             token_ids=tuple(token_ids),
-            prefix_tokens=known,
+            prefix_tokens=known[0],
+            prefix_chars=known[1],
             ends_in_reasoning=any(tail.endswith(tag) for tag in REASONING_OPEN_TAGS),
         )

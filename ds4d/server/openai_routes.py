@@ -125,7 +125,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             state.sessions.explain(session, previous, request_id=request_id, messages=messages,
                                    prompt_ids=prompt_ids, cached_tokens=g.usage.cached_tokens,
                                    cache_note=g.cache_note, exact=state.core.scheduler.cache.stateful)
-        state.sessions.remember(session, request_id, messages, rendered.text, prompt_ids, g.output_ids)
+        state.sessions.remember(session, request_id, messages, rendered.text, prompt_ids, g.output_ids,
+                                known=(rendered.prefix_tokens, rendered.prefix_chars))
         if g.tool_error:
             state.malformed_tool_calls_total += 1
             log.warning("%s: malformed tool-call markup returned as content: %s", request_id, g.tool_error)

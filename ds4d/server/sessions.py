@@ -201,9 +201,14 @@ class SessionMemory:
     # ------------------------------------------------------------------ remembering and explaining
 
     def remember(self, key: tuple[str, str], request_id: str, messages: Sequence[Mapping[str, Any]],
-                 prompt_text: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+                 prompt_text: str, prompt_ids: Sequence[int], output_ids: Sequence[int],
+                 known: tuple[int, int] = (0, 0)) -> None:
+        """Keep the turn if its ids decode to its text.  ``known``: (ids, characters) at the start of
+        the prompt that came from a remembered turn (:meth:`prefix_finder`), checked then, ending
+        at an added token: only the ids after them are decoded again."""
         output_text = self._decode(output_ids)
-        if self._decode([*prompt_ids, *output_ids]) != prompt_text + output_text:
+        ids, chars = known
+        if self._decode([*prompt_ids[ids:], *output_ids]) != prompt_text[chars:] + output_text:
             log.debug("%s: token ids do not decode to the prompt text; turn not remembered", request_id)
             return
         turn = Turn(request_id, message_digests(messages), prompt_text, array("l", prompt_ids), output_text,

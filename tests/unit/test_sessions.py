@@ -184,6 +184,14 @@ def test_known_prefix_tokenises_only_the_new_part_and_gives_the_same_ids(tok, en
     assert fast.text == whole.text and fast.token_ids == slow
     assert fast.prefix_tokens == len(prompt.token_ids) + len(output)
     assert whole.prefix_tokens == 0 and memory.prefix_finder(("", "other"))(whole.text) is None
+    # remembering it decodes only the ids after the known part, and still refuses ids that do not
+    # decode to the text
+    reply = tok.encode("Quadratic at worst.") + [eos]
+    known = (fast.prefix_tokens, fast.prefix_chars)
+    memory.remember(("", "s1"), "r2", follow, fast.text, fast.token_ids[:-1], reply, known=known)
+    assert memory.last(("", "s1")).request_id == "r1"  # a dropped id: not remembered
+    memory.remember(("", "s1"), "r2", follow, fast.text, fast.token_ids, reply, known=known)
+    assert memory.last(("", "s1")).request_id == "r2"
 
     edited = [*messages, {"role": "assistant", "content": REPLY.replace("halves", "two parts")},
               {"role": "user", "content": "Thanks."}]  # the text leaves the reply mid-token: no shortcut
