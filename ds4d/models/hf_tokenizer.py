@@ -48,7 +48,7 @@ def boundary_tokens(tokenizer: _RustTokenizer) -> tuple[str, ...]:
     before one and the text from it on tokenise independently: not ``lstrip`` (it would take the
     spaces before it) and not ``single_word`` (whether it matches depends on its neighbours); a
     normalised one only under an empty normaliser (it is matched on the normalised text)."""
-    normalizer = json.loads(tokenizer.to_str()).get("normalizer")
+    normalizer = json.loads(tokenizer.normalizer.__getstate__()) if tokenizer.normalizer is not None else None
     plain = normalizer is None or (normalizer.get("type") == "Sequence" and not normalizer.get("normalizers"))
     return tuple(sorted(t.content for t in tokenizer.get_added_tokens_decoder().values()
                         if t.content and not t.lstrip and not t.single_word and (plain or not t.normalized)))

@@ -446,6 +446,7 @@ class DeepseekV4ChatEncoder:
         self._model_info = model_info
         self.thinking_default = bool(options.get("thinking_default", getattr(ctx.config, "thinking_default", True)))
         self.drop_thinking_default = bool(options.get("drop_thinking_default", True))
+        self._think_start_ids = tuple(tokenizer.encode(THINK_START, add_special_tokens=False))
 
     def resolve_thinking(self, request: ChatRenderRequest) -> bool:
         """Thinking mode for a request: explicit field, then template kwargs, then default."""
@@ -490,10 +491,7 @@ class DeepseekV4ChatEncoder:
     def _volatile_tail(self, request: ChatRenderRequest, text: str, token_ids: tuple[int, ...]) -> int:
         """The ``<think>`` that hands over to this turn's reasoning, when history reasoning is
         dropped: the next request renders this (then past) turn with ``</think>`` there."""
-        if not text.endswith(ASSISTANT + THINK_START):
+        tail = self._think_start_ids
+        if not text.endswith(ASSISTANT + THINK_START) or token_ids[-len(tail):] != tail or request.tools:
             return 0
-        if not drops_history_reasoning([*request.messages, {"tools": request.tools}],
-                                       self.resolve_drop_thinking(request)):
-            return 0
-        tail = tuple(self._tokenizer.encode(THINK_START, add_special_tokens=False))
-        return len(tail) if token_ids[-len(tail):] == tail else 0
+        return len(tail) if drops_history_reasoning(request.messages, self.resolve_drop_thinking(request)) else 0

@@ -139,14 +139,10 @@ class SessionMemory:
             return lambda text: None
 
         def find(text: str) -> tuple[int, list[int]] | None:
-            best = self._best_turn(turns, text)
-            if best is None:
+            found = self._continued(turns, text)
+            if found is None or (found[0] < len(text) and not text.startswith(boundaries, found[0])):
                 return None
-            _, turn, k = best
-            covered = len(turn.prompt_text) + len(self._decode(turn.output_ids[:k]))
-            if covered < len(text) and not text.startswith(boundaries, covered):
-                return None
-            return covered, [*turn.prompt_ids, *turn.output_ids[:k]]
+            return found
 
         return find
 
@@ -155,31 +151,32 @@ class SessionMemory:
         self.continued_total += 1
         self.continued_tokens_total += tokens
 
-    def _best_turn(self, turns, text: str) -> tuple[int, Turn, int] | None:
-        """(tokens reused, turn, generated tokens used) of the turn ``text`` continues furthest."""
-        best: tuple[int, Turn, int] | None = None
+    def _continued(self, turns, text: str) -> tuple[int, list[int]] | None:
+        """(characters, ids) of the part of ``text`` that the turn it continues furthest covers: that
+        turn's prompt and as many of its generated tokens as ``text`` repeats."""
+        best: tuple[Turn, int] | None = None
         for turn in turns:
             if not text.startswith(turn.prompt_text):
                 continue
             k = self._generated_prefix(turn, text)
-            reused = len(turn.prompt_ids) + k
-            if best is None or reused > best[0]:
-                best = (reused, turn, k)
-        return best
+            if best is None or len(turn.prompt_ids) + k > len(best[0].prompt_ids) + best[1]:
+                best = (turn, k)
+        if best is None:
+            return None
+        turn, k = best
+        return len(turn.prompt_text) + len(self._decode(turn.output_ids[:k])), [*turn.prompt_ids, *turn.output_ids[:k]]
 
     def tokenize(self, key: tuple[str, str], text: str, plain_ids: Sequence[int]) -> Tokenized:
         """``text`` as token ids, reusing a remembered turn's ids for the part of it that turn covers."""
-        best = self._best_turn(self._sessions.get(key, ()), text)
-        if best is None:
+        found = self._continued(self._sessions.get(key, ()), text)
+        if found is None:
             return Tokenized(tuple(plain_ids))
-        reused, turn, k = best
-        head = [*turn.prompt_ids, *turn.output_ids[:k]]
-        if list(plain_ids[:reused]) == head:
+        covered, head = found
+        if list(plain_ids[:len(head)]) == head:
             return Tokenized(tuple(plain_ids))  # the tokenizer agrees: nothing to substitute
-        covered = len(turn.prompt_text) + len(self._decode(turn.output_ids[:k]))
         rest = self.tokenizer.encode(text[covered:], add_special_tokens=False) if covered < len(text) else []
-        self.note_continued(reused)
-        return Tokenized(tuple(head + list(rest)), reused)
+        self.note_continued(len(head))
+        return Tokenized(tuple(head + list(rest)), len(head))
 
     def _generated_prefix(self, turn: Turn, text: str) -> int:
         """The most generated tokens of ``turn`` whose text continues its prompt text in ``text``."""

@@ -156,7 +156,7 @@ class DeepseekV4Cache:
         """Each block as one contiguous uint8 host tensor (see the module doc for the layout): the rows
         of :meth:`export_rows`, views of one buffer (the tiers copy or write what they keep; pickle
         :meth:`export_rows` instead, since a pickled view carries its whole buffer)."""
-        return list(self.export_rows(block_ids).unbind(0)) if block_ids else []
+        return list(self.export_rows(block_ids).unbind(0))
 
     def export_rows(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The blocks' payloads as one uint8 host tensor ``[len(block_ids), payload_bytes]``."""

@@ -151,7 +151,7 @@ class DeepseekV4Model:
         if self.cache is None:
             raise RuntimeError("allocate_cache() must run first")
         rows, copied = self.cache.start_export_rows(block_ids)
-        return (list(rows.unbind(0)) if block_ids else []), copied
+        return list(rows.unbind(0)), copied
 
     def import_blocks(self, block_ids: Sequence[int], payloads: Sequence[Any]) -> None:
         """``BlockCopyModel``: write payloads made by :meth:`export_blocks` back into the pool."""
