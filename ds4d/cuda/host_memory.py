@@ -8,6 +8,8 @@
   several threads at once (registration is bound by page-table work, which
   scales with threads), so that copies from them are true asynchronous DMA;
   without CUDA it records nothing and every copy is a plain ``copy_``.
+* :class:`HostSlots` carves such memory into equal slots (one expert each)
+  handed out and taken back as experts move between device and host.
 * :class:`CopyStream` issues host -> device copies on a side stream with events
   to order them against compute; on the CPU it copies at once and its events
   are ``None``, so callers need no device test.
@@ -123,6 +125,62 @@ class PinnedRegistry:
             for address, _ in self._registered:
                 cudart.cudaHostUnregister(address)
         self._registered.clear()
+
+
+class HostSlots:
+    """Equal slots of page-locked host memory, each holding one set of named tensors (one expert's
+    stored parts): grown in chunks from a :class:`HostArena`, pinned by a :class:`PinnedRegistry`,
+    handed out and taken back one slot at a time.
+
+    ``template`` gives the parts' shapes and dtypes; each part starts at a
+    multiple of ``align`` bytes inside its slot.  A slot is ``(chunk, row)``;
+    :meth:`parts` returns views, so copies into and out of them need no staging."""
+
+    def __init__(self, template: dict[str, torch.Tensor], arena: HostArena, pinned: PinnedRegistry,
+                 align: int = 256) -> None:
+        self.arena, self.pinned = arena, pinned
+        self.layout: list[tuple[str, tuple[int, ...], torch.dtype, int, int]] = []
+        at = 0
+        for name, tensor in template.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            self.layout.append((name, tuple(tensor.shape), tensor.dtype, at, nbytes))
+            at += -(-nbytes // align) * align
+        self.slot_bytes = at
+        self.chunks: list[dict[str, torch.Tensor]] = []
+        self.free: list[tuple[int, int]] = []
+        self.slots = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    def grow(self, count: int) -> None:
+        """``count`` more free slots, in one new chunk (allocated and page-locked now)."""
+        if count <= 0:
+            return
+        raw = self.arena.empty((count, self.slot_bytes), torch.uint8)
+        self.pinned.pin([raw])
+        chunk = len(self.chunks)
+        self.chunks.append({name: raw[:, at : at + nbytes].view(dtype).view(count, *shape)
+                            for name, shape, dtype, at, nbytes in self.layout})
+        self.free.extend((chunk, row) for row in reversed(range(count)))
+        self.slots += count
+
+    def reserve(self, count: int) -> None:
+        """At least ``count`` free slots."""
+        self.grow(count - len(self.free))
+
+    def take(self) -> tuple[int, int]:
+        if not self.free:
+            self.grow(1)
+        return self.free.pop()
+
+    def give(self, slot: tuple[int, int]) -> None:
+        self.free.append(slot)
+
+    def parts(self, slot: tuple[int, int]) -> dict[str, torch.Tensor]:
+        chunk, row = slot
+        return {name: view[row] for name, view in self.chunks[chunk].items()}
 
 
 class CopyStream:

@@ -214,6 +214,9 @@ def _expert_metrics(lines: list[str], experts: dict | None) -> None:
                              ("experts_in_ram", "ram_experts", "only in host RAM")):
         lines += [f"# HELP ds4d_{name} Routed experts held {where}.", f"# TYPE ds4d_{name} gauge",
                   f"ds4d_{name} {experts.get(key, 0)}"]
+    if "host_ram_bytes" in experts:
+        lines += ["# HELP ds4d_expert_host_ram_bytes Page-locked host RAM holding cold routed experts.",
+                  "# TYPE ds4d_expert_host_ram_bytes gauge", f"ds4d_expert_host_ram_bytes {experts['host_ram_bytes']}"]
     for name, kind, key, scale, help_text in EXPERT_LAYER_METRICS:
         rows = [(_layer_labels(row), row[key]) for row in experts.get("layers", []) if row.get(key) is not None]
         if rows:

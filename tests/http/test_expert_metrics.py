@@ -40,6 +40,8 @@ def test_expert_counters_in_metrics_and_stats(daemon):
     assert experts["gpu_experts"] == 0 and experts["ram_experts"] == 2 * 8
     metrics = _get(daemon, "/metrics")
     assert re.search(r"^ds4d_experts_in_ram 16$", metrics, re.M)
+    assert experts["host_experts"] == 16 and experts["host_ram_bytes"] > 0
+    assert re.search(rf"^ds4d_expert_host_ram_bytes {experts['host_ram_bytes']}$", metrics, re.M)
     copied = {int(layer): float(value) for layer, value in
               re.findall(r'^ds4d_expert_bytes_copied_total\{layer="(\d+)"\} (\S+)$', metrics, re.M)}
     assert copied == {row["layer"]: float(row["bytes_copied"]) for row in experts["layers"]}

@@ -165,3 +165,103 @@ def test_watermark_refuses_host_ram_it_does_not_have(checkpoint):
         ExpertOffload(model.weights, model.cfg, device="cpu", dtype=model.dtype,
                       options=OffloadOptions(vram_bytes=0, mem_watermark_bytes=1 << 40),
                       mem_available=lambda: 1 << 30)
+
+
+# ---------------------------------------------------------------- float experts: the host keeps only cold ones
+
+RANDOM_LAYERS = [0, 0, 4, 128]
+
+
+def _random_model(options: OffloadOptions | None = None):
+    """A random model of small widths with float experts (the bank kind whose device form is the stored
+    form), its experts adopted layer by layer as they are drawn when ``options`` is given."""
+    from ds4d.bench.model import TINY
+    from ds4d.models.deepseek_v4.config import DeepseekV4Config
+    from ds4d.models.deepseek_v4.model import DeepseekV4Model
+    from ds4d.models.deepseek_v4.random_init import RandomReader
+    from ds4d.models.deepseek_v4.weights import read_weights
+
+    cfg = DeepseekV4Config.from_dict({**TINY, "num_hidden_layers": len(RANDOM_LAYERS),
+                                      "compress_ratios": RANDOM_LAYERS}, name="random-v4")
+    reader = RandomReader(cfg, dtype=torch.float32, device="cpu", seed=5)
+    offload = ExpertOffload(None, cfg, device="cpu", dtype=torch.float32, options=options) if options else None
+    adopted = []
+
+    def sink(layer, bank):
+        adopted.append((layer, offload.adopt(layer, bank)))
+        assert bank.weights == {} and bank.gate_up is None  # handed over before the next layer is drawn
+        return bank
+
+    weights = read_weights(reader, expert_sink=sink if offload else None)
+    if offload:
+        offload.finish()
+        assert [layer for layer, _ in adopted] == list(range(len(RANDOM_LAYERS)))
+    model = DeepseekV4Model(cfg, weights, tokenizer=None, dtype=torch.float32, expert_offload=offload)
+    model.fast_path = True
+    return model, offload
+
+
+@pytest.fixture(scope="module")
+def random_reference():
+    model, _ = _random_model()
+    return model.info.parameter_bytes, _steps(model)
+
+
+def _each_expert_once(offload: ExpertOffload) -> None:
+    """Every expert is either in a device bank or in a host slot, never both, never neither."""
+    slots = []
+    for layer, bank in enumerate(offload.banks):
+        for expert in range(offload.experts):
+            on_host = offload.host_slot[layer][expert] is not None
+            assert (bank.slot_of[expert] >= 0) != on_host, (layer, expert)
+            if on_host:
+                slots.append(offload.host_slot[layer][expert])
+    assert len(set(slots)) == len(slots)  # no slot holds two experts
+    assert len(slots) + len(offload.slots.free) == offload.slots.slots
+
+
+def test_streamed_float_experts_host_keeps_only_cold_ones(random_reference):
+    parameter_bytes, want = random_reference
+    probe = _random_model(OffloadOptions(vram_bytes=0, stage_experts=2))[1]
+    budget = probe.staging_bytes + 30 * probe.device_expert_bytes
+    model, offload = _random_model(OffloadOptions(vram_bytes=budget, stage_experts=2, decode_cold="copy"))
+    assert not offload.keeps_all and offload.kind == "float"
+    total = len(RANDOM_LAYERS) * model.cfg.n_routed_experts
+    assert sum(map(len, offload.hot_experts())) == 30
+    assert offload.host_experts() == total - 30
+    assert offload.slots.slots == total - 30 + 2  # the cold experts and one spare staging bank
+    assert offload.memory_plan()["routed experts (host RAM, pinned)"]["ram_bytes"] == \
+        offload.slots.slots * offload.slots.slot_bytes
+    _each_expert_once(offload)
+    assert model.info.parameter_bytes == parameter_bytes  # the experts still count, once
+    _assert_same(_steps(model), want)
+    assert offload.expert_stats()["bytes_copied"] > 0
+    # fewer hot experts: the host grows by exactly what the demoted ones need
+    offload.set_placement([list(range(2 + layer)) for layer in range(len(RANDOM_LAYERS))])
+    _each_expert_once(offload)
+    assert offload.host_experts() == offload.slots.slots == total - 14
+    assert offload.demoted_bytes == 16 * offload.host_expert_bytes
+    _assert_same(_steps(model), want)
+
+
+def test_placement_moves_demote_to_host_and_keep_outputs(random_reference):
+    _, want = random_reference
+    model, offload = _random_model(OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="auto",
+                                                  cpu_threads=2))
+    experts, total = model.cfg.n_routed_experts, len(RANDOM_LAYERS) * model.cfg.n_routed_experts
+    assert offload.host_experts() == total
+    rng = random.Random(5)
+    hot_counts = []
+
+    def move(step: int) -> None:
+        hot = [sorted(rng.sample(range(experts), rng.randrange(0, experts + 1))) for _ in RANDOM_LAYERS]
+        offload.set_placement(hot)
+        assert offload.hot_experts() == hot
+        _each_expert_once(offload)
+        hot_counts.append(sum(map(len, hot)))
+
+    _assert_same(_steps(model, between=move), want)
+    assert offload.demoted_bytes > 0 and offload.placement_bytes > 0
+    assert min(hot_counts) < max(hot_counts)
+    # every move's demotions fit in the slots its promotions freed: the host never grew
+    assert offload.slots.slots == total + 2

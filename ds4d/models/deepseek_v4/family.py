@@ -67,15 +67,19 @@ def load_model(
     native = native_weights(weight_format, dtype, device)
     if offload is not None and native:
         offload = dataclasses.replace(offload, native=True)
+    experts = None
+    if offload is not None:  # each layer's experts are split over device and host as they are read
+        experts = ExpertOffload(None, cfg, device=device, dtype=dtype, options=offload)
     try:
         reader = WeightReader(checkpoint, cfg, dtype=dtype, device=device, native=native)
         reader.check_complete()
-        weights = read_weights(reader, expert_device="cpu" if offload is not None else None)
+        weights = read_weights(reader, expert_device="cpu" if experts is not None else None,
+                               expert_sink=experts.adopt if experts is not None else None)
     finally:
         checkpoint.close()
-    model = DeepseekV4Model(cfg, weights, load_tokenizer(path), dtype=dtype, device=device)
-    if offload is not None:
-        model.expert_offload = ExpertOffload(weights, cfg, device=device, dtype=dtype, options=offload)
+    if experts is not None:
+        experts.finish()
+    model = DeepseekV4Model(cfg, weights, load_tokenizer(path), dtype=dtype, device=device, expert_offload=experts)
     return model
 
 
@@ -136,9 +140,8 @@ class DeepseekV4Family:
             model.compile_decode()
             self.ctx.log.info("decode steps go through torch.compile (each new bucket compiles on first use)")
         if model.expert_offload is not None:
-            plan = model.expert_offload.memory_plan()
-            expert_bytes = sum(part.get("ram_bytes", 0) for part in plan.values())
-            plan = {"dense weights": {"vram_bytes": model.info.parameter_bytes - expert_bytes}, **plan}
+            plan = {"dense weights": {"vram_bytes": model.weights.parameter_bytes()},
+                    **model.expert_offload.memory_plan()}
             for component, sizes in plan.items():
                 self.ctx.log.info("memory plan: %-34s %s", component, ", ".join(
                     f"{k.removesuffix('_bytes')} {v / 2**30:.2f} GiB" if k.endswith("_bytes") else f"{k} {v}"

@@ -56,6 +56,7 @@ class DeepseekV4Model:
         *,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        expert_offload=None,
     ) -> None:
         self.cfg = cfg
         self.weights = weights
@@ -69,7 +70,8 @@ class DeepseekV4Model:
         self.native_weights = any(isinstance(layer.attn.wq_b, Fp8Weight) or layer.ffn.experts.native is not None
                                   for layer in weights.layers)
         """FP8 linears / MXFP4 experts are multiplied as stored (``ds4d.cuda.quant_matmul``)."""
-        self.expert_offload = None  # an ExpertOffload (offload.py) when routed experts are split over device and host
+        self.expert_offload = expert_offload
+        """An ``ExpertOffload`` (offload.py) when routed experts are split over device and host."""
         self.routing_tally: torch.Tensor | None = None
         """``[layers, experts]`` float32: when set, every routed (token, expert) pair adds one (calibrate.py)."""
         on_gpu = self.device.type == "cuda"
@@ -97,7 +99,7 @@ class DeepseekV4Model:
             default_tool_parser="dsml",
             dtype=str(dtype).removeprefix("torch."),
             device=str(self.device),
-            parameter_bytes=weights.parameter_bytes(),
+            parameter_bytes=weights.parameter_bytes() + (expert_offload.stored_bytes if expert_offload else 0),
             extra={
                 "compress_ratios": list(cfg.compress_ratios),
                 "sliding_window": cfg.sliding_window,

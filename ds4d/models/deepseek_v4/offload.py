@@ -1,11 +1,15 @@
 """Routed experts split between device memory (hot) and pinned host RAM (cold).
 
-Every routed expert keeps its stored form (MXFP4 / FP8 bytes with scales, or
-model-dtype values) in host RAM (``ds4d.cuda.host_memory``: anonymous memory,
-huge pages when the buddy allocator has them, page-locked in parallel).  The
-device holds a decoded bank per layer for the experts the placement policy
-(``placement.py``) calls hot, plus two staging banks of ``stage_experts``
-experts each.  One MoE call:
+Cold routed experts keep their stored form (MXFP4 / FP8 bytes with scales, or
+model-dtype values) in host RAM slots (``ds4d.cuda.host_memory.HostSlots``:
+anonymous memory, huge pages when the buddy allocator has them, page-locked in
+parallel).  The device holds a bank per layer for the experts the placement
+policy (``placement.py``) calls hot, plus two staging banks of
+``stage_experts`` experts each.  When the device banks hold the stored form
+(native MXFP4, float experts) a hot expert has no host copy, so device and host
+together hold each expert once; decoded banks keep every host copy.  The
+experts are adopted layer by layer as the checkpoint is read
+(:meth:`ExpertOffload.adopt`).  One MoE call:
 
 1. routes as usual, counts tokens per expert on the device and reads the
    counts back (the one host read per layer);
@@ -29,7 +33,8 @@ all-on-device result bit for bit; host-computed experts differ only where the
 host's matmul rounds differently from the device's (never on a CPU "device").
 
 Placement moves between steps (:meth:`ExpertOffload.begin_step`): experts that
-stay keep their slots' contents, new ones are copied in, and the step runs on
+stay keep their slots' contents, new ones are copied in (freeing their host
+slots), leaving ones are copied out to free host slots, and the step runs on
 the new banks; nothing else waits.  The machinery is device-agnostic: with a
 CPU "device" the copies are plain and the events are ``None``.
 """
@@ -47,6 +52,7 @@ from ds4d.cuda import moe_gemv, quant_matmul
 from ds4d.cuda.host_memory import (
     CopyStream,
     HostArena,
+    HostSlots,
     PinnedRegistry,
     host_pointers_usable,
     huge_pages_fit,
@@ -157,43 +163,39 @@ def _decode(kind: str, parts: dict[str, torch.Tensor], dtype: torch.dtype, block
 
 
 class ExpertOffload:
-    """Owns the routed experts of every layer: host copies, device banks, staging, statistics."""
+    """Owns the routed experts of every layer: host copies, device banks, staging, statistics.
+
+    Built whole from ``weights`` (every layer's experts already read), or layer
+    by layer while the checkpoint is read: ``ExpertOffload(None, cfg, ...)``,
+    then :meth:`adopt` per layer (``read_weights(expert_sink=...)``) and
+    :meth:`finish`, so neither the device nor the host ever holds every expert
+    at once.  When the device banks keep the stored form (``native`` MXFP4, or
+    ``float`` experts) the host keeps only the cold experts: promoting one frees
+    its host slot, demoting one copies the device bytes back into a free slot.
+    Banks of decoded values cannot give the stored bytes back, so with those
+    every expert keeps its host copy (``keeps_all``)."""
 
     def __init__(
-        self, weights: ModelWeights, cfg: DeepseekV4Config, *, device: str | torch.device, dtype: torch.dtype,
-        options: OffloadOptions, mem_available=mem_available_bytes,
+        self, weights: ModelWeights | None, cfg: DeepseekV4Config, *, device: str | torch.device, dtype: torch.dtype,
+        options: OffloadOptions, mem_available=mem_available_bytes, layers: int | None = None,
     ) -> None:
         self.cfg, self.options, self.dtype = cfg, options, dtype
         self.device = torch.device(device)
         if options.decode_cold not in DECODE_COLD:
             raise ValueError(f"decode_cold {options.decode_cold!r}: use one of {', '.join(DECODE_COLD)}")
-        banks = [layer.ffn.experts for layer in weights.layers]
-        self.kind, self.block = banks[0].kind, banks[0].block
-        self.layers, self.experts = len(banks), cfg.n_routed_experts
-        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
-        element = torch.empty(0, dtype=dtype).element_size()
-        self.native = options.native and self.kind == "mxfp4" and quant_matmul.available()
-        parts = [_stored_parts(bank, self.native) for bank in banks]
-        self.host_expert_bytes = sum(t[0].numel() * t.element_size() for t in parts[0].values())
-        self.device_expert_bytes = self.host_expert_bytes if self.native else 3 * inter * hidden * element
-        host_total = self.host_expert_bytes * self.experts * self.layers
-        new_bytes = host_total if banks[0].weights["w2"].device.type != "cpu" else host_total // max(1, self.layers)
-        available = mem_available()
-        if options.mem_watermark_bytes and available and available - new_bytes < options.mem_watermark_bytes:
-            raise MemoryError(
-                f"routed experts need {new_bytes / 2**30:.1f} GiB more host RAM, leaving "
-                f"{(available - new_bytes) / 2**30:.1f} GiB, under the {options.mem_watermark_bytes / 2**30:.1f} GiB "
-                "watermark: raise expert_vram_gib or lower mem_watermark_gib")
-        self.arena = HostArena(huge_pages=huge_pages_fit(host_total))
-        self.hosts = [self._adopt(bank, p) for bank, p in zip(banks, parts)]
-        del parts
+        self.layers = len(weights.layers) if weights is not None else (layers or cfg.num_hidden_layers)
+        self.experts = cfg.n_routed_experts
+        self._mem_available = mem_available
         self.pinned = PinnedRegistry(options.pin_threads)
-        self.pinned.pin([t for host in self.hosts for t in host.values()])
-        self.zero_copy = self.native and (self.device.type == "cpu" or (
-            self.pinned.enabled and host_pointers_usable(self.device)))
-        """Decode steps of up to ``moe_gemv.MAX_ROWS`` (token, expert) rows read cold experts straight
-        from host memory (kernels on the device, through per-expert address tables): no host read,
-        no copy, so those steps are captured in CUDA graphs like the all-on-device ones."""
+        self.slots: HostSlots | None = None
+        """Page-locked host slots, one expert's stored parts each (set up by the first :meth:`adopt`)."""
+        self.host_slot: list[list[tuple[int, int] | None]] = [[None] * self.experts for _ in range(self.layers)]
+        self.banks: list[_Bank | None] = [None] * self.layers
+        self.stats = [LayerStats() for _ in range(self.layers)]
+        self.placement_bytes = 0
+        """Bytes copied host -> device by placement (adoption and changes)."""
+        self.demoted_bytes = 0
+        """Bytes copied device -> host by placement changes (experts turning cold)."""
         self.tables: list[torch.Tensor | None] = [None] * self.layers
         """int64 ``[4, E]`` per layer: addresses of each expert's gate/up bytes and scales, down bytes and scales."""
         self.addressed: list[tuple[Mxfp4Addresses, Mxfp4Addresses] | None] = [None] * self.layers
@@ -205,11 +207,31 @@ class ExpertOffload:
         the bucket's padding rows are computed but not counted."""
         self.on_host = torch.zeros(self.layers, self.experts, dtype=torch.int64, device=self.device)
         self._counts_seen = torch.zeros(self.layers, self.experts, dtype=torch.int64)
+        self.stages: list[_Stage] = []
+        if weights is not None:
+            for layer, layer_weights in enumerate(weights.layers):
+                self.adopt(layer, layer_weights.ffn.experts)
+            self.finish()
+
+    # ------------------------------------------------------------------ setup
+
+    def _setup(self, bank: ExpertBank) -> None:
+        """Sizes, placement policy and the host slots, from the first layer's stored experts."""
+        options, cfg = self.options, self.cfg
+        self.kind, self.block = bank.kind, bank.block
+        self.native = options.native and self.kind == "mxfp4" and quant_matmul.available()
+        self.keeps_all = not (self.native or self.kind == "float")
+        """Every expert keeps its host copy, hot ones too: the device banks hold decoded values."""
+        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        template = {name: t[0] for name, t in _stored_parts(bank, self.native).items()}
+        self.host_expert_bytes = sum(t.numel() * t.element_size() for t in template.values())
+        self.device_expert_bytes = self.host_expert_bytes if self.native else 3 * inter * hidden * element
         stage_n = max(1, options.stage_experts)
         quantised_stage = self.host_expert_bytes if self.kind != "float" and not self.native else 0
         self.staging_bytes = 2 * stage_n * (self.device_expert_bytes + quantised_stage)
-        capacity = capacity_for_budget(options.vram_bytes, self.device_expert_bytes, self.staging_bytes,
-                                       self.layers * self.experts)
+        total = self.layers * self.experts
+        capacity = capacity_for_budget(options.vram_bytes, self.device_expert_bytes, self.staging_bytes, total)
         calibration = options.calibration
         if calibration is not None and (len(calibration) != self.layers
                                         or any(len(row) != self.experts for row in calibration)):
@@ -217,38 +239,55 @@ class ExpertOffload:
                              f"{len(calibration[0]) if calibration else 0} experts; this model has "
                              f"{self.layers} x {self.experts}")
         self.policy = PlacementPolicy(self.layers, self.experts, capacity, mode=options.placement,
-                                      replan_tokens=options.replan_tokens, calibration=options.calibration)
-        self.stats = [LayerStats() for _ in range(self.layers)]
-        self.placement_bytes = 0
-        self.banks: list[_Bank | None] = [None] * self.layers
-        self.set_placement(self.policy.initial())
-        self.stages = [self._stage(stage_n) for _ in range(2)]
+                                      replan_tokens=options.replan_tokens, calibration=calibration)
+        self._initial = self.policy.initial()
+        host_count = total if self.keeps_all else total - capacity + stage_n  # a spare bank for moves
+        self.slots = HostSlots(template, HostArena(), self.pinned)
+        new_bytes = host_count * self.slots.slot_bytes
+        available = self._mem_available()
+        if options.mem_watermark_bytes and available and available - new_bytes < options.mem_watermark_bytes:
+            raise MemoryError(
+                f"routed experts need {new_bytes / 2**30:.1f} GiB more host RAM, leaving "
+                f"{(available - new_bytes) / 2**30:.1f} GiB, under the {options.mem_watermark_bytes / 2**30:.1f} GiB "
+                "watermark: raise expert_vram_gib or lower mem_watermark_gib")
+        self.arena = self.slots.arena
+        self.arena.huge_pages = huge_pages_fit(new_bytes)
+        self.slots.grow(host_count)
+        self.zero_copy = self.native and (self.device.type == "cpu" or (
+            self.pinned.enabled and host_pointers_usable(self.device)))
+        """Decode steps of up to ``moe_gemv.MAX_ROWS`` (token, expert) rows read cold experts straight
+        from host memory (kernels on the device, through per-expert address tables): no host read,
+        no copy, so those steps are captured in CUDA graphs like the all-on-device ones."""
+
+    def adopt(self, layer: int, bank: ExpertBank) -> ExpertBank:
+        """Take over ``layer``'s stored experts (on any device): the hot ones into a device bank, the
+        cold ones (every one with ``keeps_all``) into host slots.  ``bank`` is emptied (its tensors can
+        go) and returned, so this is ``read_weights``' ``expert_sink``."""
+        if self.slots is None:
+            self._setup(bank)
+        stored = _stored_parts(bank, self.native)
+        bank.weights, bank.scales, bank.gate_up, bank.native, bank._dense_cache = {}, {}, None, None, None
+        hot = sorted(self._initial[layer])
+        self.banks[layer] = self._new_bank(hot, lambda expert: {n: t[expert] for n, t in stored.items()})
+        for expert in range(self.experts):
+            if self.keeps_all or self.banks[layer].slot_of[expert] < 0:
+                slot = self.slots.take()
+                for name, dst in self.slots.parts(slot).items():
+                    dst.copy_(stored[name][expert])
+                self.host_slot[layer][expert] = slot
+        if self.zero_copy:
+            self._address_table(layer)
+        return bank
+
+    def finish(self) -> None:
+        """After the last :meth:`adopt`: staging banks, the copy stream, and the bandwidths measured."""
+        missing = [layer for layer, bank in enumerate(self.banks) if bank is None]
+        if missing:
+            raise ValueError(f"expert offload: layers {missing} were never adopted")
+        self.stages = [self._stage(max(1, self.options.stage_experts)) for _ in range(2)]
         self.copier = CopyStream(self.device)
-        self.pool = ThreadPoolExecutor(max(1, options.cpu_threads), thread_name_prefix="ds4d-expert")
+        self.pool = ThreadPoolExecutor(max(1, self.options.cpu_threads), thread_name_prefix="ds4d-expert")
         self.pcie_bytes_s, self.cpu_expert_s = self._measure()
-
-    # ------------------------------------------------------------------ setup
-
-    def _adopt(self, bank: ExpertBank, parts: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Move one layer's stored experts into host memory; the bank then refers to the host copy."""
-        host = {}
-        for name, tensor in parts.items():
-            host[name] = self.arena.empty(tuple(tensor.shape), tensor.dtype)
-            host[name].copy_(tensor)
-        if self.kind == "float":
-            inter = host["gate_up"].shape[1] // 2
-            bank.gate_up = host["gate_up"]
-            bank.weights = {"w1": host["gate_up"][:, :inter], "w3": host["gate_up"][:, inter:], "w2": host["w2"]}
-        elif "gu" in host:
-            inter = host["gu"].shape[1] // 2
-            bank.weights = {"w1": host["gu"][:, :inter], "w3": host["gu"][:, inter:], "w2": host["w2"]}
-            bank.scales = {"w1": host["sgu"][:, :inter], "w3": host["sgu"][:, inter:], "w2": host["s2"]}
-        else:
-            bank.weights = {w: host[w] for w in ("w1", "w2", "w3")}
-            bank.scales = {w: host["s" + w[1]] for w in ("w1", "w2", "w3")}
-        bank._dense_cache = None
-        bank.native = None  # the device copy goes; the banks below hold what the device keeps
-        return host
 
     def _stage(self, n: int) -> _Stage:
         inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
@@ -256,8 +295,8 @@ class ExpertOffload:
             gate_up, down = self._native_bank(n)
             packed = {"gu": gate_up.packed, "sgu": gate_up.scales, "w2": down.packed, "s2": down.scales}
             return _Stage(packed, gate_up, down)
-        packed = {name: torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=self.device)
-                  for name, t in self.hosts[0].items()}
+        packed = {name: torch.empty((n, *shape), dtype=dtype, device=self.device)
+                  for name, shape, dtype, _, _ in self.slots.layout}
         if self.kind == "float":
             return _Stage(packed, packed["gate_up"], packed["w2"])
         gate_up = torch.empty((n, 2 * inter, hidden), dtype=self.dtype, device=self.device)
@@ -272,6 +311,32 @@ class ExpertOffload:
 
         return empty(2 * inter, hidden), empty(hidden, inter)
 
+    def _new_bank(self, ids: list[int], parts_of, old: _Bank | None = None) -> _Bank:
+        """A device bank for ``ids``: slots of experts ``old`` holds are copied on the device, the others
+        filled from ``parts_of(expert)`` (stored parts, on any device)."""
+        inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        if self.native:
+            gate_up, down = self._native_bank(len(ids))
+        else:
+            gate_up = torch.empty((len(ids), 2 * inter, hidden), dtype=self.dtype, device=self.device)
+            down = torch.empty((len(ids), hidden, inter), dtype=self.dtype, device=self.device)
+        slot_of = [-1] * self.experts
+        for slot, expert in enumerate(ids):
+            slot_of[expert] = slot
+            if old is not None and old.slot_of[expert] >= 0:
+                _copy_slot(gate_up, slot, old.gate_up, old.slot_of[expert])
+                _copy_slot(down, slot, old.down, old.slot_of[expert])
+                continue
+            parts = {n: t.to(self.device, non_blocking=True) for n, t in parts_of(expert).items()}
+            if self.native:
+                self._fill_native(gate_up, down, slot, parts)
+            else:
+                dense_gate_up, dense_down = _decode(self.kind, parts, self.dtype, self.block)
+                gate_up[slot].copy_(dense_gate_up)
+                down[slot].copy_(dense_down)
+            self.placement_bytes += self.host_expert_bytes
+        return _Bank(ids, slot_of, gate_up, down)
+
     @staticmethod
     def _fill_native(gate_up: Mxfp4Matrices, down: Mxfp4Matrices, slot: int, parts: dict) -> None:
         gate_up.packed[slot].copy_(parts["gu"])
@@ -279,18 +344,33 @@ class ExpertOffload:
         down.packed[slot].copy_(parts["w2"])
         down.scales[slot].copy_(parts["s2"])
 
+    def _demote(self, layer: int, expert: int, bank: _Bank) -> None:
+        """Copy a hot expert's device bytes (the stored form) into a free host slot."""
+        slot, at = self.slots.take(), bank.slot_of[expert]
+        host = self.slots.parts(slot)
+        if self.native:
+            sources = {"gu": bank.gate_up.packed, "sgu": bank.gate_up.scales, "w2": bank.down.packed,
+                       "s2": bank.down.scales}
+        else:
+            sources = {"gate_up": bank.gate_up, "w2": bank.down}
+        for name, source in sources.items():
+            host[name].copy_(source[at])
+        self.host_slot[layer][expert] = slot
+        self.demoted_bytes += self.host_expert_bytes
+
     def _address_table(self, layer: int) -> None:
         """Per expert of ``layer``, where its four stored parts are: the device bank slot when hot, the
         host copy otherwise.  Written in place, so captured graphs read the current placement."""
-        host, bank = self.hosts[layer], self.banks[layer]
+        bank = self.banks[layer]
         rows = []
         for name, matrices in (("gu", bank.gate_up.packed), ("sgu", bank.gate_up.scales), ("w2", bank.down.packed),
                                ("s2", bank.down.scales)):
-            stored = host[name]
-            row = [stored.data_ptr() + e * stored.stride(0) for e in range(self.experts)]
+            row = []
             for expert, slot in enumerate(bank.slot_of):
                 if slot >= 0:
-                    row[expert] = matrices.data_ptr() + slot * matrices.stride(0)
+                    row.append(matrices.data_ptr() + slot * matrices.stride(0))
+                else:
+                    row.append(self.slots.parts(self.host_slot[layer][expert])[name].data_ptr())
             rows.append(row)
         table = torch.tensor(rows, dtype=torch.int64)
         self.on_host[layer].copy_(torch.tensor([int(slot < 0) for slot in bank.slot_of]))
@@ -302,28 +382,27 @@ class ExpertOffload:
         else:
             self.tables[layer].copy_(table)
 
-    def _expert_parts(self, layer: int, expert: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
-        host = self.hosts[layer]
-        if device is None or device.type == "cpu":
-            return {name: t[expert] for name, t in host.items()}
-        return {name: t[expert].to(device, non_blocking=True) for name, t in host.items()}
+    def _expert_parts(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
+        """A cold expert's stored parts in its host slot (views)."""
+        return self.slots.parts(self.host_slot[layer][expert])
 
     def _measure(self) -> tuple[float, float]:
         """(host -> device bytes/s for one expert, seconds for one expert on one row on the host)."""
         stage = self.stages[0]
-        experts = list(range(min(_slots(stage.gate_up), self.experts)))
+        first = self.slots.chunks[0]
+        sources = [self.slots.parts((0, row)) for row in range(min(_slots(stage.gate_up), len(next(iter(first.values())))))]
         seconds = []
         for _ in range(4):  # a whole staging bank per copy; the first one warms up
             began = time.perf_counter()
-            self._issue(0, experts, stage, count=False)
+            self._issue(sources, stage)
             self.copier.synchronize()
             seconds.append(time.perf_counter() - began)
-        pcie = len(experts) * self.host_expert_bytes / max(sorted(seconds[1:])[1], 1e-9)
+        pcie = len(sources) * self.host_expert_bytes / max(sorted(seconds[1:])[1], 1e-9)
         rows = torch.randn(1, self.cfg.hidden_size, dtype=self.dtype)
-        self._cpu_expert(0, 0, rows)
+        self._cpu_expert(sources[0], rows)
         began = time.perf_counter()
         for _ in range(3):
-            self._cpu_expert(0, 0, rows)
+            self._cpu_expert(sources[0], rows)
         return pcie, (time.perf_counter() - began) / 3
 
     # ------------------------------------------------------------------ placement
@@ -331,35 +410,43 @@ class ExpertOffload:
     def hot_experts(self) -> list[list[int]]:
         return [list(bank.ids) if bank is not None else [] for bank in self.banks]
 
+    @property
+    def stored_bytes(self) -> int:
+        """Every routed expert once, as stored (what the emptied banks no longer count)."""
+        return self.layers * self.experts * self.host_expert_bytes
+
+    def host_experts(self) -> int:
+        """Experts with a copy in host RAM."""
+        return sum(slot is not None for row in self.host_slot for slot in row)
+
     def set_placement(self, hot: list[list[int]]) -> None:
-        """Make ``hot[layer]`` the device-resident experts of each layer (between steps)."""
-        inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
-        for layer, ids in enumerate(hot):
-            ids = sorted(ids)
+        """Make ``hot[layer]`` the device-resident experts of each layer (between steps).
+
+        Experts that stay keep their bytes (copied on the device into the new
+        bank); new ones come from their host slots, which are then free (unless
+        ``keeps_all``); ones that leave are copied into free host slots.  Layers
+        that free slots go first, so the host grows only by what the whole move
+        needs."""
+        moves = [(layer, sorted(ids)) for layer, ids in enumerate(hot) if self.banks[layer].ids != sorted(ids)]
+        if not self.keeps_all:
+            moves.sort(key=lambda move: len(self.banks[move[0]].ids) - len(move[1]))
+            demand, peak = 0, 0
+            for layer, ids in moves:
+                demand += len(self.banks[layer].ids) - len(ids)
+                peak = max(peak, demand)
+            self.slots.reserve(peak)
+        for layer, ids in moves:
             old = self.banks[layer]
-            if old is not None and old.ids == ids:
-                continue
-            if self.native:
-                gate_up, down = self._native_bank(len(ids))
-            else:
-                gate_up = torch.empty((len(ids), 2 * inter, hidden), dtype=self.dtype, device=self.device)
-                down = torch.empty((len(ids), hidden, inter), dtype=self.dtype, device=self.device)
-            slot_of = [-1] * self.experts
-            for slot, expert in enumerate(ids):
-                slot_of[expert] = slot
-                if old is not None and old.slot_of[expert] >= 0:
-                    _copy_slot(gate_up, slot, old.gate_up, old.slot_of[expert])
-                    _copy_slot(down, slot, old.down, old.slot_of[expert])
-                    continue
-                parts = self._expert_parts(layer, expert, self.device)
-                if self.native:
-                    self._fill_native(gate_up, down, slot, parts)
-                else:
-                    dense_gate_up, dense_down = _decode(self.kind, parts, self.dtype, self.block)
-                    gate_up[slot].copy_(dense_gate_up)
-                    down[slot].copy_(dense_down)
-                self.placement_bytes += self.host_expert_bytes
-            self.banks[layer] = _Bank(ids, slot_of, gate_up, down)
+            new = self._new_bank(ids, lambda expert, layer=layer: self._expert_parts(layer, expert), old)
+            if not self.keeps_all:
+                for expert in ids:
+                    if old.slot_of[expert] < 0:
+                        self.slots.give(self.host_slot[layer][expert])
+                        self.host_slot[layer][expert] = None
+                for expert in old.ids:
+                    if new.slot_of[expert] < 0:
+                        self._demote(layer, expert, old)
+            self.banks[layer] = new
             if self.zero_copy:
                 self._address_table(layer)
 
@@ -483,16 +570,17 @@ class ExpertOffload:
             ends.append(total)
         return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
 
-    def _issue(self, layer: int, experts: list[int], stage: _Stage, count: bool = True) -> None:
+    def _issue(self, sources: list[dict[str, torch.Tensor]], stage: _Stage) -> None:
+        """Copy experts' stored parts (host slots) into ``stage`` on the copy stream."""
         self.copier.wait(stage.free)
-        host = self.hosts[layer]
-        for slot, expert in enumerate(experts):
-            for name, tensor in host.items():
-                self.copier.copy(stage.packed[name][slot], tensor[expert])
+        for slot, parts in enumerate(sources):
+            for name, tensor in parts.items():
+                self.copier.copy(stage.packed[name][slot], tensor)
         stage.ready = self.copier.record()
+
+    def _issue_experts(self, layer: int, experts: list[int], stage: _Stage) -> None:
+        self._issue([self._expert_parts(layer, expert) for expert in experts], stage)
         stage.experts = experts
-        if not count:
-            return
         stats = self.stats[layer]
         stats.copied_experts += len(experts)
         stats.bytes_copied += len(experts) * self.host_expert_bytes
@@ -503,10 +591,10 @@ class ExpertOffload:
         batches = [copied[at : at + size] for at in range(0, len(copied), size)]
         out, row = [], 0
         if batches:
-            self._issue(layer, batches[0], self.stages[0])
+            self._issue_experts(layer, batches[0], self.stages[0])
         for index, batch in enumerate(batches):
             if index + 1 < len(batches):
-                self._issue(layer, batches[index + 1], self.stages[(index + 1) % 2])
+                self._issue_experts(layer, batches[index + 1], self.stages[(index + 1) % 2])
             stage = self.stages[index % 2]
             self.copier.compute_waits(stage.ready)
             if self.kind != "float" and not self.native:  # decode after the copy (native: read as copied)
@@ -523,10 +611,11 @@ class ExpertOffload:
             row += n
         return out
 
-    def _cpu_expert(self, layer: int, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        gate_up, down = _decode(self.kind, self._expert_parts(layer, expert), self.dtype, self.block)
+    def _cpu_expert(self, parts: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """One expert (its stored parts in host memory) on ``rows``, on the host."""
+        gate_up, down = _decode(self.kind, parts, self.dtype, self.block)
         if rows.shape[0] == 1:  # as moe._grouped_linear: a lone bmm product rounds differently
-            return self._cpu_expert(layer, expert, rows.expand(2, -1))[:1]
+            return self._cpu_expert(parts, rows.expand(2, -1))[:1]
         n = rows.shape[0]
         hidden = torch.bmm(gate_up.expand(n, -1, -1), rows.unsqueeze(-1)).squeeze(-1)
         gate, up = hidden.chunk(2, dim=-1)
@@ -543,9 +632,9 @@ class ExpertOffload:
             spans.append((expert, at, at + counts[expert]))
             at += counts[expert]
         if len(experts) == 1:
-            return self._cpu_expert(layer, experts[0], rows)
-        futures = [self.pool.submit(self._cpu_expert, layer, e, rows[a:b]) for e, a, b in spans[1:]]
-        first = self._cpu_expert(layer, spans[0][0], rows[spans[0][1] : spans[0][2]])
+            return self._cpu_expert(self._expert_parts(layer, experts[0]), rows)
+        futures = [self.pool.submit(self._cpu_expert, self._expert_parts(layer, e), rows[a:b]) for e, a, b in spans[1:]]
+        first = self._cpu_expert(self._expert_parts(layer, spans[0][0]), rows[spans[0][1] : spans[0][2]])
         return torch.cat([first] + [f.result() for f in futures])
 
     # ------------------------------------------------------------------ reporting
@@ -574,6 +663,9 @@ class ExpertOffload:
             "bytes_skipped": sum(s.bytes_skipped for s in self.stats),
             "skipped_transfers": sum(s.skipped_transfers for s in self.stats),
             "placement_bytes": self.placement_bytes,
+            "demoted_bytes": self.demoted_bytes,
+            "host_experts": self.host_experts(),
+            "host_ram_bytes": self.slots.bytes,
             "zero_copy": self.zero_copy,
             "host_read_bytes": sum(host_reads) * self.host_expert_bytes,
             "layers": layers,
@@ -585,8 +677,8 @@ class ExpertOffload:
             "routed experts (device banks)": {"vram_bytes": gpu * self.device_expert_bytes, "experts": gpu},
             "expert staging (2 banks)": {"vram_bytes": self.staging_bytes},
             "routed experts (host RAM, pinned)": {
-                "ram_bytes": self.host_expert_bytes * self.layers * self.experts,
-                "experts": self.layers * self.experts, "huge_pages": int(self.arena.huge_pages),
+                "ram_bytes": self.slots.bytes, "experts": self.host_experts(), "slots": self.slots.slots,
+                "huge_pages": int(self.arena.huge_pages),
                 "pinned": int(self.pinned.enabled)},
         }
 

@@ -187,7 +187,7 @@ def run_worker(
 
 EXPERT_STATS_EVERY_S = 1.0
 _SUMMED_EXPERT_STATS = ("gpu_experts", "ram_experts", "replans", "bytes_copied", "bytes_skipped", "skipped_transfers",
-                        "placement_bytes", "host_read_bytes")
+                        "placement_bytes", "demoted_bytes", "host_read_bytes", "host_experts", "host_ram_bytes")
 
 
 def merge_expert_stats(parts: Sequence[dict[str, Any]], first_layers: Sequence[int]) -> dict[str, Any]:

@@ -329,23 +329,30 @@ def _keep_packed(bank: ExpertBank) -> None:
     bank.native = (gate_up, Mxfp4Matrices(bank.weights["w2"], bank.scales["w2"]))
 
 
-def _moe(reader: WeightReader, cfg: DeepseekV4Config, layer: int, expert_device: torch.device | None) -> MoEWeights:
+def _moe(reader: WeightReader, cfg: DeepseekV4Config, layer: int, expert_device: torch.device | None,
+         expert_sink=None) -> MoEWeights:
     p = f"layers.{layer}.ffn."
     hashed = cfg.is_hash_layer(layer)
+    experts = _experts(reader, cfg, layer, expert_device)
     return MoEWeights(
         gate=reader.tensor(p + "gate.weight", F32),
         bias=None if hashed else reader.tensor(p + "gate.bias", F32),
         tid2eid=reader.index(p + "gate.tid2eid") if hashed else None,
-        experts=_experts(reader, cfg, layer, expert_device),
+        experts=expert_sink(layer, experts) if expert_sink is not None else experts,
         shared_w1=_linear(reader, p + "shared_experts.w1.weight"),
         shared_w2=_linear(reader, p + "shared_experts.w2.weight"),
         shared_w3=_linear(reader, p + "shared_experts.w3.weight"),
     )
 
 
-def read_weights(reader: WeightReader, expert_device: str | torch.device | None = None) -> ModelWeights:
+def read_weights(
+    reader: WeightReader, expert_device: str | torch.device | None = None, expert_sink=None
+) -> ModelWeights:
     """Every parameter on the reader's device; routed experts on ``expert_device`` when given
-    (the host, when they are to be split over device and host RAM: ``offload.py``)."""
+    (the host, when they are to be split over device and host RAM: ``offload.py``).
+
+    ``expert_sink(layer, bank) -> bank``: each layer's routed experts go there as
+    soon as they are read (``ExpertOffload.adopt``), before the next layer's."""
     cfg = reader.cfg
     expert_device = torch.device(expert_device) if expert_device is not None else None
     layers = []
@@ -358,7 +365,7 @@ def read_weights(reader: WeightReader, expert_device: str | torch.device | None 
                 attn_hc=_hyper(reader, p + "hc_attn_"),
                 ffn_hc=_hyper(reader, p + "hc_ffn_"),
                 attn=_attention(reader, cfg, layer),
-                ffn=_moe(reader, cfg, layer, expert_device),
+                ffn=_moe(reader, cfg, layer, expert_device, expert_sink),
             )
         )
     return ModelWeights(
