@@ -75,6 +75,9 @@ def add_parser(sub) -> None:
                    help="e.g. 1,0.5,0.25: share of routed experts kept on the device, the rest in pinned host RAM "
                         "(runs the expert-offload bench instead: ds4d.bench.offload)")
     p.add_argument("--expert-cpu-threads", type=int, default=8, help="host threads for cold experts in decode")
+    p.add_argument("--stream-experts", action="store_true",
+                   help="with --expert-gpu-fraction: place each layer's experts as it is built (the first fraction), "
+                        "for models whose experts do not fit the device; no all-on-device rows")
     p.set_defaults(run=run)
 
 
@@ -235,21 +238,38 @@ def _guarded(torch, label, fn):
 # ------------------------------------------------------------------ run
 
 
-def build(torch, args, device):
+def bench_config(args):
+    """The random model's config: widths from ``--config`` / ``--tiny`` / V4-Flash, layers from ``--layers``."""
     from ds4d.models.deepseek_v4.config import DeepseekV4Config
-    from ds4d.models.deepseek_v4.model import DeepseekV4Model
-    from ds4d.models.deepseek_v4.random_init import RandomReader
-    from ds4d.models.deepseek_v4.weights import read_weights
 
     base = json.loads(Path(args.config).read_text()) if args.config else (TINY if args.tiny else FLASH)
     layers = [int(x) for x in args.layers.split(",")]
     data = {**base, "num_hidden_layers": len(layers), "compress_ratios": layers}
     data.pop("quantization_config", None)
-    cfg = DeepseekV4Config.from_dict(data, name="random-v4")
+    return DeepseekV4Config.from_dict(data, name="random-v4")
+
+
+def build(torch, args, device, offload_options=None):
+    """(cfg, reader, model, HF peer or None, note).  With ``offload_options`` the routed experts go to
+    an ``ExpertOffload`` layer by layer as they are drawn (device banks for the hot ones, host RAM for
+    the rest), so a model whose experts do not fit the device at once can be built; no HF peer then."""
+    from ds4d.models.deepseek_v4.model import DeepseekV4Model
+    from ds4d.models.deepseek_v4.offload import ExpertOffload
+    from ds4d.models.deepseek_v4.random_init import RandomReader
+    from ds4d.models.deepseek_v4.weights import read_weights
+
+    cfg = bench_config(args)
     dtype = getattr(torch, args.dtype)
-    reader = RandomReader(cfg, dtype=dtype, device=device, seed=args.seed, native=args.native)
-    weights = read_weights(reader)
-    model = DeepseekV4Model(cfg, weights, tokenizer=None, dtype=dtype, device=device)
+    reader = RandomReader(cfg, dtype=dtype, device=device, seed=args.seed, native=args.native,
+                          keep_values=offload_options is None)
+    offload = None
+    if offload_options is not None:
+        args.no_hf = True
+        offload = ExpertOffload(None, cfg, device=device, dtype=dtype, options=offload_options)
+    weights = read_weights(reader, expert_sink=offload.adopt if offload is not None else None)
+    if offload is not None:
+        offload.finish()
+    model = DeepseekV4Model(cfg, weights, tokenizer=None, dtype=dtype, device=device, expert_offload=offload)
     hf, hf_note = None, "skipped"
     if not args.no_hf:
         from ds4d.models.deepseek_v4.hf_compat import hf_model_from_tensors

@@ -24,11 +24,23 @@ def _cpu_experts(stats: dict) -> int:
     return sum(row["cpu_experts"] for row in stats["layers"])
 
 
+def _stream_options(cfg, fraction: float, args):
+    """Offload options whose VRAM budget holds ``fraction`` of the experts (plus the staging banks)."""
+    from ds4d.models.deepseek_v4.offload import OffloadOptions
+
+    element = 17 / 32 if args.native else (2 if args.dtype == "bfloat16" else 4)
+    per_expert = int(3 * cfg.moe_intermediate_size * cfg.hidden_size * element)
+    stage = 8
+    experts = round(fraction * cfg.num_hidden_layers * cfg.n_routed_experts)
+    return OffloadOptions(vram_bytes=(2 * stage + experts) * per_expert + per_expert // 2, placement="static",
+                          stage_experts=stage, cpu_threads=args.expert_cpu_threads, native=args.native)
+
+
 def run_offload(args) -> int:
     import torch
 
     from ds4d.bench.harness import make_engine, run_batch
-    from ds4d.bench.model import Floors, _say, _set_path, build, measure_ceilings
+    from ds4d.bench.model import Floors, _say, _set_path, bench_config, build, measure_ceilings
     from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
 
     fractions = [float(f) for f in args.expert_gpu_fraction.split(",") if f]
@@ -36,64 +48,77 @@ def run_offload(args) -> int:
     torch.manual_seed(args.seed)
     bandwidth, matmul = measure_ceilings(torch, device)
     args.no_hf = True
+    stream = args.stream_experts
     t0 = time.perf_counter()
-    cfg, reader, model, _, _ = build(torch, args, device)
+    options = _stream_options(bench_config(args), fractions[0], args) if stream else None
+    cfg, reader, model, _, _ = build(torch, args, device, options)
     floors = Floors(cfg, reader.issued, bandwidth, matmul, native=args.native)
     reader.issued.clear()
-    _say(f"built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}")
+    _say(f"built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}"
+         + (f"; experts placed as built: {model.expert_offload.expert_stats()['gpu_experts']} on the device"
+            if stream else ""))
+    if device.type == "cuda":
+        _say(f"device memory: {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(args.seed)
     check_ids = torch.randint(100, cfg.vocab_size, (256,), generator=gen).tolist()
     prefill_ids = torch.randint(100, cfg.vocab_size, (1, 2048), generator=gen).tolist()
     decode_ids = torch.randint(100, cfg.vocab_size, (1, 1024), generator=gen).tolist()
+    long_ids = torch.randint(100, cfg.vocab_size, (1, args.context), generator=gen).tolist() if args.context else None
     steps = args.decode_tokens
 
-    def timed(label: str):
-        """(prefill tok/s, decode tok/s, stats delta prefill, stats delta decode, cpu experts per token)."""
+    def timed(label: str) -> dict:
+        """Prefill 2K (and ``--context``) and decode b1 after 1K: tok/s, and the offload's traffic in each."""
         offload = model.expert_offload
-        core = make_engine(model, max_num_seqs=1, context_tokens=2048 + steps + 8, prefill_chunk=args.prefill_chunk)
+        stats = offload.expert_stats if offload else (lambda: None)
+        core = make_engine(model, max_num_seqs=1, context_tokens=max(2048, args.context) + steps + 8,
+                           prefill_chunk=args.prefill_chunk)
         run_batch(core, prefill_ids, 4, sync)  # warm-up at the timed shapes (kernels compile on first use)
-        s0 = offload.expert_stats() if offload else None
+        s0 = stats()
         prefill = run_batch(core, prefill_ids, 1, sync)
-        s1 = offload.expert_stats() if offload else None
+        s1 = stats()
         run_batch(core, [decode_ids[0][:64]], 4, sync)
-        s2 = offload.expert_stats() if offload else None
+        s2 = stats()
         run_batch(core, decode_ids, 1, sync)  # the prompt alone, to take its copies out of the decode figures
-        s3 = offload.expert_stats() if offload else None
+        s3 = stats()
         decode = run_batch(core, decode_ids, steps, sync)
-        s4 = offload.expert_stats() if offload else None
+        s4 = stats()
         tokens = max(1, decode.decode_tokens)
-        per_token = None
+        result = {"prefill": prefill.prefill_tok_s, "decode": decode.decode_tok_s}
         if offload:
             prompt, both = _delta(s3, s2), _delta(s4, s3)
-            per_token = {k: (both[k] - prompt[k]) / tokens for k in both}
-        result = (prefill.prefill_tok_s, decode.decode_tok_s, _delta(s1, s0) if offload else None, per_token,
-                  (_cpu_experts(s4) - _cpu_experts(s3)) / tokens if offload else 0)
-        _say(f"  {label}: prefill {result[0]:,.0f} tok/s, decode {result[1]:,.1f} tok/s, {result[2:]}")
+            result.update(moved_prefill=_delta(s1, s0), moved_decode={k: (both[k] - prompt[k]) / tokens for k in both},
+                          cpu=(_cpu_experts(s4) - _cpu_experts(s3)) / tokens)
+        if long_ids is not None:
+            s5 = stats()
+            result["long"] = run_batch(core, long_ids, 1, sync).prefill_tok_s
+            if offload:
+                result["moved_long"] = _delta(stats(), s5)
+        _say(f"  {label}: {result}")
         return result
 
-    _set_path(model, "eager")
-    reference = model.logits_for(check_ids)
-    repeat = model.logits_for(check_ids)
-    _say(f"all-on-device logits, run twice: equal {torch.equal(repeat, reference)}")
-    from ds4d.models.deepseek_v4.moe import moe_forward
-
+    rows, reference = [], None
     layer = model.weights.layers[0]
     moe_x = torch.randn(2048, cfg.hidden_size, generator=gen).to(device, model.dtype)
     moe_ids = torch.tensor(prefill_ids[0], device=device)
-    moe_ref = moe_forward(moe_x, moe_ids, layer.ffn, cfg, grouped=True)
-    rows = []
-    _set_path(model, "graphs")
-    base = timed("all experts on the device (graphs)")
-    rows.append(("all on device, no offload (graphs)", base, None))
-    _set_path(model, "eager")
-    rows.append(("all on device, no offload (eager)", timed("all experts on the device (eager)"), None))
+    if not stream:
+        _set_path(model, "eager")
+        reference = model.logits_for(check_ids)
+        repeat = model.logits_for(check_ids)
+        _say(f"all-on-device logits, run twice: equal {torch.equal(repeat, reference)}")
+        from ds4d.models.deepseek_v4.moe import moe_forward
 
-    t0 = time.perf_counter()
-    offload = ExpertOffload(model.weights, cfg, device=device, dtype=model.dtype,
-                            options=OffloadOptions(vram_bytes=1 << 50, placement="static",
-                                                   cpu_threads=args.expert_cpu_threads, native=args.native))
-    model.expert_offload = offload
+        moe_ref = moe_forward(moe_x, moe_ids, layer.ffn, cfg, grouped=True)
+        _set_path(model, "graphs")
+        rows.append(("all on device, no offload (graphs)", timed("all experts on the device (graphs)"), None))
+        _set_path(model, "eager")
+        rows.append(("all on device, no offload (eager)", timed("all experts on the device (eager)"), None))
+        t0 = time.perf_counter()
+        model.expert_offload = ExpertOffload(
+            model.weights, cfg, device=device, dtype=model.dtype,
+            options=OffloadOptions(vram_bytes=1 << 50, placement="static", cpu_threads=args.expert_cpu_threads,
+                                   native=args.native))
+    offload = model.expert_offload
     _set_path(model, "graphs")  # decode steps that read cold experts in place (zero copy) replay graphs
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -103,38 +128,60 @@ def run_offload(args) -> int:
          f"CPU expert {offload.cpu_expert_s * 1e3:.2f} ms")
     total = cfg.num_hidden_layers * cfg.n_routed_experts
     for fraction in fractions:
-        offload.policy.capacity = round(fraction * total)
-        offload.set_placement(offload.policy.initial())
+        if offload.policy.capacity != round(fraction * total):
+            offload.policy.capacity = round(fraction * total)
+            offload.set_placement(offload.policy.initial())
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        got = model.logits_for(check_ids)
-        moe_got = offload.moe_forward(0, moe_x, moe_ids, layer.ffn, cfg)
-        same = (f"MoE layer {torch.equal(moe_got, moe_ref)}; logits {torch.equal(got, reference)} "
-                f"(max |diff| {(got - reference).abs().max().item():.1e})")
-        rows.append((f"{offload.expert_stats()['gpu_experts']}/{total} experts on device ({fraction:.0%})",
+        same = "not checked (no all-on-device run at this depth)"
+        if reference is not None:
+            got = model.logits_for(check_ids)
+            moe_got = offload.moe_forward(0, moe_x, moe_ids, layer.ffn, cfg)
+            same = (f"MoE layer {torch.equal(moe_got, moe_ref)}; logits {torch.equal(got, reference)} "
+                    f"(max |diff| {(got - reference).abs().max().item():.1e})")
+        stats = offload.expert_stats()
+        _say(f"{fraction:.0%} on device: {stats['gpu_experts']} experts; host RAM {stats['host_ram_bytes'] / 2**30:.1f} "
+             f"GiB for {stats['host_experts']} experts")
+        rows.append((f"{stats['gpu_experts']}/{total} experts on device ({fraction:.0%})",
                      timed(f"{fraction:.0%} on device"), same))
 
     pcie = offload.pcie_bytes_s
+    stats = offload.expert_stats()
     _say()
     _say(f"# ds4d bench model --expert-gpu-fraction — random V4 ({cfg.hidden_size} wide, {cfg.n_routed_experts} "
-         f"experts, layers {list(cfg.compress_ratios)}), {args.dtype}"
+         f"experts, {cfg.num_hidden_layers} layers {list(cfg.compress_ratios)}), {args.dtype}"
          f"{', MXFP4 experts kept as stored on the device' if offload.native else ''}, "
          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, {time.strftime('%Y-%m-%d')}")
     _say(f"# PCIe host->device {pcie / 1e9:.1f} GB/s (measured, one staging bank); HBM copy {bandwidth / 1e12:.2f} TB/s; "
-         f"expert {offload.host_expert_bytes / 2**20:.0f} MiB; decode: {steps} tokens after 1K; prefill 2048 tokens")
+         f"expert {offload.host_expert_bytes / 2**20:.1f} MiB; decode: {steps} tokens after 1K; prefill 2048 tokens"
+         f"{f' and {args.context}' if args.context else ''} in chunks of {args.prefill_chunk}; host RAM at the end "
+         f"{stats['host_ram_bytes'] / 2**30:.1f} GiB ({stats['host_experts']} experts)")
+    long_head = f" prefill {args.context} tok/s | floor | GB copied / skipped |" if args.context else ""
     _say("| placement | prefill tok/s | floor | GB copied / skipped | decode b1 tok/s | floor | "
-         "GB copied / skipped / read in place per token | CPU experts / token | bit-identical to all on device |")
-    _say("|---|---|---|---|---|---|---|---|---|")
-    for label, (pre, dec, dpre, ddec, cpu), same in rows:
+         f"GB copied / skipped / read in place per token | CPU experts / token |{long_head} "
+         "bit-identical to all on device |")
+    _say("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.context else "") + "---|")
+    for label, result, same in rows:
         pre_floor, dec_floor = floors.prefill(2048), floors.decode(1, 1024)
-        moved_p, moved_d = "0 / 0", "0 / 0 / 0"
-        if dpre is not None:
+        long_floor = floors.prefill(args.context) if args.context else 0
+        moved_p, moved_d, moved_l, cpu = "0 / 0", "0 / 0 / 0", "0 / 0", 0.0
+        if "moved_prefill" in result:
+            dpre, ddec, cpu = result["moved_prefill"], result["moved_decode"], result["cpu"]
             pre_floor = 2048 / max(2048 / pre_floor, dpre["bytes_copied"] / pcie)
             dec_floor = 1 / max(1 / dec_floor, (ddec["bytes_copied"] + ddec["host_read_bytes"]) / pcie)
             moved_p = f"{dpre['bytes_copied'] / 1e9:.1f} / {dpre['bytes_skipped'] / 1e9:.1f}"
             moved_d = (f"{ddec['bytes_copied'] / 1e9:.2f} / {ddec['bytes_skipped'] / 1e9:.2f} / "
                        f"{ddec['host_read_bytes'] / 1e9:.2f}")
-        _say(f"| {label} | {pre:,.0f} | {pre_floor:,.0f} | {moved_p} | {dec:,.1f} | {dec_floor:,.0f} | {moved_d} | "
-             f"{cpu:.1f} | {same or 'reference'} |")
+            if "moved_long" in result:
+                dlong = result["moved_long"]
+                long_floor = args.context / max(args.context / long_floor, dlong["bytes_copied"] / pcie)
+                moved_l = f"{dlong['bytes_copied'] / 1e9:.1f} / {dlong['bytes_skipped'] / 1e9:.1f}"
+        long_cells = f" {result['long']:,.0f} | {long_floor:,.0f} | {moved_l} |" if args.context else ""
+        _say(f"| {label} | {result['prefill']:,.0f} | {pre_floor:,.0f} | {moved_p} | {result['decode']:,.1f} | "
+             f"{dec_floor:,.0f} | {moved_d} | {cpu:.1f} |{long_cells} {same or 'reference'} |")
+    hit = [row["hit_rate"] for row in stats["layers"] if row["hit_rate"] is not None]
+    if hit:
+        _say(f"# GPU hit rate per layer over the whole run: min {min(hit):.2f}, mean {sum(hit) / len(hit):.2f}, "
+             f"max {max(hit):.2f}")
     offload.close()
     return 0

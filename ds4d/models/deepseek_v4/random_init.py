@@ -38,10 +38,12 @@ FP8_IN_RELEASE = re.compile(r"\.(wq_a|wq_b|wkv|wo_b|shared_experts\.w[123])\.wei
 class RandomReader:
     def __init__(
         self, cfg: DeepseekV4Config, *, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
-        native: bool = False,
+        native: bool = False, keep_values: bool = True,
     ) -> None:
         self.cfg = cfg
         self.native = native
+        self.keep_values = keep_values
+        """False: :attr:`issued` keeps shapes only (meta tensors), not a second copy of decoded FP8 values."""
         self.dtype = dtype
         self.device = torch.device(device)
         self.block = (128, 128)
@@ -63,14 +65,14 @@ class RandomReader:
         else:  # biases, sinks, ape, hc base
             t = draw * {"bias": 0.1, "sink": 1.0, "ape": 0.5, "hc_base": 0.5}[kind]
         t = t.to(torch.bfloat16).to(dtype)  # values a bf16 checkpoint could hold, whatever the dtype asked
-        self.issued[name] = t
+        self._issue(name, t)
         return t
 
     def index(self, name: str) -> torch.Tensor:
         cfg = self.cfg
         draws = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=self._generator(name), device=self.device)
         table = draws.argsort(dim=-1)[:, : cfg.num_experts_per_tok].contiguous()
-        self.issued[name] = table
+        self._issue(name, table)
         return table
 
     def fp8(self, name: str):
@@ -80,7 +82,7 @@ class RandomReader:
         if not self.native or not FP8_IN_RELEASE.search(name):
             return None
         weight, scale = quantize_fp8_block(self.tensor(name, torch.float32))
-        self.issued[name] = dequant_fp8_block(weight, scale, self.block).to(self.dtype)
+        self._issue(name, dequant_fp8_block(weight, scale, self.block).to(self.dtype))
         return Fp8Weight.from_stored(weight, scale, self.dtype)
 
     def expert_stored(self, layer: int, expert: int, which: str) -> tuple[str, torch.Tensor, torch.Tensor | None]:
@@ -91,6 +93,9 @@ class RandomReader:
             packed, scale = quantize_mxfp4(values)
             return "mxfp4", packed.view(torch.uint8), scale.view(torch.uint8)
         return "float", values.to(torch.bfloat16).to(self.dtype), None
+
+    def _issue(self, name: str, tensor: torch.Tensor) -> None:
+        self.issued[name] = tensor if self.keep_values else torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
     def _generator(self, name: str) -> torch.Generator:
         seed = (self.seed << 32) ^ zlib.crc32(name.encode())
