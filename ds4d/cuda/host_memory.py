@@ -86,6 +86,13 @@ class HostArena:
         return raw[skip : skip + nbytes].view(dtype).view(shape)
 
 
+def register_pieces(start: int, nbytes: int, unit: int = 1) -> list[tuple[int, int]]:
+    """(address, bytes) pieces of about 1 GiB covering ``nbytes`` from ``start``, each a whole number
+    of ``unit`` bytes except perhaps the last."""
+    step = max(_REGISTER_PIECE_BYTES // unit, 1) * unit
+    return [(at, min(step, start + nbytes - at)) for at in range(start, start + nbytes, step)]
+
+
 class PinnedRegistry:
     """Page-locks host tensors for DMA, in parallel threads; a no-op without CUDA."""
 
@@ -96,14 +103,14 @@ class PinnedRegistry:
         self.bytes = 0
         self.seconds = 0.0
 
-    def pin(self, tensors: list[torch.Tensor]) -> None:
+    def pin(self, tensors: list[torch.Tensor], unit: int = 1) -> None:
+        """Register ``tensors`` in pieces of about 1 GiB, each a whole number of ``unit`` bytes: a copy
+        may not span two registrations, so no ``unit``-sized record (a slot) is split between two."""
         pieces: list[tuple[int, int]] = []
         for tensor in tensors:
             nbytes = tensor.numel() * tensor.element_size()
             self.bytes += nbytes
-            start, end = tensor.data_ptr(), tensor.data_ptr() + nbytes
-            step = max(_REGISTER_PIECE_BYTES, 1)
-            pieces.extend((at, min(step, end - at)) for at in range(start, end, step))
+            pieces.extend(register_pieces(tensor.data_ptr(), nbytes, unit))
         if not self.enabled or not pieces:
             return
         cudart = torch.cuda.cudart()
@@ -159,7 +166,7 @@ class HostSlots:
         if count <= 0:
             return
         raw = self.arena.empty((count, self.slot_bytes), torch.uint8)
-        self.pinned.pin([raw])
+        self.pinned.pin([raw], unit=self.slot_bytes)
         chunk = len(self.chunks)
         self.chunks.append({name: raw[:, at : at + nbytes].view(dtype).view(count, *shape)
                             for name, shape, dtype, at, nbytes in self.layout})

@@ -72,19 +72,25 @@ def test_host_experts_in_decode_match_within_rounding(checkpoint):
     model.expert_offload.close()
 
 
-def test_zero_copy_decode_in_graphs_is_bit_identical(checkpoint):
+@pytest.mark.parametrize("start", ["all cold", "all hot"])
+def test_zero_copy_decode_in_graphs_is_bit_identical(checkpoint, start):
     """bf16 with native MXFP4 experts: half the experts stay in host RAM, decode steps read them in
     place through the address tables inside CUDA graphs; every step equals the all-on-device model
-    (also with graphs) bit for bit."""
+    (also with graphs) bit for bit.  Starting all hot, the host holds only spare slots and the move
+    to half copies the leaving experts' device bytes back into them (pinned, page-locked slots)."""
     reference = load_model(checkpoint, dtype=torch.bfloat16, device="cuda")
     want = _steps(reference)
+    vram = 0 if start == "all cold" else 1 << 40
     model = load_model(checkpoint, dtype=torch.bfloat16, device="cuda",
-                       offload=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy"))
+                       offload=OffloadOptions(vram_bytes=vram, stage_experts=2, decode_cold="copy"))
     offload = model.expert_offload
-    assert offload.native
+    assert offload.native and not offload.keeps_all
     if not offload.zero_copy:
         pytest.skip("this GPU cannot read registered host memory at its host address (or cuda-python is missing)")
+    assert offload.host_experts() == (0 if start == "all hot" else len(LAYERS) * 8)
     _half(offload)
+    assert offload.host_experts() == len(LAYERS) * 4
+    assert (offload.demoted_bytes > 0) == (start == "all hot")
     got = _steps(model)
     for index, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"step {index}: max |diff| {(a - b).abs().max().item():.3e}"

@@ -97,3 +97,17 @@ def test_offload_options_follow_the_config_knobs(tmp_path):
     opts = offload_options(cfg, {})
     assert (opts.vram_bytes, opts.placement, opts.decode_cold, opts.cpu_threads) == (2 * 2**30, "static", "copy", 3)
     assert offload_options(cfg, {"expert_vram_gib": 0}) is None  # plugin options win over the config
+
+
+def test_registration_pieces_never_split_a_slot():
+    """A copy may not span two cudaHostRegister ranges, so slots of expert bytes sit inside one piece."""
+    from ds4d.cuda.host_memory import register_pieces
+
+    slot = 13_369_344  # one V4-Flash MXFP4 expert, 256-byte aligned parts
+    start, count = 1 << 21, 300
+    pieces = register_pieces(start, count * slot, unit=slot)
+    assert pieces[0][0] == start and sum(size for _, size in pieces) == count * slot
+    assert all(a + size == b for (a, size), (b, _) in zip(pieces, pieces[1:]))  # contiguous, no gap
+    assert all(size % slot == 0 and size <= 1 << 30 for _, size in pieces)
+    assert len(pieces) == -(-count // ((1 << 30) // slot))
+    assert register_pieces(start, 5 << 30) == [(start + (i << 30), 1 << 30) for i in range(5)]
