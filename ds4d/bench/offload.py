@@ -120,6 +120,8 @@ def run_offload(args) -> int:
                                    native=args.native))
     offload = model.expert_offload
     _set_path(model, "graphs")  # decode steps that read cold experts in place (zero copy) replay graphs
+    if args.compile:
+        model.compile_decode()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     _say(f"zero-copy decode: {offload.zero_copy}")
@@ -142,8 +144,19 @@ def run_offload(args) -> int:
         stats = offload.expert_stats()
         _say(f"{fraction:.0%} on device: {stats['gpu_experts']} experts; host RAM {stats['host_ram_bytes'] / 2**30:.1f} "
              f"GiB for {stats['host_experts']} experts")
-        rows.append((f"{stats['gpu_experts']}/{total} experts on device ({fraction:.0%})",
-                     timed(f"{fraction:.0%} on device"), same))
+        label = f"{stats['gpu_experts']}/{total} experts on device ({fraction:.0%})"
+        try:
+            rows.append((label + (", compiled" if args.compile else ""), timed(f"{fraction:.0%} on device"), same))
+        except Exception as exc:  # a failed compile must not lose the uncompiled figures
+            if not args.compile:
+                raise
+            _say(f"  compiled decode failed ({type(exc).__name__}: {exc}); again without torch.compile")
+            args.compile = False
+            model._graphs.clear()
+            from ds4d.cuda.graphs import GraphCache
+
+            model._graphs = GraphCache(model._decode_step)
+            rows.append((label, timed(f"{fraction:.0%} on device"), same))
 
     pcie = offload.pcie_bytes_s
     stats = offload.expert_stats()

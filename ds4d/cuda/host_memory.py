@@ -166,6 +166,7 @@ class HostSlots:
         if count <= 0:
             return
         raw = self.arena.empty((count, self.slot_bytes), torch.uint8)
+        raw.zero_()  # touch the pages in torch's threads: registering untouched memory faults it in slowly
         self.pinned.pin([raw], unit=self.slot_bytes)
         chunk = len(self.chunks)
         self.chunks.append({name: raw[:, at : at + nbytes].view(dtype).view(count, *shape)
