@@ -149,3 +149,17 @@ def mxfp4_grouped_kernel(even_ptr, odd_ptr, w_ptr, s_ptr, out_ptr, tile_expert_p
         acc += tl.dot(odd, high.to(odd.dtype))
     tl.store(out_ptr + rows[:, None] * sor + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=live_rows[:, None] & live_cols[None, :])
+
+
+@triton.jit
+def gather_cold_kernel(src_table, on_host_ptr, expert_ptr, dst_ptr, words, dst_row_words, block: tl.constexpr):
+    """Row ``r``'s expert, when it sits in host memory: its ``words`` int64 words from address
+    ``src_table[expert]`` into ``dst[r]``, ``block`` words a program (large contiguous reads, which
+    a PCIe link serves far better than the scattered small reads of a GEMV).  Hot rows do nothing."""
+    row = tl.program_id(0)
+    expert = tl.load(expert_ptr + row)
+    if tl.load(on_host_ptr + expert) != 0:
+        src = tl.load(src_table + expert).to(tl.pointer_type(tl.int64))
+        at = tl.program_id(1) * block + tl.arange(0, block)
+        live = at < words
+        tl.store(dst_ptr + row * dst_row_words + at, tl.load(src + at, mask=live, other=0), mask=live)

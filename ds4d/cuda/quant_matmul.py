@@ -16,6 +16,9 @@ decode step reads half (FP8) or about a quarter (MXFP4) of the bf16 bytes.
   the rows of one MoE call each pick an expert by index), a GEMV per row; the
   kernel finds each expert through an address table (:func:`mxfp4_rows_at`), so
   an expert may also sit in page-locked host memory the GPU reads in place.
+* :func:`gather_cold`: the experts of a few rows that sit in host memory
+  copied whole into device scratch by one kernel (large reads), so the GEMV
+  then reads device memory.
 * :func:`mxfp4_grouped`: rows sorted by expert times their expert's matrix
   (prefill and large batches), tiles of rows of one expert each, tensor cores.
 
@@ -183,6 +186,20 @@ def mxfp4_rows_at(x: torch.Tensor, w_table: torch.Tensor, s_table: torch.Tensor,
                                            s_row_stride, out.stride(0), block_n=t["block_n"], block_b=t["block_b"],
                                            num_warps=t["warps"])
     return out
+
+
+@torch.compiler.disable
+def gather_cold(src_table: torch.Tensor, on_host: torch.Tensor, experts: torch.Tensor, dst: torch.Tensor) -> None:
+    """For each row ``r`` whose expert ``experts[r]`` is on the host (``on_host[e] != 0``), copy
+    ``dst.shape[1]`` int64 words from address ``src_table[e]`` into ``dst[r]`` (``dst``: int64
+    ``[rows >= len(experts), words]`` on the device).  No host read: capturable in a CUDA graph."""
+    import triton
+
+    rows, words = experts.shape[0], dst.shape[1]
+    if rows:
+        block = 4096
+        _kernels().gather_cold_kernel[(rows, triton.cdiv(words, block))](
+            src_table, on_host, experts, dst, words, dst.stride(0), block=block, num_warps=8)
 
 
 def expert_tiles(offsets: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

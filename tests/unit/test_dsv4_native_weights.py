@@ -94,10 +94,12 @@ def test_weight_format_choice():
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests run the compiled kernels")
-def test_offload_with_native_banks_equals_all_on_device(checkpoint):
+@pytest.mark.parametrize("gather_cold", [True, False], ids=["gathered", "in-place"])
+def test_offload_with_native_banks_equals_all_on_device(checkpoint, gather_cold):
     """Expert offload with MXFP4 device banks and staging (``OffloadOptions.native``): the hot bank,
-    the staged cold experts (prefill), the experts read in place through address tables (decode)
-    and the all-on-device model run the same kernels, so every step's logits are equal bit for bit."""
+    the staged cold experts (prefill), the experts read through address tables (decode: in place,
+    or first gathered into device scratch) and the all-on-device model run the same kernels, so
+    every step's logits are equal bit for bit."""
     prompt = [(i * 7919) % 5000 + 10 for i in range(150)]
 
     def run(model):
@@ -111,10 +113,12 @@ def test_offload_with_native_banks_equals_all_on_device(checkpoint):
     want = run(_load(checkpoint, native=True))
     model = _load(checkpoint, native=True)
     offload = ExpertOffload(model.weights, model.cfg, device="cpu", dtype=model.dtype,
-                            options=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy", native=True))
+                            options=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy", native=True,
+                                                   gather_cold=gather_cold))
     model.expert_offload = offload
     offload.set_placement([[e for e in range(8) if (e + layer) % 2] for layer in range(model.cfg.num_hidden_layers)])
     assert offload.native and isinstance(offload.banks[1].gate_up, Mxfp4Matrices)
+    assert offload.gather == gather_cold
     assert offload.device_expert_bytes == offload.host_expert_bytes  # stored bytes, not decoded ones
     assert all(layer.ffn.experts.native is None for layer in model.weights.layers)  # moved to the host copy
     assert offload.zero_copy  # a CPU "device" reads the host copies directly

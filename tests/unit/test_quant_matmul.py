@@ -115,3 +115,22 @@ def test_empty_batches():
     packed, scales, _ = _mxfp4_bank(2, 4, 32, gen)
     assert qm.mxfp4_rows(torch.zeros(0, 32), packed, scales, torch.zeros(0, dtype=torch.long)).shape == (0, 4)
     assert qm.mxfp4_grouped(torch.zeros(0, 32), packed, scales, torch.tensor([0, 0], dtype=torch.int32)).shape == (0, 4)
+
+
+def test_gather_cold_copies_only_rows_on_the_host():
+    """Each row whose expert sits on the host gets that expert's words, whole (a length that is not
+    a multiple of the kernel's block); rows of device experts keep what scratch held."""
+    torch.manual_seed(0)
+    words = 4096 * 2 + 123
+    experts = torch.randint(-2**62, 2**62, (5, words), dtype=torch.int64)
+    table = torch.tensor([experts[e].data_ptr() for e in range(5)], dtype=torch.int64)
+    on_host = torch.tensor([1, 0, 1, 0, 1], dtype=torch.int64)
+    rows = torch.tensor([4, 1, 0, 4, 3, 2], dtype=torch.int64)
+    dst = torch.full((8, words), -1, dtype=torch.int64)
+    qm.gather_cold(table, on_host, rows, dst)
+    for r, e in enumerate(rows.tolist()):
+        if on_host[e]:
+            assert torch.equal(dst[r], experts[e])
+        else:
+            assert (dst[r] == -1).all()
+    assert (dst[len(rows):] == -1).all()

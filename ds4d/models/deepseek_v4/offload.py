@@ -80,6 +80,9 @@ class OffloadOptions:
     mem_watermark_bytes: int = 0
     pin_threads: int = 8
     calibration: list[list[float]] | None = None
+    gather_cold: bool = True
+    """Zero-copy decode: copy the rows' cold experts into device scratch with one kernel (large
+    reads over the link), then run the GEMV on device memory; False: the GEMV reads them in place."""
     native: bool = False
     """MXFP4 experts stay MXFP4 on the device too (hot banks and staging; ``quant_matmul`` kernels):
     about a quarter of the bf16 bytes per device expert and no decode after a copy."""
@@ -227,9 +230,19 @@ class ExpertOffload:
         template = {name: t[0] for name, t in _stored_parts(bank, self.native).items()}
         self.host_expert_bytes = sum(t.numel() * t.element_size() for t in template.values())
         self.device_expert_bytes = self.host_expert_bytes if self.native else 3 * inter * hidden * element
+        self.slots = HostSlots(template, HostArena(), self.pinned)
+        self.zero_copy = self.native and (self.device.type == "cpu" or (
+            self.pinned.enabled and host_pointers_usable(self.device)))
+        """Decode steps of up to ``moe_gemv.MAX_ROWS`` (token, expert) rows read cold experts straight
+        from host memory (kernels on the device, through per-expert address tables): no host read,
+        no copy, so those steps are captured in CUDA graphs like the all-on-device ones."""
+        self.gather = self.zero_copy and options.gather_cold
+        """Zero-copy decode first copies its rows' cold experts into device scratch with one kernel."""
         stage_n = max(1, options.stage_experts)
         quantised_stage = self.host_expert_bytes if self.kind != "float" and not self.native else 0
         self.staging_bytes = 2 * stage_n * (self.device_expert_bytes + quantised_stage)
+        if self.gather:
+            self.staging_bytes += moe_gemv.MAX_ROWS * self.slots.slot_bytes
         total = self.layers * self.experts
         capacity = capacity_for_budget(options.vram_bytes, self.device_expert_bytes, self.staging_bytes, total)
         calibration = options.calibration
@@ -242,7 +255,6 @@ class ExpertOffload:
                                       replan_tokens=options.replan_tokens, calibration=calibration)
         self._initial = self.policy.initial()
         host_count = total if self.keeps_all else total - capacity + stage_n  # a spare bank for moves
-        self.slots = HostSlots(template, HostArena(), self.pinned)
         new_bytes = host_count * self.slots.slot_bytes
         available = self._mem_available()
         if options.mem_watermark_bytes and available and available - new_bytes < options.mem_watermark_bytes:
@@ -253,11 +265,6 @@ class ExpertOffload:
         self.arena = self.slots.arena
         self.arena.huge_pages = huge_pages_fit(new_bytes)
         self.slots.grow(host_count)
-        self.zero_copy = self.native and (self.device.type == "cpu" or (
-            self.pinned.enabled and host_pointers_usable(self.device)))
-        """Decode steps of up to ``moe_gemv.MAX_ROWS`` (token, expert) rows read cold experts straight
-        from host memory (kernels on the device, through per-expert address tables): no host read,
-        no copy, so those steps are captured in CUDA graphs like the all-on-device ones."""
 
     def adopt(self, layer: int, bank: ExpertBank) -> ExpertBank:
         """Take over ``layer``'s stored experts (on any device): the hot ones into a device bank, the
@@ -285,6 +292,16 @@ class ExpertOffload:
         if missing:
             raise ValueError(f"expert offload: layers {missing} were never adopted")
         self.stages = [self._stage(max(1, self.options.stage_experts)) for _ in range(2)]
+        if self.gather:  # scratch for gathered cold experts (``_gathered``), one slot per decode row
+            words = self.slots.slot_bytes // 8
+            self._scratch = torch.empty((moe_gemv.MAX_ROWS, words), dtype=torch.int64, device=self.device)
+            base = self._scratch.data_ptr() + torch.arange(moe_gemv.MAX_ROWS, dtype=torch.int64) * self.slots.slot_bytes
+            offsets = {name: at for name, _, _, at, _ in self.slots.layout}
+            parts = torch.tensor([offsets[name] for name in ("gu", "sgu", "w2", "s2")], dtype=torch.int64)
+            if offsets["gu"] != 0:
+                raise ValueError("host slots must start with the gate/up bytes")
+            self._scratch_at = (base.unsqueeze(0) + parts.unsqueeze(1)).to(self.device)
+            self._row_ids = torch.arange(moe_gemv.MAX_ROWS, dtype=torch.int64, device=self.device)
         self.copier = CopyStream(self.device)
         self.pool = ThreadPoolExecutor(max(1, self.options.cpu_threads), thread_name_prefix="ds4d-expert")
         self.pcie_bytes_s, self.cpu_expert_s = self._measure()
@@ -517,8 +534,25 @@ class ExpertOffload:
         self.host_reads[layer] += (self.on_host[layer][flat] * real).sum()
         expert_of_row, order = torch.sort(flat, stable=True)
         gate_up, down = self.addressed[layer]
+        if self.gather:
+            gate_up, down, expert_of_row = self._gathered(layer, expert_of_row)
         out = expert_ffn(x[order // k], gate_up, down, None, expert_of_row, limit, step_rows=tokens * k)
         return combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
+
+    def _gathered(self, layer: int, experts: torch.Tensor) -> tuple[Mxfp4Addresses, Mxfp4Addresses, torch.Tensor]:
+        """The cold experts of these rows copied whole into device scratch (one kernel, large reads
+        over the link); address tables per row: the scratch copy for cold rows, the bank for hot
+        ones.  Row ``r`` then uses entry ``r``: the same bytes as in place, so the same results."""
+        rows = experts.shape[0]
+        table = self.tables[layer]
+        on_host = self.on_host[layer]
+        quant_matmul.gather_cold(table[0], on_host, experts, self._scratch)
+        scratch = self._scratch_at[:, :rows]  # [4, rows]: each part's address in row r's scratch
+        cold = on_host[experts].bool().unsqueeze(0)
+        addresses = torch.where(cold, scratch, table[:, experts])
+        inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
+        return (Mxfp4Addresses(addresses[0], addresses[1], 2 * inter, hidden),
+                Mxfp4Addresses(addresses[2], addresses[3], hidden, inter), self._row_ids[:rows])
 
     def _routed(self, layer, x, expert_weights, indices, limit, decode) -> torch.Tensor:
         tokens, k = indices.shape
@@ -675,7 +709,7 @@ class ExpertOffload:
         gpu = sum(len(bank.ids) for bank in self.banks if bank is not None)
         return {
             "routed experts (device banks)": {"vram_bytes": gpu * self.device_expert_bytes, "experts": gpu},
-            "expert staging (2 banks)": {"vram_bytes": self.staging_bytes},
+            "expert staging (2 banks, decode gather scratch)": {"vram_bytes": self.staging_bytes},
             "routed experts (host RAM, pinned)": {
                 "ram_bytes": self.slots.bytes, "experts": self.host_experts(), "slots": self.slots.slots,
                 "huge_pages": int(self.arena.huge_pages),
