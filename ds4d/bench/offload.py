@@ -26,13 +26,15 @@ def _cpu_experts(stats: dict) -> int:
 
 def _stream_options(cfg, fraction: float, args):
     """Offload options whose VRAM budget holds ``fraction`` of the experts (plus the staging banks)."""
+    from ds4d.cuda import moe_gemv
     from ds4d.models.deepseek_v4.offload import OffloadOptions
 
     element = 17 / 32 if args.native else (2 if args.dtype == "bfloat16" else 4)
     per_expert = int(3 * cfg.moe_intermediate_size * cfg.hidden_size * element)
     stage = 8
     experts = round(fraction * cfg.num_hidden_layers * cfg.n_routed_experts)
-    return OffloadOptions(vram_bytes=(2 * stage + experts) * per_expert + per_expert // 2, placement="static",
+    scratch = moe_gemv.MAX_ROWS if args.native else 0  # decode's gather scratch (an upper bound)
+    return OffloadOptions(vram_bytes=(2 * stage + scratch + experts) * per_expert + per_expert // 2, placement="static",
                           stage_experts=stage, cpu_threads=args.expert_cpu_threads, native=args.native)
 
 
@@ -67,7 +69,7 @@ def run_offload(args) -> int:
     long_ids = torch.randint(100, cfg.vocab_size, (1, args.context), generator=gen).tolist() if args.context else None
     steps = args.decode_tokens
 
-    def timed(label: str) -> dict:
+    def timed(label: str, long: bool = True) -> dict:
         """Prefill 2K (and ``--context``) and decode b1 after 1K: tok/s, and the offload's traffic in each."""
         offload = model.expert_offload
         stats = offload.expert_stats if offload else (lambda: None)
@@ -77,7 +79,7 @@ def run_offload(args) -> int:
         s0 = stats()
         prefill = run_batch(core, prefill_ids, 1, sync)
         s1 = stats()
-        run_batch(core, [decode_ids[0][:64]], 4, sync)
+        run_batch(core, decode_ids, 4, sync)  # decode warm-up at the timed context (graph capture, compile)
         s2 = stats()
         run_batch(core, decode_ids, 1, sync)  # the prompt alone, to take its copies out of the decode figures
         s3 = stats()
@@ -89,7 +91,7 @@ def run_offload(args) -> int:
             prompt, both = _delta(s3, s2), _delta(s4, s3)
             result.update(moved_prefill=_delta(s1, s0), moved_decode={k: (both[k] - prompt[k]) / tokens for k in both},
                           cpu=(_cpu_experts(s4) - _cpu_experts(s3)) / tokens)
-        if long_ids is not None:
+        if long_ids is not None and long:
             s5 = stats()
             result["long"] = run_batch(core, long_ids, 1, sync).prefill_tok_s
             if offload:
@@ -136,7 +138,13 @@ def run_offload(args) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         same = "not checked (no all-on-device run at this depth)"
-        if reference is not None:
+        if reference is None and offload.expert_stats()["ram_experts"] == 0:  # every expert placed on the device
+            _set_path(model, "eager")
+            reference = model.logits_for(check_ids)
+            moe_ref = offload.moe_forward(0, moe_x, moe_ids, layer.ffn, cfg)
+            _set_path(model, "graphs")
+            same = "reference (every expert on the device, placed as built)"
+        elif reference is not None:
             got = model.logits_for(check_ids)
             moe_got = offload.moe_forward(0, moe_x, moe_ids, layer.ffn, cfg)
             same = (f"MoE layer {torch.equal(moe_got, moe_ref)}; logits {torch.equal(got, reference)} "
@@ -145,6 +153,12 @@ def run_offload(args) -> int:
         _say(f"{fraction:.0%} on device: {stats['gpu_experts']} experts; host RAM {stats['host_ram_bytes'] / 2**30:.1f} "
              f"GiB for {stats['host_experts']} experts")
         label = f"{stats['gpu_experts']}/{total} experts on device ({fraction:.0%})"
+        if offload.gather:  # the same placement with decode reading cold experts in place, for comparison
+            offload.gather = False
+            rows.append((label + ", decode reads cold experts in place" + (", compiled" if args.compile else ""),
+                         timed(f"{fraction:.0%} on device, in place", long=False), same))
+            offload.gather = True
+            label += ", decode gathers cold experts first"
         try:
             rows.append((label + (", compiled" if args.compile else ""), timed(f"{fraction:.0%} on device"), same))
         except Exception as exc:  # a failed compile must not lose the uncompiled figures
@@ -189,7 +203,9 @@ def run_offload(args) -> int:
                 dlong = result["moved_long"]
                 long_floor = args.context / max(args.context / long_floor, dlong["bytes_copied"] / pcie)
                 moved_l = f"{dlong['bytes_copied'] / 1e9:.1f} / {dlong['bytes_skipped'] / 1e9:.1f}"
-        long_cells = f" {result['long']:,.0f} | {long_floor:,.0f} | {moved_l} |" if args.context else ""
+        long_cells = ""
+        if args.context:
+            long_cells = f" {result['long']:,.0f} | {long_floor:,.0f} | {moved_l} |" if "long" in result else " | | |"
         _say(f"| {label} | {result['prefill']:,.0f} | {pre_floor:,.0f} | {moved_p} | {result['decode']:,.1f} | "
              f"{dec_floor:,.0f} | {moved_d} | {cpu:.1f} |{long_cells} {same or 'reference'} |")
     hit = [row["hit_rate"] for row in stats["layers"] if row["hit_rate"] is not None]
