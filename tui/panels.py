@@ -346,8 +346,10 @@ class ExpertsPanel(Panel):
         experts = fields.mapping(self.snapshot, "experts")
         size = partial(self.size_text, width=width)
         bandwidth = fields.number(experts, "pcie_gb_s")
+        host_bytes = fields.number(experts, "host_ram_bytes")
         placement = Text(f"GPU {exact_count(fields.integer(experts, 'gpu_experts'))}"
-                         f"  RAM {exact_count(fields.integer(experts, 'ram_experts'))}  PCIe ")
+                         f"  RAM {exact_count(fields.integer(experts, 'ram_experts'))}"
+                         f"{'' if host_bytes is None else f' ({size(host_bytes)})'}  PCIe ")
         placement.append(MISSING if bandwidth is None else f"{bandwidth:.1f} GB/s", style="bold")
         skipped = count_text(fields.number(experts, "skipped_transfers"))
         traffic = Text(f"copied {size(fields.number(experts, 'bytes_copied'))}  skipped "

@@ -147,3 +147,17 @@ def test_state_ignores_garbage_values():
     assert list(state.decode_tok_s) == [None]
     assert state.peaks == {} and state.gpu_used_bytes == {}
     assert state.frames == 1
+
+
+def test_experts_panel_shows_the_host_ram_its_cold_experts_take():
+    from tui.panels import ExpertsPanel
+    from tui.state import ConsoleState
+
+    state = ConsoleState()
+    state.snapshot = {"experts": {"gpu_experts": 8256, "ram_experts": 2752, "pcie_gb_s": 49.1,
+                                  "host_ram_bytes": 2752 * 13_369_344, "bytes_copied": 0, "bytes_skipped": 0,
+                                  "skipped_transfers": 0}}
+    first = ExpertsPanel(state).lines(120)[0].plain
+    assert first.startswith("GPU 8256  RAM 2752 (34.3 GiB)  PCIe 49.1 GB/s"), first
+    del state.snapshot["experts"]["host_ram_bytes"]  # an older daemon: no size shown
+    assert ExpertsPanel(state).lines(120)[0].plain.startswith("GPU 8256  RAM 2752  PCIe")
