@@ -75,6 +75,9 @@ def add_parser(sub) -> None:
                    help="e.g. 1,0.5,0.25: share of routed experts kept on the device, the rest in pinned host RAM "
                         "(runs the expert-offload bench instead: ds4d.bench.offload)")
     p.add_argument("--expert-cpu-threads", type=int, default=8, help="host threads for cold experts in decode")
+    p.add_argument("--gather-only", action="store_true",
+                   help="with --expert-gpu-fraction and native weights: skip the rows whose decode reads cold experts "
+                        "in place (time only the default, gathered reads)")
     p.add_argument("--stream-experts", action="store_true",
                    help="with --expert-gpu-fraction: place each layer's experts as it is built (the first fraction), "
                         "for models whose experts do not fit the device; no all-on-device rows")

@@ -96,6 +96,8 @@ def run_offload(args) -> int:
             result["long"] = run_batch(core, long_ids, 1, sync).prefill_tok_s
             if offload:
                 result["moved_long"] = _delta(stats(), s5)
+        if device.type == "cuda":
+            result["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
         _say(f"  {label}: {result}")
         return result
 
@@ -153,7 +155,7 @@ def run_offload(args) -> int:
         _say(f"{fraction:.0%} on device: {stats['gpu_experts']} experts; host RAM {stats['host_ram_bytes'] / 2**30:.1f} "
              f"GiB for {stats['host_experts']} experts")
         label = f"{stats['gpu_experts']}/{total} experts on device ({fraction:.0%})"
-        if offload.gather:  # the same placement with decode reading cold experts in place, for comparison
+        if offload.gather and not args.gather_only:  # the same placement, decode reading cold experts in place
             offload.gather = False
             rows.append((label + ", decode reads cold experts in place" + (", compiled" if args.compile else ""),
                          timed(f"{fraction:.0%} on device, in place", long=False), same))
