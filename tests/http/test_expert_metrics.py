@@ -49,3 +49,15 @@ def test_expert_counters_in_metrics_and_stats(daemon):
     hit_rates = re.findall(r'^ds4d_expert_gpu_hit_rate\{layer="\d+"\} (\S+)$', metrics, re.M)
     assert hit_rates and all(float(rate) == 0.0 for rate in hit_rates)  # nothing is on the device
     assert "# TYPE ds4d_expert_bytes_skipped_total counter" in metrics
+
+
+def test_memory_plan_at_start_names_vram_and_host_ram(daemon):
+    """The start-up log's memory plan: the dense weights on the device, the routed experts' host RAM
+    (every expert cold here) with the same bytes the stats report."""
+    experts = json.loads(_get(daemon, "/v1/ds4d/stats"))["experts"]
+    plan = [line for line in daemon.log_lines if "memory plan:" in line]
+    assert any("dense weights" in line and "vram" in line for line in plan), plan
+    host = [line for line in plan if "host RAM, pinned" in line]
+    assert len(host) == 1 and "experts 16" in host[0], plan
+    assert f"ram {experts['host_ram_bytes'] / 2**30:.2f} GiB" in host[0]
+
