@@ -111,3 +111,31 @@ def test_registration_pieces_never_split_a_slot():
     assert all(size % slot == 0 and size <= 1 << 30 for _, size in pieces)
     assert len(pieces) == -(-count // ((1 << 30) // slot))
     assert register_pieces(start, 5 << 30) == [(start + (i << 30), 1 << 30) for i in range(5)]
+
+
+def test_host_slots_hand_out_aligned_disjoint_views():
+    """Each slot's parts are views at 256-byte aligned offsets inside the slot; writing one slot's part
+    leaves every other slot and part alone; slots given back are handed out again before the pool grows."""
+    import torch
+
+    from ds4d.cuda.host_memory import HostArena, HostSlots, PinnedRegistry
+
+    template = {"gu": torch.zeros(6, 10, dtype=torch.uint8), "sgu": torch.zeros(6, 1, dtype=torch.uint8),
+                "w2": torch.zeros(3, 7, dtype=torch.bfloat16)}
+    slots = HostSlots(template, HostArena(), PinnedRegistry(1))
+    assert [at for _, _, _, at, _ in slots.layout] == [0, 256, 512] and slots.slot_bytes == 768
+    slots.grow(3)
+    taken = [slots.take() for _ in range(3)]
+    assert taken == [(0, 0), (0, 1), (0, 2)] and slots.bytes == 3 * 768
+    for number, slot in enumerate(taken):
+        for name, view in slots.parts(slot).items():
+            assert view.shape == template[name].shape and view.dtype == template[name].dtype
+            view.fill_(number + 1)
+    for number, slot in enumerate(taken):
+        assert all(bool((view == number + 1).all()) for view in slots.parts(slot).values())
+    slots.give(taken[1])
+    assert slots.take() == taken[1] and slots.slots == 3  # reused, no growth
+    fresh = slots.take()  # none free: a new chunk of one slot
+    assert fresh == (1, 0) and slots.slots == 4
+    slots.reserve(2)
+    assert len(slots.free) == 2 and slots.slots == 6

@@ -406,8 +406,8 @@ class ExpertOffload:
     def _measure(self) -> tuple[float, float]:
         """(host -> device bytes/s for one expert, seconds for one expert on one row on the host)."""
         stage = self.stages[0]
-        first = self.slots.chunks[0]
-        sources = [self.slots.parts((0, row)) for row in range(min(_slots(stage.gate_up), len(next(iter(first.values())))))]
+        # any slots will do for timing; they are all in the first chunk until a placement change grows it
+        sources = [self.slots.parts((0, row)) for row in range(min(_slots(stage.gate_up), self.slots.slots))]
         seconds = []
         for _ in range(4):  # a whole staging bank per copy; the first one warms up
             began = time.perf_counter()
