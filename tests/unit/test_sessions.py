@@ -197,3 +197,29 @@ def test_known_prefix_tokenises_only_the_new_part_and_gives_the_same_ids(tok, en
               {"role": "user", "content": "Thanks."}]  # the text leaves the reply mid-token: no shortcut
     text = render(encoder, edited).text
     assert memory.prefix_finder(("", "s1"))(text) is None
+
+
+def test_common_prefix_matches_an_id_by_id_scan():
+    """Block-wise comparison gives the id-by-id answer: differences before, at and after block edges,
+    one sequence a prefix of the other, lists against tuples."""
+    import random
+
+    from ds4d.server.sessions import _PREFIX_STEP, _common_prefix
+
+    def scan(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    rng = random.Random(0)
+    base = [rng.randrange(50) for _ in range(3 * _PREFIX_STEP + 17)]
+    cuts = [0, 1, _PREFIX_STEP - 1, _PREFIX_STEP, _PREFIX_STEP + 1, 2 * _PREFIX_STEP, len(base) - 1]
+    for cut in cuts:
+        changed = base[:cut] + [base[cut] + 1] + base[cut + 1 :]
+        assert _common_prefix(base, changed) == scan(base, changed) == cut
+        assert _common_prefix(tuple(changed), base) == cut
+        assert _common_prefix(base[:cut], base) == cut  # a prefix of the other
+        assert _common_prefix(base, base[:cut]) == cut
+    assert _common_prefix(base, list(base)) == len(base)
+    assert _common_prefix([], base) == 0
