@@ -66,6 +66,9 @@ class Config:
     max_num_seqs: int = knob(16, "Most requests running at once (state slots).", section="engine")
     kv_cache_tokens: int = knob(0, "KV pool size in tokens; 0 = enough for max_num_seqs full contexts, capped by memory.", section="engine")
     kv_cache_gib: float = knob(4.0, "Upper bound on the KV pool in GiB when kv_cache_tokens is 0.", section="engine")
+    gpu_memory_utilization: float = knob(
+        0.92, "Share of a GPU's memory planned for weights, activations, CUDA graphs and the KV/state pool "
+        "(the pool gets what is left of it; the rest is headroom).", section="engine")
     prefix_caching: bool = knob(True, "Reuse KV blocks of identical prompt prefixes. Turning it off is a debugging aid.", section="engine", debug=True)
     # --- cache
     cache_tiers: tuple[str, ...] = knob(("gpu", "ram", "disk"), "Prefix-cache tiers, fastest first (cache_tier plugins); the KV pool (gpu) always comes first. A block evicted from one tier moves to the next; a hit below the pool is copied back. A tier with a zero budget or no directory is off.", section="cache")
@@ -241,6 +244,8 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"config knob {name!r} must not be negative")
     if config.step_tokens < config.max_num_seqs:
         raise ConfigError("step_tokens must be at least max_num_seqs (one decode token each)")
+    if not 0 < config.gpu_memory_utilization <= 1:
+        raise ConfigError("config knob 'gpu_memory_utilization' must be in (0, 1]")
 
 
 def render_default_toml() -> str:

@@ -135,6 +135,7 @@ class Kernel:
         resolved = replace(self.config, device=self.config.resolved_device(), dtype=self.config.resolved_dtype())
         self.ctx = PluginContext(config=resolved, log=log)
         self.state = None
+        self.memory_plan = None  # the GPU memory plan of the last build (ds4d.engine.memory_plan), if any
         self._runner = None
         self._stats_task: asyncio.Task | None = None
         self._watchdog_task: asyncio.Task | None = None
@@ -211,12 +212,22 @@ class Kernel:
         info = model.info
         max_context = min(cfg.max_context or info.max_context_tokens, info.max_context_tokens)
         pool_tokens = self._pool_tokens(info, max_context)
+        plan = self._memory_plan(model, info, max_context)
+        state_bytes = cfg.max_num_seqs * info.state_bytes_per_seq
+        if plan is not None:  # the pool gets what the plan leaves (an explicit size must fit it)
+            pool_tokens = plan.pool_tokens(pool_tokens, block_bytes=info.cache_bytes_per_block,
+                                           block_tokens=info.block_size_tokens, state_bytes=state_bytes,
+                                           explicit=bool(cfg.kv_cache_tokens))
         num_blocks = -(-pool_tokens // info.block_size_tokens)
         max_context = min(max_context, num_blocks * info.block_size_tokens)
         model.allocate_cache(num_blocks, cfg.max_num_seqs)
         log.info("KV pool: %d blocks x %d tokens (%.2f GiB), %d state slots; max context %d tokens",
                  num_blocks, info.block_size_tokens, num_blocks * info.cache_bytes_per_block / GIB,
                  cfg.max_num_seqs, max_context)
+        if plan is not None:
+            self.memory_plan = replace(plan, kv_bytes=num_blocks * info.cache_bytes_per_block + state_bytes)
+            for line in self.memory_plan.lines():
+                log.info("%s", line)
 
         plugins = {"model_family": loaded_model.family}
         encoder_name = info.default_chat_encoder if cfg.chat_encoder == "auto" else cfg.chat_encoder
@@ -280,6 +291,37 @@ class Kernel:
             log.info("cache tier %s: %.2f GiB budget, %d blocks held%s", tier.name, s["budget_bytes"] / GIB,
                      s["blocks"], f" in {s['directory']}" if s.get("directory") else "")
         return cache
+
+    def _memory_plan(self, model: Model, info, max_context: int):
+        """The GPU memory plan (``ds4d.engine.memory_plan``) of a model on one CUDA device; None on the
+        CPU and for a model split over processes (each rank sizes its own device)."""
+        from ds4d.engine.memory_plan import GpuMemoryPlan, MemoryPlanError, profile_activations, step_chunks
+
+        cfg = self.config
+        memory = self.device_memory(str(info.device)) if not cfg.gpus else None
+        if memory is None:
+            return None
+        weights = memory.allocated()
+        chunks = step_chunks(cfg.step_tokens, cfg.prefill_chunk, cfg.max_num_seqs, max_context)
+        try:
+            activations = profile_activations(model, info, chunks, memory)
+        except Exception as exc:
+            if "out of memory" in str(exc).lower():
+                raise MemoryPlanError(f"one engine step of {sum(chunks)} prompt tokens does not fit on {info.device} "
+                                      f"next to the weights ({exc}): lower step_tokens or prefill_chunk") from exc
+            log.warning("GPU memory plan skipped: the profiling step failed: %s: %s", type(exc).__name__, exc)
+            return None
+        return GpuMemoryPlan(str(info.device), memory.total(), cfg.gpu_memory_utilization, weights, activations,
+                             tuple(chunks))
+
+    @staticmethod
+    def device_memory(device: str):
+        """A ``DeviceMemory`` for a CUDA device, None elsewhere (tests put a stand-in here)."""
+        if not device.startswith("cuda"):
+            return None
+        from ds4d.engine.memory_plan import CudaMemory
+
+        return CudaMemory(device)
 
     def _pool_tokens(self, info, max_context: int) -> int:
         cfg = self.config

@@ -1,0 +1,141 @@
+"""The GPU memory plan: its arithmetic, and the daemon's build sizing the KV pool to fit it.
+
+The device is a stand-in (:class:`FakeMemory`) that answers as ``torch.cuda``
+would: bytes allocated, a peak that the profiling step raises, the device's
+total.  The model is the toy model on the CPU, so the profiling step is a real
+forward through the same contract a GPU model serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from ds4d.config import load_config
+from ds4d.engine.memory_plan import (
+    GRAPH_RESERVE_BYTES,
+    GpuMemoryPlan,
+    MemoryPlanError,
+    profile_activations,
+    step_chunks,
+)
+from ds4d.kernel import Kernel, LoadedModel
+from tests.toy_model import ToyModel
+
+GIB = 1 << 30
+
+
+class FakeMemory:
+    """Weights take ``weights`` bytes; a forward raises the peak by ``step`` bytes over what is allocated."""
+
+    def __init__(self, total: int, weights: int, step: int, model: ToyModel) -> None:
+        self.total_bytes, self.weights, self.step, self.model = total, weights, step, model
+        self.forwards_seen = 0
+        self.peak_bytes = 0
+
+    def total(self) -> int:
+        return self.total_bytes
+
+    def allocated(self) -> int:
+        cache = self.model.pool.numel() * 8 if getattr(self.model, "pool", None) is not None else 0
+        return self.weights + cache
+
+    def reset_peak(self) -> None:
+        self.forwards_seen = self.model.forwards
+        self.peak_bytes = self.allocated()
+
+    def peak(self) -> int:
+        return self.peak_bytes + self.step * (self.model.forwards - self.forwards_seen)
+
+
+class CountingToy(ToyModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.forwards = 0
+        self.fed: list[int] = []
+
+    def forward(self, batch):
+        self.forwards += 1
+        self.fed.append(sum(len(chunk.token_ids) for chunk in batch.chunks))
+        return super().forward(batch)
+
+
+def test_plan_arithmetic_and_refusals():
+    plan = GpuMemoryPlan("cuda:0", total=100 * GIB, utilization=0.9, weights=60 * GIB, activations=5 * GIB,
+                         profiled=(4096, 4096))
+    assert plan.kv_budget == 90 * GIB - 65 * GIB - GRAPH_RESERVE_BYTES
+    block = 1 << 20  # 1 MiB per 256-token block
+    fits = (plan.kv_budget - GIB) // block * 256
+    assert plan.pool_tokens(1000, block_bytes=block, block_tokens=256, state_bytes=GIB, explicit=True) == 1000
+    assert plan.pool_tokens(10**9, block_bytes=block, block_tokens=256, state_bytes=GIB, explicit=False) == fits
+    with pytest.raises(MemoryPlanError, match="lower kv_cache_tokens"):
+        plan.pool_tokens(10**9, block_bytes=block, block_tokens=256, state_bytes=GIB, explicit=True)
+    full = GpuMemoryPlan("cuda:0", total=100 * GIB, utilization=0.5, weights=60 * GIB, activations=0,
+                         profiled=(1,))
+    assert full.kv_budget == 0
+    with pytest.raises(MemoryPlanError, match="raise gpu_memory_utilization"):
+        full.pool_tokens(256, block_bytes=block, block_tokens=256, state_bytes=0, explicit=False)
+    lines = plan.lines()
+    assert lines[0].startswith("GPU memory plan on cuda:0: 100.0 GiB, 90% planned")
+    assert any("activations (peak of a step of 2 x 4096 tokens)" in line and "5.00 GiB" in line for line in lines)
+
+
+def test_profiling_step_feeds_the_largest_step_and_measures_its_peak():
+    assert step_chunks(8192, 4096, 16, 10**6) == [4096, 4096]
+    assert step_chunks(8192, 4096, 16, 1000) == [1000] * 8 + [192]  # no chunk longer than the context
+    assert step_chunks(100, 30, 2, 10**6) == [30, 30]  # at most max_num_seqs sequences
+    model = CountingToy()
+    memory = FakeMemory(total=GIB, weights=1000, step=777, model=model)
+    assert profile_activations(model, model.info, [50, 7], memory) == 777
+    assert model.fed == [57] and model.pool.shape[0] == 13 + 2  # ceil(50 / 4) + ceil(7 / 4) blocks, just enough
+
+
+def _build(tmp_path, model, memory_for, **knobs):
+    loaded = load_config({"max_context": 512, "max_num_seqs": 2, "step_tokens": 64, "prefill_chunk": 48,
+                          "served_model_name": "toy",
+                          **knobs}, environ={"DS4D_CONFIG": str(tmp_path / "none.toml")})
+    kernel = Kernel(loaded)
+    kernel.device_memory = memory_for
+    loop = asyncio.new_event_loop()
+    try:
+        state = kernel.build(LoadedModel(model, "toy", tmp_path), loop)
+        state.core.stop(2)
+    finally:
+        loop.close()
+    return kernel, state
+
+
+def test_build_sizes_the_pool_to_the_plan_and_logs_it(tmp_path, caplog):
+    model = CountingToy()
+    block_bytes = model.info.cache_bytes_per_block
+    # a device whose plan leaves room for 40 blocks of KV next to weights, activations and graphs
+    weights, step = 5 * GIB, 3000
+    total = int((weights + step + GRAPH_RESERVE_BYTES + 40.5 * block_bytes) / 0.92) + 1
+    memory = FakeMemory(total=total, weights=weights, step=step, model=model)
+    with caplog.at_level(logging.INFO, logger="ds4d"):
+        kernel, state = _build(tmp_path, model, lambda device: memory)
+    plan = kernel.memory_plan
+    assert plan is not None and plan.weights == weights and plan.activations == step
+    assert plan.profiled == (48, 16) and model.fed[0] == 64  # step_tokens in prefill_chunk pieces
+    blocks = state.core.scheduler.pool.num_blocks
+    assert blocks * block_bytes <= plan.kv_budget < (blocks + 1) * block_bytes  # as many whole blocks as fit
+    assert blocks == 40 < 2 * 512 // 4  # fewer than the 2 full contexts asked for
+    assert plan.kv_bytes == blocks * block_bytes and plan.headroom == total - weights - step - GRAPH_RESERVE_BYTES \
+        - plan.kv_bytes
+    assert state.max_context_tokens == min(512, blocks * 4)
+    assert any("GPU memory plan on cpu" in r.getMessage() for r in caplog.records)
+    assert any("KV/state pool" in r.getMessage() for r in caplog.records)
+
+
+def test_explicit_pool_that_does_not_fit_is_refused(tmp_path):
+    model = CountingToy()
+    memory = FakeMemory(total=2 * GIB, weights=GIB, step=0, model=model)
+    with pytest.raises(MemoryPlanError, match="KV pool of 8000000 tokens"):
+        _build(tmp_path, model, lambda device: memory, kv_cache_tokens=8_000_000)
+
+
+def test_no_plan_on_the_cpu(tmp_path):
+    kernel, state = _build(tmp_path, CountingToy(), Kernel.device_memory)
+    assert kernel.memory_plan is None and state.core.scheduler.pool.num_blocks == 2 * (512 // 4)
