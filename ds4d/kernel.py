@@ -306,7 +306,9 @@ class Kernel:
         try:
             activations = profile_activations(model, info, chunks, memory)
         except Exception as exc:
-            if "out of memory" in str(exc).lower():
+            import torch
+
+            if isinstance(exc, torch.OutOfMemoryError):
                 raise MemoryPlanError(f"one engine step of {sum(chunks)} prompt tokens does not fit on {info.device} "
                                       f"next to the weights ({exc}): lower step_tokens or prefill_chunk") from exc
             log.warning("GPU memory plan skipped: the profiling step failed: %s: %s", type(exc).__name__, exc)

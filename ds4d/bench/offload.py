@@ -130,7 +130,7 @@ def run_offload(args) -> int:
         torch.cuda.empty_cache()
     _say(f"zero-copy decode: {offload.zero_copy}")
     _say(f"experts to host RAM in {time.perf_counter() - t0:.1f} s (pinned in {offload.pinned.seconds:.1f} s, "
-         f"huge pages {offload.arena.huge_pages}); PCIe {offload.pcie_bytes_s / 1e9:.1f} GB/s, "
+         f"huge pages {offload.slots.arena.huge_pages}); PCIe {offload.pcie_bytes_s / 1e9:.1f} GB/s, "
          f"CPU expert {offload.cpu_expert_s * 1e3:.2f} ms")
     total = cfg.num_hidden_layers * cfg.n_routed_experts
     for fraction in fractions:

@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from ds4d.config import GIB
 from ds4d.contracts import ForwardBatch, Model, ModelInfo, SeqChunk
 
 GRAPH_RESERVE_BYTES = 1 << 30
 """Kept for the decode CUDA graphs' memory pools (captured per batch bucket after start)."""
-GIB = 1 << 30
 
 
 class DeviceMemory(Protocol):

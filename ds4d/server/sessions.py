@@ -119,6 +119,7 @@ class SessionMemory:
         """The remembered turn this prompt continues furthest (the latest on a tie): the one a miss is
         measured against, so a side request of the same session (e.g. a title) is not taken for it."""
         best, best_len = None, -1
+        prompt_ids = list(prompt_ids)  # once, not per turn
         for turn in self._sessions.get(key, ()):  # latest first
             common = _common_prefix([*turn.prompt_ids, *turn.output_ids], prompt_ids)
             if common > best_len:

@@ -180,13 +180,13 @@ class ExpertOffload:
 
     def __init__(
         self, weights: ModelWeights | None, cfg: DeepseekV4Config, *, device: str | torch.device, dtype: torch.dtype,
-        options: OffloadOptions, mem_available=mem_available_bytes, layers: int | None = None,
+        options: OffloadOptions, mem_available=mem_available_bytes,
     ) -> None:
         self.cfg, self.options, self.dtype = cfg, options, dtype
         self.device = torch.device(device)
         if options.decode_cold not in DECODE_COLD:
             raise ValueError(f"decode_cold {options.decode_cold!r}: use one of {', '.join(DECODE_COLD)}")
-        self.layers = len(weights.layers) if weights is not None else (layers or cfg.num_hidden_layers)
+        self.layers = len(weights.layers) if weights is not None else cfg.num_hidden_layers
         self.experts = cfg.n_routed_experts
         self._mem_available = mem_available
         self.pinned = PinnedRegistry(options.pin_threads)
@@ -262,8 +262,7 @@ class ExpertOffload:
                 f"routed experts need {new_bytes / 2**30:.1f} GiB more host RAM, leaving "
                 f"{(available - new_bytes) / 2**30:.1f} GiB, under the {options.mem_watermark_bytes / 2**30:.1f} GiB "
                 "watermark: raise expert_vram_gib or lower mem_watermark_gib")
-        self.arena = self.slots.arena
-        self.arena.huge_pages = huge_pages_fit(new_bytes)
+        self.slots.arena.huge_pages = huge_pages_fit(new_bytes)
         self.slots.grow(host_count)
 
     def adopt(self, layer: int, bank: ExpertBank) -> ExpertBank:
@@ -393,9 +392,7 @@ class ExpertOffload:
         self.on_host[layer].copy_(torch.tensor([int(slot < 0) for slot in bank.slot_of]))
         if self.tables[layer] is None:
             self.tables[layer] = table = table.to(self.device)
-            inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
-            self.addressed[layer] = (Mxfp4Addresses(table[0], table[1], 2 * inter, hidden),
-                                     Mxfp4Addresses(table[2], table[3], hidden, inter))
+            self.addressed[layer] = self._addresses(table)
         else:
             self.tables[layer].copy_(table)
 
@@ -433,8 +430,8 @@ class ExpertOffload:
         return self.layers * self.experts * self.host_expert_bytes
 
     def host_experts(self) -> int:
-        """Experts with a copy in host RAM."""
-        return sum(slot is not None for row in self.host_slot for slot in row)
+        """Experts with a copy in host RAM (each holds one slot)."""
+        return self.slots.slots - len(self.slots.free)
 
     def set_placement(self, hot: list[list[int]]) -> None:
         """Make ``hot[layer]`` the device-resident experts of each layer (between steps).
@@ -549,10 +546,14 @@ class ExpertOffload:
         quant_matmul.gather_cold(table[0], on_host, experts, self._scratch)
         scratch = self._scratch_at[:, :rows]  # [4, rows]: each part's address in row r's scratch
         cold = on_host[experts].bool().unsqueeze(0)
-        addresses = torch.where(cold, scratch, table[:, experts])
+        return (*self._addresses(torch.where(cold, scratch, table[:, experts])), self._row_ids[:rows])
+
+    def _addresses(self, table: torch.Tensor) -> tuple[Mxfp4Addresses, Mxfp4Addresses]:
+        """Gate/up and down matrices found through ``table`` (rows: gate/up bytes, its scales, down
+        bytes, its scales; one column per entry)."""
         inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
-        return (Mxfp4Addresses(addresses[0], addresses[1], 2 * inter, hidden),
-                Mxfp4Addresses(addresses[2], addresses[3], hidden, inter), self._row_ids[:rows])
+        return (Mxfp4Addresses(table[0], table[1], 2 * inter, hidden),
+                Mxfp4Addresses(table[2], table[3], hidden, inter))
 
     def _routed(self, layer, x, expert_weights, indices, limit, decode) -> torch.Tensor:
         tokens, k = indices.shape
@@ -712,7 +713,7 @@ class ExpertOffload:
             "expert staging (2 banks, decode gather scratch)": {"vram_bytes": self.staging_bytes},
             "routed experts (host RAM, pinned)": {
                 "ram_bytes": self.slots.bytes, "experts": self.host_experts(), "slots": self.slots.slots,
-                "huge_pages": int(self.arena.huge_pages),
+                "huge_pages": int(self.slots.arena.huge_pages),
                 "pinned": int(self.pinned.enabled)},
         }
 
