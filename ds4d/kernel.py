@@ -304,7 +304,7 @@ class Kernel:
         weights = memory.allocated()
         chunks = step_chunks(cfg.step_tokens, cfg.prefill_chunk, cfg.max_num_seqs, max_context)
         try:
-            activations = profile_activations(model, info, chunks, memory)
+            activations = profile_activations(model, info, chunks, memory, max_context)
         except Exception as exc:
             import torch
 

@@ -3,8 +3,8 @@
 What a GPU holds while ds4d serves: the weights (measured: bytes allocated on
 the device once the model has loaded, including hot expert banks and staging),
 activations (measured: the peak of one profiling step as large as the scheduler
-can form, ``step_tokens`` of fresh prompt in chunks of ``prefill_chunk``, one
-sequence each, over a cache just big enough for them), CUDA graphs (a fixed reserve: decode buckets
+can form, ``step_tokens`` of prompt in chunks of ``prefill_chunk``, one sequence
+each, every chunk at the end of a ``max_context``-token prompt), CUDA graphs (a fixed reserve: decode buckets
 are captured lazily, after start), and the KV/state pool.  The pool takes what
 ``gpu_memory_utilization`` of the device leaves after the other three (and at
 most ``kv_cache_gib``); an explicit ``kv_cache_tokens`` that does not fit is
@@ -126,18 +126,25 @@ def step_chunks(step_tokens: int, prefill_chunk: int, max_num_seqs: int, max_con
     return sizes
 
 
-def profile_activations(model: Model, info: ModelInfo, chunks: list[int], memory: DeviceMemory) -> int:
-    """Peak bytes one forward of fresh prompt chunks (one sequence each, ``chunks`` tokens long) adds
-    on the device, over a cache of just the blocks they need (the caller allocates the real cache
-    afterwards)."""
+def profile_activations(model: Model, info: ModelInfo, chunks: list[int], memory: DeviceMemory,
+                        context: int) -> int:
+    """Peak bytes one forward of prompt chunks (one sequence each, ``chunks`` tokens long) adds on the
+    device, each chunk the last piece of a ``context``-token prompt: attention over the compressed
+    entries, the indexer's scores and the window all grow with the context, so the end of the longest
+    prompt the daemon accepts is the largest step it can meet.  The blocks before a chunk's own are one
+    shared block (the values do not matter, the shapes do), so the cache holds just the blocks the
+    chunks write plus that one (the caller allocates the real cache afterwards)."""
     first = min(100, max(info.vocab_size - 1, 0))
     span = max(info.vocab_size - first, 1)
-    seqs, next_block = [], 0
+    block = info.block_size_tokens
+    seqs, next_block = [], 1  # block 0: the shared prefix
     for slot, tokens in enumerate(chunks):
-        blocks = -(-tokens // info.block_size_tokens)
+        start = max(0, context - tokens)
+        own = (start + tokens - 1) // block - start // block + 1
         ids = tuple(first + (i * 7919 + slot) % span for i in range(tokens))
-        seqs.append(SeqChunk(slot, ids, 0, tuple(range(next_block, next_block + blocks)), 1))
-        next_block += blocks
+        table = (0,) * (start // block) + tuple(range(next_block, next_block + own))
+        seqs.append(SeqChunk(slot, ids, start, table, 1))
+        next_block += own
     model.allocate_cache(next_block, len(chunks))
     base = memory.allocated()
     memory.reset_peak()

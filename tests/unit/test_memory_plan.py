@@ -51,14 +51,23 @@ class FakeMemory:
 
 
 class CountingToy(ToyModel):
+    """Counts its forwards; its cache reads unwritten slots as token 0, as a GPU pool reads whatever
+    it holds (the profiling step attends over a context nobody wrote)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.forwards = 0
         self.fed: list[int] = []
+        self.batches = []
+
+    def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
+        super().allocate_cache(num_blocks, max_seqs)
+        self.pool.zero_()
 
     def forward(self, batch):
         self.forwards += 1
         self.fed.append(sum(len(chunk.token_ids) for chunk in batch.chunks))
+        self.batches.append(batch)
         return super().forward(batch)
 
 
@@ -88,8 +97,15 @@ def test_profiling_step_feeds_the_largest_step_and_measures_its_peak():
     assert step_chunks(100, 30, 2, 10**6) == [30, 30]  # at most max_num_seqs sequences
     model = CountingToy()
     memory = FakeMemory(total=GIB, weights=1000, step=777, model=model)
-    assert profile_activations(model, model.info, [50, 7], memory) == 777
-    assert model.fed == [57] and model.pool.shape[0] == 13 + 2  # ceil(50 / 4) + ceil(7 / 4) blocks, just enough
+    assert profile_activations(model, model.info, [50, 7], memory, context=50) == 777
+    assert model.fed == [57] and model.pool.shape[0] == 1 + 13 + 3  # the shared block, positions 0..49, positions 43..49
+    # each chunk is the end of a context-token prompt: the blocks before its own are the shared block 0
+    assert profile_activations(model, model.info, [50, 7], memory, context=1001) == 777
+    long, short = model.batches[-1].chunks
+    assert (long.start_pos, short.start_pos) == (951, 994)
+    assert long.block_ids == (0,) * 237 + tuple(range(1, 15))  # positions 951..1000: blocks 237..250
+    assert short.block_ids == (0,) * 248 + (15, 16, 17)  # positions 994..1000: blocks 248..250
+    assert model.pool.shape[0] == 18
 
 
 def _build(tmp_path, model, memory_for, **knobs):
@@ -139,3 +155,29 @@ def test_explicit_pool_that_does_not_fit_is_refused(tmp_path):
 def test_no_plan_on_the_cpu(tmp_path):
     kernel, state = _build(tmp_path, CountingToy(), Kernel.device_memory)
     assert kernel.memory_plan is None and state.core.scheduler.pool.num_blocks == 2 * (512 // 4)
+
+
+def test_profiling_step_runs_on_a_v4_model_at_the_end_of_its_context(tmp_path):
+    """The V4 model attends over the shared-block prefix (window ring, compressed entries, indexer) at the
+    longest context it accepts; the step's logits are finite and the real cache comes afterwards."""
+    import torch
+
+    from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
+
+    write_tiny_checkpoint(tmp_path / "ckpt", seed=1, layers=[0, 4, 128])
+    model = load_model(tmp_path / "ckpt")
+    logits = []
+    forward = model.forward
+    model.forward = lambda batch: logits.append(forward(batch)) or logits[-1]
+
+    class Quiet:  # the CPU has no allocator peak to read
+        def total(self): return GIB
+        def allocated(self): return 0
+        def reset_peak(self): pass
+        def peak(self): return 0
+
+    context = model.info.max_context_tokens
+    assert profile_activations(model, model.info, [48, 16], Quiet(), context) == 0
+    assert logits[0].shape == (2, model.info.vocab_size) and torch.isfinite(logits[0]).all()
+    assert model.info.block_size_tokens == 128 and context % 128 == 0
+    assert model.cache.max_seqs == 2 and model.cache.num_blocks == 3  # the shared block, one block per chunk
