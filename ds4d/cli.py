@@ -24,6 +24,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # GPU indices (--gpus, cuda:N) in the order nvidia-smi and NVML use, not CUDA's fastest-first
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     loaded = _loaded(args)
+    if not loaded.config.gpus:
+        # Steps of many shapes share one device: segments that grow in place keep what the process
+        # holds near the memory plan's peak instead of piling up cached blocks of each shape.
+        # (Before the first CUDA allocation; an operator's own setting wins.)
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     logging.basicConfig(level=loaded.config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if loaded.config.gpus.strip().lower() == TORCHRUN and os.environ.get("RANK", "0") != "0":

@@ -43,6 +43,8 @@ def gpu_memory() -> list[dict[str, Any]]:
             "used_bytes": used,
             "total_bytes": total,
             "torch_allocated_bytes": torch.cuda.memory_allocated(index),
+            "torch_peak_allocated_bytes": torch.cuda.max_memory_allocated(index),
+            "torch_reserved_bytes": torch.cuda.memory_reserved(index),
         })
     return out
 

@@ -47,7 +47,9 @@ class ModelRunner:
         sampled: list[int] = []
         sampled_lp: list[TokenLogprob | None] = []
         if sample_rows:
-            sampled, sampled_lp = self.sampler.sample(torch.stack(sample_rows).float(), sample_meta)
+            every_row = len(sample_rows) == logits.shape[0] and logits.dtype == torch.float32
+            sampled, sampled_lp = self.sampler.sample(
+                logits if every_row else torch.stack(sample_rows).float(), sample_meta)
         out, k = [], 0
         for c, plp in zip(plan.chunks, prompt_lp):
             if c.sample:

@@ -46,7 +46,7 @@ class Sampler:
                 mask = rows[i][1].constraint.allowed_mask(logits.shape[-1])
                 if mask is not None:
                     logits[i].masked_fill_(~mask.to(logits.device), float("-inf"))
-        tokens = torch.argmax(logits, dim=-1)
+        tokens = greedy_tokens(logits)
         for i, (request_id, params) in enumerate(rows):
             if params.greedy:
                 continue
@@ -73,6 +73,28 @@ class Sampler:
             for j, i in enumerate(want):
                 logprobs[i] = make_logprob(lp[j], token_list[i], rows[i][1].logprobs or 0)
         return token_list, logprobs
+
+
+ARGMAX_SEGMENT = 256
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """``argmax(logits, -1)``; on CUDA through :func:`two_pass_argmax`, because one pass reduces a
+    129K-wide row inside one thread block (27 us on an H200)."""
+    if logits.is_cuda and logits.shape[-1] >= 4 * ARGMAX_SEGMENT:
+        return two_pass_argmax(logits)
+    return torch.argmax(logits, dim=-1)
+
+
+def two_pass_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first index of each row's largest value, as ``argmax``: the maximum of every segment of
+    ``ARGMAX_SEGMENT`` values (first index within it), then the first segment holding the largest."""
+    rows, width = logits.shape
+    if width % ARGMAX_SEGMENT:
+        logits = torch.nn.functional.pad(logits, (0, ARGMAX_SEGMENT - width % ARGMAX_SEGMENT), value=float("-inf"))
+    best, where = logits.reshape(rows, -1, ARGMAX_SEGMENT).max(dim=-1)
+    segment = best.argmax(dim=-1, keepdim=True)
+    return (segment * ARGMAX_SEGMENT + where.gather(1, segment)).squeeze(1)
 
 
 def make_logprob(logprob_row: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:

@@ -75,6 +75,10 @@ def one(i):
 with ThreadPoolExecutor(parallel) as pool:
     for usage, took in pool.map(one, range(parallel)):
         print(f"request: {usage['prompt_tokens']} prompt tokens, {usage['completion_tokens']} generated, {took:.1f} s")
+with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/ds4d/stats", timeout=10) as r:
+    for gpu in json.loads(r.read())["gpus"]:
+        print("after the load, GiB: " + ", ".join(f"{k.removesuffix('_bytes')} {v / 2**30:.2f}" for k, v in gpu.items()
+                                                  if k.endswith("_bytes")))
 EOF
 sleep 1
 kill $sampler 2>/dev/null

@@ -216,7 +216,7 @@ def _compressed_keys(
     if count == 0:
         return None
     compressed = gather_entries(cache.compressor.pool, chunk.block_ids, count)
-    if weights.indexer is not None:
+    if weights.indexer is not None and count > cfg.index_topk:  # fewer entries: the indexer would keep them all
         index_keys = gather_entries(cache.indexer.pool, chunk.block_ids, count)
         picked, valid = _indexer_topk(x, q_residual, positions, cos_sin, index_keys, weights.indexer, cfg)
         if count > SPARSE_FROM:  # each query's picks only: memory independent of the context

@@ -17,7 +17,8 @@ can move between the two paths at any step:
   written to entry ``w`` of the sequence's blocks; rows whose window is still
   open write the same arithmetic to the trash block instead;
 * compressed entries ``0 .. (p + 1) // r - 1`` are visible: all of them on HCA
-  layers, the lightning indexer's top-k of them on CSA layers.
+  layers, the lightning indexer's top-k of them on CSA layers (all of them while
+  the block table holds no more entry slots than the indexer keeps).
 """
 
 from __future__ import annotations
@@ -148,13 +149,15 @@ def decode_attention(
                   rope_compress, eps)
         entries = _gather(cache.compressor.pool, dec.block_table)
         visible = (dec.positions + 1) // ratio
+        valid = None
         if weights.indexer is not None:
             _compress(*project(x, dec.positions, weights.indexer.compressor), dec, weights.indexer.compressor,
                       cache.indexer, rope_compress, eps)
-            index_keys = _gather(cache.indexer.pool, dec.block_table)
-            picked, valid = _indexer_pick(x, q_residual, (cos, sin), index_keys, visible, weights.indexer, cfg)
-            entries = entries.gather(1, picked[..., None].expand(-1, -1, entries.shape[-1]))
-        else:
+            if entries.shape[1] > cfg.index_topk:  # fewer entry slots: the indexer would keep them all
+                index_keys = _gather(cache.indexer.pool, dec.block_table)
+                picked, valid = _indexer_pick(x, q_residual, (cos, sin), index_keys, visible, weights.indexer, cfg)
+                entries = entries.gather(1, picked[..., None].expand(-1, -1, entries.shape[-1]))
+        if valid is None:
             valid = torch.arange(entries.shape[1], device=x.device)[None, :] < visible[:, None]
         extra = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill_(~valid, float("-inf"))
         keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
