@@ -4,9 +4,8 @@ Turning a token's ``(2 + m) * m`` mixing logits into ``pre``, ``post`` and the
 doubly-stochastic ``comb`` takes about 130 tiny tensor ops in torch (20
 Sinkhorn iterations of row and column normalisation), run twice per layer;
 at decode batch sizes their launch cost dominates the whole step.  Here one
-kernel does it all: one thread per token with its ``m x m`` matrix in
-registers (the kernel is compiled per ``m``), so the 40 normalisations need no
-barrier or shared memory; same formulas (``ds4d.models.deepseek_v4.hyper`` is
+kernel does it all: ``m * m`` threads per token, one per matrix cell, the
+matrix in shared memory, same formulas (``ds4d.models.deepseek_v4.hyper`` is
 the reference), in float32.
 
 Numba is imported on first use only; :func:`available` says whether it can be.
@@ -21,8 +20,8 @@ import math
 
 import torch
 
-MAX_STREAMS = 8  # m * m float32 registers a thread
-_THREADS = 64
+MAX_STREAMS = 8  # m * m cells must fit in one block
+_THREADS = 128
 _state: dict[str, object] = {}
 
 
@@ -62,73 +61,74 @@ cuda = None  # numba.cuda, bound on first use (module globals are what the simul
 float32 = None
 
 
-def _specialised(m: int):
-    """The kernel for ``m`` streams: ``m`` is a compile-time constant, so the ``m * m`` matrix is a
-    fixed-size local array that the compiler keeps in registers (every index is known once the
-    loops over ``m`` are unrolled)."""
+def _hc_mix(mixes, base, scale, hc_eps, iters, m, pre, post, comb):
+    # one thread per comb cell, m * m threads per token, the matrix in shared memory
     cells = m * m
-
-    def _hc_mix(mixes, base, scale, hc_eps, iters, pre, post, comb):
-        t = cuda.grid(1)
-        if t >= mixes.shape[0]:
-            return
-        eps = float32(hc_eps)
-        one = float32(1.0)
-        c = cuda.local.array(cells, float32)
-        for i in range(m):  # softmax of each row, plus eps
-            top = float32(-math.inf)
-            for j in range(m):
-                v = mixes[t, 2 * m + i * m + j] * scale[2] + base[2 * m + i * m + j]
-                c[i * m + j] = v
-                top = max(top, v)
-            total = float32(0.0)
-            for j in range(m):
-                c[i * m + j] = math.exp(c[i * m + j] - top)
-                total += c[i * m + j]
-            for j in range(m):
-                c[i * m + j] = c[i * m + j] / total + eps
-        for step in range(iters):  # columns; then (rows, columns) iters - 1 times
-            if step > 0:
-                for i in range(m):
-                    total = float32(0.0)
-                    for j in range(m):
-                        total += c[i * m + j]
-                    for j in range(m):
-                        c[i * m + j] = c[i * m + j] / (total + eps)
-            for j in range(m):
-                total = float32(0.0)
-                for i in range(m):
-                    total += c[i * m + j]
-                for i in range(m):
-                    c[i * m + j] = c[i * m + j] / (total + eps)
-        for i in range(m):
-            for j in range(m):
-                comb[t, i, j] = c[i * m + j]
+    shared = cuda.shared.array(_THREADS, float32)
+    tid = cuda.threadIdx.x
+    local = tid // cells
+    cell = tid - local * cells
+    i = cell // m
+    j = cell - i * m
+    t = cuda.blockIdx.x * (_THREADS // cells) + local
+    live = t < mixes.shape[0] and local < _THREADS // cells
+    src = t if live else 0
+    eps = float32(hc_eps)
+    first = local * cells if local < _THREADS // cells else 0  # threads past the last whole token read token 0
+    row, col = first + i * m, first + j
+    v = mixes[src, 2 * m + cell] * scale[2] + base[2 * m + cell]
+    shared[tid] = v
+    cuda.syncthreads()
+    top = shared[row]
+    for k in range(1, m):
+        top = max(top, shared[row + k])
+    v = math.exp(v - top)
+    cuda.syncthreads()
+    shared[tid] = v
+    cuda.syncthreads()
+    total = float32(0.0)
+    for k in range(m):
+        total += shared[row + k]
+    v = v / total + eps
+    for step in range(2 * iters - 1):  # column, then (row, column) iters - 1 times
+        cuda.syncthreads()
+        shared[tid] = v
+        cuda.syncthreads()
+        total = float32(0.0)
+        if step % 2 == 0:
+            for k in range(m):
+                total += shared[col + k * m]
+        else:
+            for k in range(m):
+                total += shared[row + k]
+        v = v / (total + eps)
+    if live:
+        comb[t, i, j] = v
+        if j == 0:
+            one = float32(1.0)
             pre[t, i] = one / (one + math.exp(-(mixes[t, i] * scale[0] + base[i]))) + eps
             post[t, i] = float32(2.0) / (one + math.exp(-(mixes[t, m + i] * scale[1] + base[m + i])))
 
-    return _hc_mix
 
-
-def kernel(m: int):
-    """The jitted kernel ``(mixes, base, scale, hc_eps, iters, pre, post, comb)`` for ``m`` streams."""
+def kernel():
+    """The jitted kernel ``(mixes, base, scale, hc_eps, iters, m, pre, post, comb)``."""
     global cuda, float32
-    key = ("kernel", m)
-    if key not in _state:
+    if "kernel" not in _state:
         cuda = _cuda()
         from numba import float32 as f32
 
         float32 = f32
-        _state[key] = cuda.jit(_specialised(m))
-    return _state[key]
+        _state["kernel"] = cuda.jit(_hc_mix)
+    return _state["kernel"]
 
 
 def launch(mixes, base, scale, hc_eps: float, iters: int, m: int, pre, post, comb, stream=0) -> None:
     """Run the kernel on arrays numba accepts (device arrays, or numpy under the simulator)."""
     if m > MAX_STREAMS:
         raise ValueError(f"hc_mult {m} exceeds the kernel's {MAX_STREAMS}")
-    blocks = max(1, -(-mixes.shape[0] // _THREADS))
-    kernel(m)[blocks, _THREADS, stream](mixes, base, scale, hc_eps, iters, pre, post, comb)
+    tokens = mixes.shape[0]
+    blocks = max(1, -(-tokens // (_THREADS // (m * m))))
+    kernel()[blocks, _THREADS, stream](mixes, base, scale, hc_eps, iters, m, pre, post, comb)
 
 
 @torch.compiler.disable  # a launch through the driver: torch.compile leaves it as a call of its own
