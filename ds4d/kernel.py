@@ -304,7 +304,9 @@ class Kernel:
         weights = memory.allocated()
         chunks = step_chunks(cfg.step_tokens, cfg.prefill_chunk, cfg.max_num_seqs, max_context)
         try:
-            activations = profile_activations(model, info, chunks, memory, max_context)
+            probes = getattr(model, "activation_probe_contexts", None)
+            contexts = probes(max_context) if probes else [max_context]
+            activations = profile_activations(model, info, chunks, memory, contexts)
         except Exception as exc:
             import torch
 

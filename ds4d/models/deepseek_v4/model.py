@@ -121,6 +121,16 @@ class DeepseekV4Model:
 
             self._graphs = GraphCache(compiled)
 
+    def activation_probe_contexts(self, max_context: int) -> list[int]:
+        """Prompt lengths at whose end a prefill step holds the most activations (the memory plan
+        profiles each): the longest context, and for layers with the lightning indexer the last
+        length at which their compressed entries still go through a dense ``[queries, entries]``
+        score block (past ``attention.SPARSE_FROM`` entries each query gathers only its picks)."""
+        from ds4d.models.deepseek_v4.attention import SPARSE_FROM
+
+        dense = {SPARSE_FROM * layer.attn.ratio for layer in self.weights.layers if layer.attn.indexer is not None}
+        return sorted({min(c, max_context) for c in dense} | {max_context})
+
     # ------------------------------------------------------------------ contract
 
     def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
