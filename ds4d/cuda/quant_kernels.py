@@ -17,18 +17,9 @@ import triton.language as tl
 
 
 @triton.jit
-def e2m1_low(byte):
-    """The low 4-bit code of each byte (int32, bit 3 the sign) -> its value times 2^-14, as float32.
-    The code's bits go straight to their fp16 places (``(c & 7) << 9``, sign to bit 15), without
-    first shifting the code out of the byte: three integer operations a code."""
-    bits = ((byte << 9) & 0x0E00) | ((byte << 12) & 0x8000)
-    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def e2m1_high(byte):
-    """:func:`e2m1_low` of the high code (bits 4-7) of each byte."""
-    bits = ((byte << 5) & 0x0E00) | ((byte << 8) & 0x8000)
+def e2m1_scaled(code):
+    """4-bit codes (int32, bit 3 the sign) -> their values times 2^-14, as float32."""
+    bits = ((code & 7) << 9) | ((code & 8) << 12)
     return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
@@ -115,7 +106,7 @@ def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, expert_ptr, n, k: tl.con
         even = tl.load(x_ptr + row * sxr + 2 * byte, mask=live, other=0.0).to(tl.float32)
         odd = tl.load(x_ptr + row * sxr + 2 * byte + 1, mask=live, other=0.0).to(tl.float32)
         packed = tl.load(w_base + byte[None, :], mask=live_cols[:, None] & live[None, :], other=0).to(tl.int32)
-        part = e2m1_low(packed) * even[None, :] + e2m1_high(packed) * odd[None, :]
+        part = e2m1_scaled(packed & 15) * even[None, :] + e2m1_scaled(packed >> 4) * odd[None, :]
         groups = k0 // 16 + tl.arange(0, block_b // 16)
         scale = e8m0_scaled(tl.load(s_base + groups[None, :], mask=live_cols[:, None] & (groups[None, :] < k // 32),
                                     other=0))
@@ -150,9 +141,9 @@ def mxfp4_grouped_kernel(even_ptr, odd_ptr, w_ptr, s_ptr, out_ptr, tile_expert_p
         groups = k0 // 16 + tl.arange(0, block_b // 16)
         scale = e8m0_scaled(tl.load(s_base + groups[:, None], mask=live_cols[None, :] & (groups[:, None] < k // 32),
                                     other=0))[:, None, :]
-        low = tl.reshape(tl.reshape(e2m1_low(packed), [block_b // 16, 16, block_n]) * scale,
+        low = tl.reshape(tl.reshape(e2m1_scaled(packed & 15), [block_b // 16, 16, block_n]) * scale,
                          [block_b, block_n])
-        high = tl.reshape(tl.reshape(e2m1_high(packed), [block_b // 16, 16, block_n]) * scale,
+        high = tl.reshape(tl.reshape(e2m1_scaled(packed >> 4), [block_b // 16, 16, block_n]) * scale,
                           [block_b, block_n])
         acc += tl.dot(even, low.to(even.dtype))
         acc += tl.dot(odd, high.to(odd.dtype))
