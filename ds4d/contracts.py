@@ -137,6 +137,11 @@ class ForwardBatch:
     """Everything :meth:`Model.forward` needs for one engine step."""
 
     chunks: tuple[SeqChunk, ...]
+    input_tokens: Any = None
+    """A tensor ``[len(chunks)]`` on the model's device, or None.  When set, every chunk feeds one
+    token, and chunk ``i``'s token is ``input_tokens[i]`` (its ``token_ids`` hold a placeholder):
+    the previous step sampled them and the engine queued this step before reading them back.
+    Only a model whose ``accepts_input_tokens`` is true is given one."""
 
     @property
     def num_tokens(self) -> int:

@@ -251,7 +251,7 @@ class Kernel:
             log.warning("%s", scheduler.reuse_off_reason)
         core = EngineCore(scheduler, ModelRunner(model, Sampler(info.device)), model.tokenizer.eos_token_ids,
                           publish=lambda outputs: None, queue_timeout_s=cfg.queue_timeout_s,
-                          request_timeout_s=cfg.request_timeout_s)
+                          request_timeout_s=cfg.request_timeout_s, lookahead=cfg.decode_lookahead)
         client = EngineClient(core, loop)
         core.start()
         self.on_shutdown.insert(0, lambda: asyncio.to_thread(core.flush_cache))  # before any model close

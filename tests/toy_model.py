@@ -8,6 +8,8 @@ different token.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ds4d.contracts import ForwardBatch, ModelInfo
@@ -32,6 +34,9 @@ class ToyTokenizer:
 
 
 class ToyModel:
+    accepts_input_tokens = True
+    """Decode chunks may get their token from ``ForwardBatch.input_tokens`` (the engine looking ahead)."""
+
     def __init__(self, block_size: int = 4, eos_after: int | None = None) -> None:
         self.tokenizer = ToyTokenizer()
         self.info = ModelInfo(family="toy", name="toy", vocab_size=64, max_context_tokens=4096,
@@ -46,7 +51,10 @@ class ToyModel:
         bs = self.info.block_size_tokens
         self.forward_calls.append(batch)
         rows = []
-        for chunk in batch.chunks:
+        for index, chunk in enumerate(batch.chunks):
+            if batch.input_tokens is not None:
+                assert len(chunk.token_ids) == 1 and chunk.token_ids[0] < 0, "fed tokens replace placeholders"
+                chunk = dataclasses.replace(chunk, token_ids=(int(batch.input_tokens[index]),))
             for i, tok in enumerate(chunk.token_ids):
                 pos = chunk.start_pos + i
                 self.pool[chunk.block_ids[pos // bs], pos % bs] = tok

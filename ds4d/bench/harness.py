@@ -38,7 +38,8 @@ class RunTiming:
         return self.decode_tokens / self.decode_s if self.decode_s else 0.0
 
 
-def make_engine(model: Model, *, max_num_seqs: int, context_tokens: int, prefill_chunk: int) -> EngineCore:
+def make_engine(model: Model, *, max_num_seqs: int, context_tokens: int, prefill_chunk: int,
+                lookahead: bool = False) -> EngineCore:
     info = model.info
     num_blocks = max_num_seqs * (-(-context_tokens // info.block_size_tokens) + 1)
     model.allocate_cache(num_blocks, max_num_seqs)
@@ -47,7 +48,8 @@ def make_engine(model: Model, *, max_num_seqs: int, context_tokens: int, prefill
     scheduler = Scheduler(pool, FcfsPolicy(ctx, {}), max_num_seqs=max_num_seqs,
                           step_tokens=max(prefill_chunk * max_num_seqs, max_num_seqs),
                           prefill_chunk=prefill_chunk, namespace=b"bench", prefix_reuse=False)
-    return EngineCore(scheduler, ModelRunner(model, Sampler(info.device)), frozenset(), publish=lambda _: None)
+    return EngineCore(scheduler, ModelRunner(model, Sampler(info.device)), frozenset(), publish=lambda _: None,
+                      lookahead=lookahead)
 
 
 def run_batch(core: EngineCore, prompts: list[list[int]], max_tokens: int, sync=lambda: None,
@@ -66,7 +68,8 @@ def run_batch(core: EngineCore, prompts: list[list[int]], max_tokens: int, sync=
         p0, d0 = stats.prefill_tokens_total, stats.decode_tokens_total
         t0 = time.perf_counter()
         core.step()
-        sync()
+        if not core.lookahead:  # looking ahead, the next step is already queued: waiting for it would
+            sync()              # serialise what the engine overlaps (each step() resolves one step anyway)
         dt = time.perf_counter() - t0
         dp, dd = stats.prefill_tokens_total - p0, stats.decode_tokens_total - d0
         if dp:

@@ -63,6 +63,8 @@ def add_parser(sub) -> None:
     p.add_argument("--no-reference", action="store_true", help="skip ds4d's reference-path rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="decode steps through torch.compile (inside the graphs)")
+    p.add_argument("--lookahead", action="store_true",
+                   help="also decode with the engine queueing each step behind the one before (decode_lookahead)")
     p.add_argument("--profile", action="store_true",
                    help="only profile decode at batch 1 (1K context) per path: time and kernels per step, top kernels")
     p.add_argument("--native", action="store_true",
@@ -178,7 +180,7 @@ class Floors:
 # ------------------------------------------------------------------ the two engines
 
 
-def _ds4d(torch, model, prompts, max_tokens, *, chunk, sync, warm_tokens=0):
+def _ds4d(torch, model, prompts, max_tokens, *, chunk, sync, warm_tokens=0, lookahead=False):
     """Warm up (kernels, and graph capture for these shapes), then time ``max_tokens`` greedy tokens.
 
     ``warm_tokens``: warm up on that many prompt tokens only (prefill cases: the
@@ -186,7 +188,8 @@ def _ds4d(torch, model, prompts, max_tokens, *, chunk, sync, warm_tokens=0):
     from ds4d.bench.harness import make_engine, run_batch
 
     context = len(prompts[0]) + max_tokens + 8
-    core = make_engine(model, max_num_seqs=len(prompts), context_tokens=context, prefill_chunk=chunk)
+    core = make_engine(model, max_num_seqs=len(prompts), context_tokens=context, prefill_chunk=chunk,
+                       lookahead=lookahead)
     warm = [p[:warm_tokens] for p in prompts] if warm_tokens else prompts
     run_batch(core, warm, min(max_tokens, 4), sync)
     return run_batch(core, prompts, max_tokens, sync)
@@ -288,17 +291,19 @@ def build(torch, args, device, offload_options=None):
     return cfg, reader, model, hf, hf_note
 
 
-PATH_NOTES = {"graphs": "", "plain-hc": " (graphs, torch hyper-connections)", "eager": " (no graphs)",
+PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
+              "plain-hc": " (graphs, torch hyper-connections)", "eager": " (no graphs)",
               "reference": " (reference path)"}
 
 
 def _set_path(model, path: str) -> None:
-    """graphs: every GPU path; plain-hc: without the fused hyper-connection kernel; eager: no CUDA graphs;
-    reference: the portable path (expert loop, per-sequence attention, dense window masks)."""
+    """graphs: every GPU path; lookahead: the same, the engine queueing each decode step behind the one
+    before (``decode_lookahead``); plain-hc: without the fused hyper-connection kernel; eager: no CUDA
+    graphs; reference: the portable path (expert loop, per-sequence attention, dense window masks)."""
     if not hasattr(model, "_hc_kernel_ok"):
         model._hc_kernel_ok = model.fused_hc
     model.fast_path = path != "reference"
-    model.use_graphs = path in ("graphs", "plain-hc")
+    model.use_graphs = path in ("graphs", "lookahead", "plain-hc")
     model.fused_hc = model._hc_kernel_ok and path != "plain-hc"
 
 
@@ -371,8 +376,8 @@ def run(args: argparse.Namespace) -> int:
             chunk = min(args.prefill_chunk, max(128, 16384 // batch))
             label = f"decode b{batch} @{context // 1024}K" + PATH_NOTES[path]
             steps = n if path != "reference" else max(8, n // 4)
-            got = _guarded(torch, f"ds4d {label}", lambda steps=steps, chunk=chunk: _ds4d(
-                torch, model, ids, steps, chunk=chunk, sync=sync).decode_tok_s)
+            got = _guarded(torch, f"ds4d {label}", lambda steps=steps, chunk=chunk, path=path: _ds4d(
+                torch, model, ids, steps, chunk=chunk, sync=sync, lookahead=path == "lookahead").decode_tok_s)
             theirs = None
             if hf is not None and not hf_done:
                 hf_done = True
@@ -382,8 +387,9 @@ def run(args: argparse.Namespace) -> int:
 
     prefill_case(2048)
     batches = [int(b) for b in args.batches.split(",") if b]
+    ahead = ["lookahead"] if args.lookahead else []
     for batch in batches:
-        decode_case(batch, 1024, paths if batch == 1 else ["graphs"])
+        decode_case(batch, 1024, (paths[:1] + ahead + paths[1:]) if batch == 1 else ["graphs", *ahead])
     if args.long:
         prefill_case(16384)
         decode_case(1, 32768, ["graphs"], hf_chunk=2048)

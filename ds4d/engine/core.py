@@ -5,6 +5,17 @@ arrive through a thread-safe inbox; outputs leave through the ``publish``
 callback (the asyncio side hops them onto its loop).  If the loop dies, every
 request in flight gets an error output and ``dead_reason`` says why, so
 nothing waits forever.
+
+Looking one step ahead (``lookahead``): while every running sequence decodes,
+a step's successor is planned and queued on the device before the step's
+tokens are read back, fed those tokens on the device
+(``ForwardBatch.input_tokens``).  The host's work between two steps (reading
+the tokens, publishing them, planning) then overlaps the device's work instead
+of leaving the device idle.  Each ``step()`` still resolves exactly one step.
+A sequence that ends at a step (a stop token, an abort) has one more position
+computed in the step queued behind it; that result is dropped, and what it
+wrote lies past the sequence's end (its window slot is one the continuation
+overwrites before reading).  Conditions in :meth:`EngineCore._can_look_ahead`.
 """
 
 from __future__ import annotations
@@ -16,8 +27,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ds4d.engine.request import EngineRequest, FinishReason, Sequence, StepOutput
-from ds4d.engine.runner import ChunkResult, ModelRunner
+from ds4d.engine.request import PENDING_TOKEN, EngineRequest, FinishReason, SeqStatus, Sequence, StepOutput
+from ds4d.engine.runner import ChunkResult, LaunchedStep, ModelRunner
 from ds4d.engine.scheduler import Scheduler, StepPlan
 from ds4d.engine.stats import EngineStats
 
@@ -38,6 +49,20 @@ class _Stop:
     pass
 
 
+@dataclass
+class _InFlight:
+    launched: LaunchedStep
+    started: float
+    ahead: bool = False
+    """Queued before the previous step's tokens were read: some of its sequences may have ended since."""
+    committed: bool = False
+    """Its chunks were committed to the scheduler when its successor was queued."""
+
+    @property
+    def plan(self) -> StepPlan:
+        return self.launched.plan
+
+
 class EngineCore:
     def __init__(
         self,
@@ -48,6 +73,7 @@ class EngineCore:
         *,
         queue_timeout_s: float = 0.0,
         request_timeout_s: float = 0.0,
+        lookahead: bool = False,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
@@ -61,6 +87,11 @@ class EngineCore:
         self._seqs: dict[str, Sequence] = {}
         self._thread: threading.Thread | None = None
         self.dead_reason: str | None = None
+        self.lookahead = lookahead and bool(getattr(runner.model, "accepts_input_tokens", False))
+        self._inflight: _InFlight | None = None
+        self._resolved_at = 0.0
+        self.steps_ahead = 0
+        """Steps queued behind their predecessor (looking ahead)."""
 
     # ------------------------------------------------------------------ any thread
 
@@ -129,14 +160,56 @@ class EngineCore:
 
     def step(self) -> None:
         self._expire(time.monotonic())
-        plan = self.scheduler.plan()
-        if plan.empty:
-            time.sleep(0.001)  # every sequence is blocked on memory; aborts will free some
-            return
-        started = time.perf_counter()
-        results = self.runner.run(plan)
+        current, self._inflight = self._inflight, None
+        if current is None:
+            plan = self.scheduler.plan()
+            if plan.empty:
+                time.sleep(0.001)  # every sequence is blocked on memory; aborts will free some
+                return
+            current = _InFlight(self.runner.launch(plan), time.perf_counter())
+        if self.lookahead:
+            self._inflight = self._look_ahead(current)
+        results = current.launched.results()
         self.last_progress = time.monotonic()
-        self.publish(self._postprocess(plan, results, time.perf_counter() - started))
+        began = max(current.started, self._resolved_at)  # a step queued ahead overlapped the one before
+        self._resolved_at = time.perf_counter()
+        self.publish(self._postprocess(current, results, self._resolved_at - began))
+        if self._inflight is not None and not any(_live(c) for c in self._inflight.plan.chunks):
+            self._inflight = None  # every sequence it computes has ended: nothing to resolve
+
+    def _can_look_ahead(self, current: _InFlight) -> bool:
+        """Every running sequence decodes in ``current`` with plain sampling (no constraint, no
+        logprobs), none ends by length there, nothing waits to be admitted, and the pool has a block
+        for each of them: the next plan is then the same sequences one position on, with no
+        preemption, and it can be fed ``current``'s tokens on the device."""
+        live = [c for c in current.plan.chunks if _live(c)]
+        if not live or len(live) != len(self.scheduler.running) or self.scheduler.waiting:
+            return False
+        for c in live:
+            params, seq = c.seq.request.params, c.seq
+            if not (c.num_tokens == 1 and c.sample and c.logits_tokens == 1 and seq.output_ids) or \
+                    params.constraint is not None or params.logprobs is not None or \
+                    params.prompt_logprobs is not None or len(seq.output_ids) + 1 >= params.max_tokens:
+                return False
+        return self.scheduler.pool.num_free >= len(live)
+
+    def _look_ahead(self, current: _InFlight) -> _InFlight | None:
+        """Commit ``current`` before its tokens are known and queue the next step behind it."""
+        if not self._can_look_ahead(current):
+            return None
+        rows = [i for i, c in enumerate(current.plan.chunks) if _live(c)]
+        for i in rows:
+            chunk = current.plan.chunks[i]
+            self.scheduler.committed(chunk)
+            chunk.seq.output_ids.append(PENDING_TOKEN)
+        current.committed = True
+        plan = self.scheduler.plan()
+        seqs = [current.plan.chunks[i].seq for i in rows]
+        if [c.seq for c in plan.chunks] != seqs or plan.preempted:
+            raise RuntimeError("the plan after a committed decode step is not the same sequences one position on")
+        tokens = current.launched.tokens_of(rows)
+        self.steps_ahead += 1
+        return _InFlight(self.runner.launch(plan, input_tokens=tokens), time.perf_counter(), ahead=True)
 
     def _expire(self, now: float) -> None:
         """End requests past their queue-wait or total-time limit."""
@@ -153,13 +226,19 @@ class EngineCore:
             self._finish(seq, FinishReason.TIMEOUT, publish=True,
                          error=f"request {where} longer than the {limit:g} s limit")
 
-    def _postprocess(self, plan: StepPlan, results: list[ChunkResult], seconds: float) -> list[StepOutput]:
+    def _postprocess(self, current: _InFlight, results: list[ChunkResult], seconds: float) -> list[StepOutput]:
         outputs = []
         prefill_tokens = decode_tokens = 0
         now = time.monotonic()
+        plan = current.plan
         for chunk, result in zip(plan.chunks, results):
             seq = chunk.seq
-            self.scheduler.committed(chunk)
+            if current.ahead and not _live(chunk):
+                continue  # it ended while this step was queued: the position past its end is dropped
+            if current.committed:
+                seq.output_ids.pop()  # the placeholder; the token goes in below
+            else:
+                self.scheduler.committed(chunk)
             is_decode = chunk.num_tokens == 1 and bool(seq.output_ids)
             if is_decode:
                 decode_tokens += 1
@@ -265,6 +344,10 @@ class EngineCore:
                 "age_s": round(now - seq.arrival_time, 3),
             })
         return out
+
+
+def _live(chunk) -> bool:
+    return chunk.seq.status is SeqStatus.RUNNING
 
 
 def _by_tier(seq: Sequence) -> tuple[tuple[str, int], ...]:

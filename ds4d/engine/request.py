@@ -101,6 +101,11 @@ class StepOutput:
     first_token: bool = False
 
 
+PENDING_TOKEN = -1
+"""Stands in ``Sequence.output_ids`` for a token sampled on the device and not read back yet
+(while the engine looks one step ahead)."""
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -20,19 +20,59 @@ class ChunkResult:
     prompt_logprobs: tuple[TokenLogprob | None, ...]
 
 
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; :meth:`results` waits for them.
+
+    ``tokens``: the sampled tokens ``[S]`` on the model's device, one per sampling chunk in chunk
+    order, before the host has read them (what a step queued right behind this one is fed)."""
+
+    def __init__(self, runner: ModelRunner, plan: StepPlan, logits: torch.Tensor, tokens: torch.Tensor | None,
+                 sample_meta: list, prompt_lp: list) -> None:
+        self.plan = plan
+        self.tokens = tokens
+        self._runner, self._logits, self._meta, self._prompt_lp = runner, logits, sample_meta, prompt_lp
+
+    def tokens_of(self, chunks: list[int]) -> torch.Tensor:
+        """The sampled tokens of the given chunks (indices into a plan whose every chunk samples)."""
+        if len(chunks) == len(self.plan.chunks):
+            return self.tokens
+        return self.tokens[torch.tensor(chunks, dtype=torch.long).to(self.tokens.device, non_blocking=True)]
+
+    def results(self) -> list[ChunkResult]:
+        sampled: list[int] = []
+        sampled_lp: list[TokenLogprob | None] = []
+        if self.tokens is not None:
+            sampled, sampled_lp = self._runner.sampler.collect(self.tokens, self._logits, self._meta)
+        out, k = [], 0
+        for c, plp in zip(self.plan.chunks, self._prompt_lp):
+            if c.sample:
+                out.append(ChunkResult(sampled[k], sampled_lp[k], plp))
+                k += 1
+            else:
+                out.append(ChunkResult(None, None, plp))
+        return out
+
+
 class ModelRunner:
     def __init__(self, model: Model, sampler: Sampler) -> None:
         self.model = model
         self.sampler = sampler
 
-    @torch.inference_mode()
     def run(self, plan: StepPlan) -> list[ChunkResult]:
+        return self.launch(plan).results()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, input_tokens: torch.Tensor | None = None) -> LaunchedStep:
+        """Queue the step's forward and sampling; nothing is read back until ``results()``.
+
+        ``input_tokens``: a device tensor that feeds each chunk its one token (the previous step's
+        samples, not yet read); see ``ForwardBatch.input_tokens``."""
         chunks = []
         for c in plan.chunks:
             seq = c.seq
             tokens = seq.all_token_ids[c.start_pos:c.start_pos + c.num_tokens]
             chunks.append(SeqChunk(seq.state_slot, tuple(tokens), c.start_pos, tuple(seq.block_ids), c.logits_tokens))
-        logits = self.model.forward(ForwardBatch(tuple(chunks)))
+        logits = self.model.forward(ForwardBatch(tuple(chunks), input_tokens=input_tokens))
 
         sample_rows, sample_meta, row = [], [], 0
         prompt_lp: list[tuple[TokenLogprob | None, ...]] = []
@@ -44,20 +84,13 @@ class ModelRunner:
             if c.sample:
                 sample_rows.append(rows[-1])
                 sample_meta.append((c.seq.request_id, c.seq.request.params))
-        sampled: list[int] = []
-        sampled_lp: list[TokenLogprob | None] = []
+        tokens = None
         if sample_rows:
             every_row = len(sample_rows) == logits.shape[0] and logits.dtype == torch.float32
-            sampled, sampled_lp = self.sampler.sample(
-                logits if every_row else torch.stack(sample_rows).float(), sample_meta)
-        out, k = [], 0
-        for c, plp in zip(plan.chunks, prompt_lp):
-            if c.sample:
-                out.append(ChunkResult(sampled[k], sampled_lp[k], plp))
-                k += 1
-            else:
-                out.append(ChunkResult(None, None, plp))
-        return out
+            sample_logits = logits if every_row else torch.stack(sample_rows).float()
+            tokens = self.sampler.draw(sample_logits, sample_meta)
+            logits = sample_logits
+        return LaunchedStep(self, plan, logits, tokens, sample_meta, prompt_lp)
 
     @staticmethod
     def _prompt_logprobs(c, rows: torch.Tensor) -> tuple[TokenLogprob | None, ...]:

@@ -38,7 +38,12 @@ class Sampler:
         self, logits: torch.Tensor, rows: Sequence[tuple[str, SamplingParams]]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         """One token per row of ``logits`` ([R, V] float32)."""
-        raw = logits
+        return self.collect(self.draw(logits, rows), logits, rows)
+
+    def draw(self, logits: torch.Tensor, rows: Sequence[tuple[str, SamplingParams]]) -> torch.Tensor:
+        """The tokens ``[R]`` on the logits' device, nothing read back to the host: a step can be
+        queued behind this one before its tokens are known (constrained rows read their masks
+        from host state, which is up to date only once the previous tokens were collected)."""
         constrained = [i for i, (_, p) in enumerate(rows) if p.constraint is not None]
         if constrained:
             logits = logits.clone()
@@ -63,13 +68,21 @@ class Sampler:
                 probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
             gen = self.generator_for(request_id, params.seed)
             tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
+        return tokens
+
+    def collect(
+        self, tokens: torch.Tensor, logits: torch.Tensor, rows: Sequence[tuple[str, SamplingParams]]
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Read the drawn ``tokens`` back (waits for the device); advance constraints; logprobs
+        from the model's ``logits`` (before any mask or temperature)."""
         token_list = tokens.tolist()
-        for i in constrained:
-            rows[i][1].constraint.accept(token_list[i])
+        for i, (_, params) in enumerate(rows):
+            if params.constraint is not None:
+                params.constraint.accept(token_list[i])
         logprobs: list[TokenLogprob | None] = [None] * len(rows)
         want = [i for i, (_, p) in enumerate(rows) if p.logprobs is not None]
         if want:
-            lp = torch.log_softmax(raw[want], dim=-1)
+            lp = torch.log_softmax(logits[want], dim=-1)
             for j, i in enumerate(want):
                 logprobs[i] = make_logprob(lp[j], token_list[i], rows[i][1].logprobs or 0)
         return token_list, logprobs

@@ -143,3 +143,51 @@ def test_restart_resumes_from_disk_blocks_and_saved_checkpoints(model, tmp_path,
         again, again_outputs = engine(model, disk_dir=tmp_path)
     assert "checksum mismatch" in caplog.text and not path.exists()
     assert serve(again, again_outputs, "t3", turn2, 6)[1] == 0
+
+
+def test_lookahead_on_v4_and_the_next_turn_reuses_its_checkpoint(model):  # noqa: F811
+    """Turn 1 decoded with steps queued ahead, ending on a stop token mid-stream: the step queued
+    behind the last one writes one position past the end (window slot, compressor tails, maybe a
+    compressed entry).  Turn 1's tokens are those of step-by-step decoding, and turn 2, which
+    reuses turn 1's checkpoint, gives what a cold engine computes."""
+    turn1 = _tokens(model, 200, 60)
+    plain, plain_outputs = engine(model)
+    full, _, _ = serve(plain, plain_outputs, "p1", turn1, 12)
+    stop = full[7]
+
+    def stopping(rid, prompt):
+        return dataclasses.replace(req(rid, prompt, 40), params=dataclasses.replace(
+            req(rid, prompt, 40).params, stop_token_ids=frozenset({stop})))
+
+    core, outputs = engine(model)
+    core.lookahead = True
+    tokens, _, _ = run(core, outputs, [stopping("t1", turn1)])
+    gen1 = tokens["t1"]
+    assert gen1 == full[:full.index(stop) + 1] and core.steps_ahead > 0
+    turn2 = turn1 + gen1 + _tokens(model, 40, 62)
+    gen2, cached2, _ = serve(core, outputs, "t2", turn2, 6)
+    assert cached2 == len(turn1) + len(gen1) - 1
+    cold, cold_outputs = engine(model, prefix=False)
+    assert serve(cold, cold_outputs, "cold", turn2, 6)[0] == gen2
+
+
+def test_lookahead_through_the_padded_decode_step(model):  # noqa: F811
+    """The decode path the CUDA graphs replay (bucket-padded rows, tokens packed with positions and
+    block tables), run eagerly on the CPU: tokens fed on the device give the tokens fed from the host."""
+    from ds4d.cuda.graphs import EagerBuckets
+
+    saved = model.fast_path, model._graphs, model.use_graphs
+    try:
+        model.fast_path, model._graphs, model.use_graphs = True, EagerBuckets(model._decode_step), True
+        prompts = {"a": _tokens(model, 90, 70), "b": _tokens(model, 130, 71)}
+        results = []
+        for lookahead in (False, True):
+            core, outputs = engine(model, prefix=False)
+            core.lookahead = lookahead
+            tokens, _, _ = run(core, outputs, [req(k, p, 10) for k, p in prompts.items()])
+            results.append((tokens, core.steps_ahead))
+        (plain, none_ahead), (ahead, steps_ahead) = results
+        assert none_ahead == 0 and steps_ahead > 0 and ahead == plain
+        assert len(model._graphs) > 0  # the padded decode step ran
+    finally:
+        model.fast_path, model._graphs, model.use_graphs = saved

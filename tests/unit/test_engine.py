@@ -228,3 +228,74 @@ def test_token_constraint_is_applied_then_released(temperature):
     assert constraint.accepted == tokens["c"]
     if temperature == 0.0:
         assert tokens["c"][1:] == reference_tokens(prompt + [42], 2)
+
+
+def lookahead_engine(**kw):
+    core, outputs, model = make_engine(**kw)
+    core.lookahead = True
+    return core, outputs, model
+
+
+def test_lookahead_gives_the_same_tokens_and_overlaps_decode_steps():
+    """Decode steps queued behind their predecessor, fed its tokens on the device: the same tokens
+    as step by step, whatever ends where (length, stop token mid-stream), with requests arriving
+    while others decode and seeded sampling."""
+    prompts = {k: [j + 3] * (5 + 3 * j) for j, k in enumerate("abcde")}
+    stop_at = reference_tokens(prompts["c"], 7)[-1]
+
+    def requests():
+        out = [req(k, p, 9 + 2 * j) for j, (k, p) in enumerate(prompts.items()) if k not in "cd"]
+        out.append(EngineRequest("c", tuple(prompts["c"]), SamplingParams(max_tokens=40, temperature=0.0,
+                                                                            stop_token_ids=frozenset({stop_at}))))
+        out.append(EngineRequest("d", tuple(prompts["d"]), SamplingParams(max_tokens=15, temperature=1.3, seed=5,
+                                                                            ignore_eos=True)))
+        return out
+
+    def serve(core, outputs):
+        first, *rest = requests()
+        core.submit(first)
+        core._drain_inbox(block=False)
+        for _ in range(6):  # the first request decodes alone for a while, then the others arrive
+            core.step()
+        return run(core, outputs, rest)
+
+    want, want_finish, _ = serve(*make_engine()[:2])
+    core, outputs, _ = lookahead_engine()
+    got, got_finish, _ = serve(core, outputs)
+    assert core.steps_ahead > 10
+    assert got == want and got_finish == want_finish
+    assert got["c"][-1] == stop_at and len(got["c"]) == 7 and got_finish["c"] is FinishReason.STOP
+    assert core.scheduler.pool.num_used == 0 and not core.scheduler.running
+
+
+def test_lookahead_under_memory_pressure_and_aborts():
+    core, outputs, _ = lookahead_engine(num_blocks=12, prefix=False)
+    prompts = {k: [j + 3] * 8 for j, k in enumerate("abc")}
+    tokens, finish, _ = run(core, outputs, [req(k, p, 20) for k, p in prompts.items()])
+    for k, p in prompts.items():
+        assert tokens[k] == reference_tokens(p, 20), k
+    assert core.steps_ahead > 0
+    # an abort between two steps, while a step is queued ahead: blocks come back, nothing else moves
+    core, outputs, _ = lookahead_engine()
+    core.submit(req("a", [1] * 30, 1000))
+    core.submit(req("b", [2] * 9, 12))
+    core._drain_inbox(block=False)
+    for _ in range(8):
+        core.step()
+    assert core._inflight is not None
+    core.abort("a")
+    tokens, finish, _ = run(core, outputs, [])
+    assert tokens["b"] == reference_tokens([2] * 9, 12) and "a" not in finish
+    assert core.scheduler.pool.num_used == 0
+
+
+def test_lookahead_stays_off_where_the_host_must_see_each_token():
+    """Logprobs, constraints and models that cannot be fed device tokens decode step by step."""
+    core, outputs, _ = lookahead_engine()
+    run(core, outputs, [req("a", [1, 2, 3], 12, logprobs=2)])
+    assert core.steps_ahead == 0
+    model = ToyModel(4)
+    model.accepts_input_tokens = False
+    core = EngineCore(core.scheduler, ModelRunner(model, Sampler()), frozenset(), publish=outputs.extend,
+                      lookahead=True)
+    assert not core.lookahead

@@ -121,6 +121,12 @@ class DeepseekV4Model:
 
             self._graphs = GraphCache(compiled)
 
+    @property
+    def accepts_input_tokens(self) -> bool:
+        """Decode steps may be fed their tokens on the device (``ForwardBatch.input_tokens``); not
+        with expert offload, whose placement moves between steps would race a step queued ahead."""
+        return self.expert_offload is None
+
     def activation_probe_contexts(self, max_context: int) -> list[int]:
         """Prompt lengths at whose end a prefill step holds the most activations (the memory plan
         profiles each): the longest context, and for layers with the lightning indexer the last
@@ -211,6 +217,8 @@ class DeepseekV4Model:
     def _run(self, batch: ForwardBatch, cache: DeepseekV4Cache) -> torch.Tensor:
         cfg, device = self.cfg, self.device
         self._check(batch, cache)
+        if batch.input_tokens is not None and any(len(c.token_ids) != 1 for c in batch.chunks):
+            raise ValueError("input_tokens feeds one token per chunk")
         if self.fast_path and batch.chunks and all(len(c.token_ids) == c.logits_tokens == 1 for c in batch.chunks):
             return self._decode(batch, cache)
         chunks, ids, positions, keep = [], [], [], []
@@ -236,6 +244,8 @@ class DeepseekV4Model:
             return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=device)
 
         token_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        if batch.input_tokens is not None:
+            token_ids = batch.input_tokens.to(device=device, dtype=torch.long)
         pos = torch.tensor(positions, dtype=torch.long, device=device)
         step = StepInputs(
             chunks=chunks,
@@ -268,7 +278,13 @@ class DeepseekV4Model:
         rows = count
         if graphs is not None:
             rows, width = _bucket(count), max(8, _bucket(width))
-        packed = pack_decode_rows(batch.chunks, cache, rows, width).to(self.device)
+        packed = pack_decode_rows(batch.chunks, cache, rows, width)
+        if self.device.type == "cuda":  # page-locked and not waited for: a step queued ahead does not stall here
+            packed = packed.pin_memory().to(self.device, non_blocking=True)
+        else:
+            packed = packed.to(self.device)
+        if batch.input_tokens is not None:
+            packed[:count, 0] = batch.input_tokens
         if graphs is not None:
             try:
                 return graphs.run((rows, width), packed)[:count].clone()
