@@ -39,3 +39,25 @@ def test_blocked_sparse_csa_equals_dense(model, monkeypatch, local_window):
     assert calls, "the CSA layers went through the indexer"
     assert (sparse - dense).abs().max().item() < 1e-5 * dense.abs().max().item()
     assert torch.equal(sparse.argmax(-1), dense.argmax(-1))
+
+
+@pytest.mark.parametrize("local_window", [False, True])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_attention_in_query_blocks_equals_one_block(model, monkeypatch, local_window, sparse):
+    """A chunk whose scores would pass ``ATTEND_BLOCK_BYTES`` attends in query blocks (single queries,
+    or whole windows on the block-by-block window path), with shared or per-query compressed entries."""
+    model.fast_path = local_window
+    if sparse:
+        monkeypatch.setattr(attention, "SPARSE_FROM", 0)
+    prompt = [(i * 7919) % 30000 + 20 for i in range(600)]
+    whole = model.logits_for(prompt)
+    blocks = []
+    real = attention._query_blocks
+    monkeypatch.setattr(attention, "_query_blocks", lambda *a, **k: blocks.append(real(*a, **k)) or blocks[-1])
+    monkeypatch.setattr(attention, "ATTEND_BLOCK_BYTES", 1)
+    blocked = model.logits_for(prompt)
+    model.fast_path = False
+    window = model.cfg.sliding_window
+    assert max(map(len, blocks)) == (-(-600 // window) if local_window else 600)
+    assert (blocked - whole).abs().max().item() < 1e-5 * whole.abs().max().item()
+    assert torch.equal(blocked.argmax(-1), whole.argmax(-1))

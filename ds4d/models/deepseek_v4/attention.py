@@ -72,6 +72,9 @@ def _window_keys(
 
 SCORE_BLOCK_BYTES = 1 << 30
 """Largest float32 ``[queries, index heads, entries]`` indexer score block; longer contexts go in query blocks."""
+ATTEND_BLOCK_BYTES = 1 << 30
+"""Largest float32-sized ``[queries, heads, keys + entries]`` score block of a prefill chunk's attention;
+longer chunks over more keys attend in query blocks (each query's result is the same either way)."""
 SPARSE_FROM = 4096
 """CSA chunks over more compressed entries than this attend to each query's picked entries (gathered)
 instead of all entries through a ``[queries, entries]`` mask, whose memory grows with the context."""
@@ -183,6 +186,21 @@ def _attend_local(
     return out
 
 
+def _query_blocks(n: int, heads: int, width: int, unit: int = 1) -> list[slice]:
+    """Rows of a chunk's queries in blocks whose ``[rows, heads, width]`` scores stay within
+    ``ATTEND_BLOCK_BYTES`` (as float32), each a multiple of ``unit`` rows (but the last)."""
+    rows = max(unit, ATTEND_BLOCK_BYTES // (4 * heads * max(width, 1)) // unit * unit)
+    return [slice(begin, min(n, begin + rows)) for begin in range(0, n, rows)]
+
+
+def _extra_rows(extra: tuple[torch.Tensor, torch.Tensor] | None, rows: slice):
+    """The compressed entries of some queries: shared entries stay, per-query ones and the mask are cut."""
+    if extra is None:
+        return None
+    entries, mask = extra
+    return (entries[rows] if entries.dim() == 3 else entries), mask[rows]
+
+
 def _compressed_keys(
     x: torch.Tensor,
     q_residual: torch.Tensor,
@@ -264,8 +282,12 @@ def attention_forward(
                 extra = _compressed_keys(x[rows], q_residual[rows], chunk_projections, chunk, positions,
                                          (cos[rows], sin[rows]), weights, cache, cfg, rope_compress)
             first = chunk.start_pos - (keys.shape[0] - (chunk.end - chunk.begin))
-            out[rows] = _attend_local(q[rows], keys, first, chunk.start_pos, extra, weights.sink, head_dim**-0.5,
-                                      cfg.sliding_window)
+            window, n = cfg.sliding_window, chunk.end - chunk.begin
+            width = 2 * window + (0 if extra is None else extra[1].shape[-1]) + 1
+            for part in _query_blocks(n, cfg.num_attention_heads, width, unit=window):
+                out[chunk.begin + part.start:chunk.begin + part.stop] = _attend_local(
+                    q[rows][part], keys, first, chunk.start_pos + part.start, _extra_rows(extra, part),
+                    weights.sink, head_dim**-0.5, window)
             continue
         offset = positions[:, None] - key_pos[None, :]
         mask = torch.zeros(offset.shape, dtype=q.dtype, device=x.device)
@@ -284,13 +306,17 @@ def attention_forward(
                 cfg,
                 rope_compress,
             )
-            if extra is not None and extra[0].dim() == 3:  # per-query entries: a softmax part of their own
-                out[rows] = _attend(q[rows], keys, mask, weights.sink, head_dim**-0.5, extra)
-                continue
-            if extra is not None:
+            if extra is not None and extra[0].dim() != 3:  # shared entries: more keys
                 keys = torch.cat([keys, extra[0].to(keys.dtype)])
                 mask = torch.cat([mask, extra[1].to(mask.dtype)], dim=-1)
-        out[rows] = _attend(q[rows], keys, mask, weights.sink, head_dim**-0.5)
+                extra = None
+        else:
+            extra = None
+        width = keys.shape[0] + (0 if extra is None else extra[1].shape[-1]) + 1
+        for part in _query_blocks(chunk.end - chunk.begin, cfg.num_attention_heads, width):
+            # per-query entries (sparse CSA) join the softmax as a part of their own
+            out[chunk.begin + part.start:chunk.begin + part.stop] = _attend(
+                q[rows][part], keys, mask[part], weights.sink, head_dim**-0.5, _extra_rows(extra, part))
     return project_out(out, weights, cos, sin, cfg)
 
 
