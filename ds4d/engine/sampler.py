@@ -1,9 +1,13 @@
 """Token sampling from logits rows.
 
-Greedy rows are one batched argmax.  Sampled rows apply temperature, top-k and
-top-p, then draw with the request's own generator, so a seeded request gives
-the same tokens whatever else shares the batch.  Logprobs are taken from the
-model's distribution (before temperature), as OpenAI reports them.
+Greedy rows are one batched argmax.  Sampled rows are handled together:
+temperature, top-k and top-p as batched tensor operations with per-row
+parameters, then one draw per row by the exponential race (the token with the
+largest ``p / E``, ``E`` exponential noise, is distributed as ``p``), the noise
+of each row drawn by its request's own generator, so a seeded request gives
+the same tokens whatever else shares the batch.  Nothing is read back to the
+host until the tokens are collected.  Logprobs are taken from the model's
+distribution (before temperature), as OpenAI reports them.
 """
 
 from __future__ import annotations
@@ -52,23 +56,34 @@ class Sampler:
                 if mask is not None:
                     logits[i].masked_fill_(~mask.to(logits.device), float("-inf"))
         tokens = greedy_tokens(logits)
-        for i, (request_id, params) in enumerate(rows):
-            if params.greedy:
-                continue
-            row = logits[i] / params.temperature
-            if params.top_k > 0 and params.top_k < row.shape[-1]:
-                kth = torch.topk(row, params.top_k).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            probs = torch.softmax(row, dim=-1)
-            if params.top_p < 1.0:
-                sorted_probs, order = torch.sort(probs, descending=True)
-                cumulative = torch.cumsum(sorted_probs, dim=-1)
-                drop = cumulative - sorted_probs > params.top_p
-                sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-                probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-            gen = self.generator_for(request_id, params.seed)
-            tokens[i] = torch.multinomial(probs, 1, generator=gen)[0]
+        sampled = [i for i, (_, params) in enumerate(rows) if not params.greedy]
+        if sampled:
+            index = _on(logits.device, sampled, torch.long)
+            tokens[index] = self._draw_sampled(logits[index], [rows[i] for i in sampled])
         return tokens
+
+    def _draw_sampled(self, logits: torch.Tensor, rows: Sequence[tuple[str, SamplingParams]]) -> torch.Tensor:
+        """``[S]`` tokens of rows that sample (temperature > 0), all rows at once."""
+        width = logits.shape[-1]
+        device = logits.device
+        scaled = logits / _on(device, [p.temperature for _, p in rows], torch.float32)[:, None]
+        top_k = [p.top_k if 0 < p.top_k < width else 0 for _, p in rows]
+        if any(top_k):  # keep each row's k largest (ties at the k-th value kept); k = 0: every token
+            kth = torch.topk(scaled, max(top_k), dim=-1).values
+            floor = kth.gather(1, _on(device, [max(k - 1, 0) for k in top_k], torch.long)[:, None])
+            floor = floor.masked_fill(_on(device, [k == 0 for k in top_k], torch.bool)[:, None], float("-inf"))
+            scaled = scaled.masked_fill(scaled < floor, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        top_p = [p.top_p for _, p in rows]
+        if any(p < 1.0 for p in top_p):  # the smallest set of likeliest tokens reaching top_p
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+            before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            limit = _on(device, [p if p < 1.0 else float("inf") for p in top_p], torch.float32)[:, None]
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(before > limit, 0.0))
+        noise = torch.empty_like(probs)
+        for i, (request_id, params) in enumerate(rows):
+            noise[i].exponential_(generator=self.generator_for(request_id, params.seed))
+        return (probs / noise).argmax(dim=-1)
 
     def collect(
         self, tokens: torch.Tensor, logits: torch.Tensor, rows: Sequence[tuple[str, SamplingParams]]
@@ -86,6 +101,11 @@ class Sampler:
             for j, i in enumerate(want):
                 logprobs[i] = make_logprob(lp[j], token_list[i], rows[i][1].logprobs or 0)
         return token_list, logprobs
+
+
+def _on(device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small per-row tensor on ``device``, copied without waiting for the device."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 ARGMAX_SEGMENT = 256
