@@ -53,11 +53,12 @@ def make_engine(model: Model, *, max_num_seqs: int, context_tokens: int, prefill
 
 
 def run_batch(core: EngineCore, prompts: list[list[int]], max_tokens: int, sync=lambda: None,
-              after_decode_step=None) -> RunTiming:
-    """Greedy-generate ``max_tokens`` for every prompt at once; time prefill and decode steps.
+              after_decode_step=None, sampling: dict | None = None) -> RunTiming:
+    """Generate ``max_tokens`` for every prompt at once (greedy, or ``sampling``'s temperature /
+    top_p / top_k); time prefill and decode steps.
 
     ``after_decode_step``: called after each decode step (e.g. a profiler's ``step``)."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or {"temperature": 0.0}))
     for i, p in enumerate(prompts):
         core.submit(EngineRequest(f"bench-{time.monotonic_ns()}-{i}", tuple(p), params))
     core._drain_inbox(block=False)

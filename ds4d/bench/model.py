@@ -65,6 +65,8 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", action="store_true", help="decode steps through torch.compile (inside the graphs)")
     p.add_argument("--lookahead", action="store_true",
                    help="also decode with the engine queueing each step behind the one before (decode_lookahead)")
+    p.add_argument("--sampled", action="store_true",
+                   help="also decode sampling (temperature 1, top-p 0.95) instead of greedy")
     p.add_argument("--profile", action="store_true",
                    help="only profile decode at batch 1 (1K context) per path: time and kernels per step, top kernels")
     p.add_argument("--native", action="store_true",
@@ -180,7 +182,11 @@ class Floors:
 # ------------------------------------------------------------------ the two engines
 
 
-def _ds4d(torch, model, prompts, max_tokens, *, chunk, sync, warm_tokens=0, lookahead=False):
+SAMPLED = {"temperature": 1.0, "top_p": 0.95}
+"""What ``--sampled`` decodes with (an agent's request that sets no temperature gets 1.0)."""
+
+
+def _ds4d(torch, model, prompts, max_tokens, *, chunk, sync, warm_tokens=0, lookahead=False, sampling=None):
     """Warm up (kernels, and graph capture for these shapes), then time ``max_tokens`` greedy tokens.
 
     ``warm_tokens``: warm up on that many prompt tokens only (prefill cases: the
@@ -191,8 +197,8 @@ def _ds4d(torch, model, prompts, max_tokens, *, chunk, sync, warm_tokens=0, look
     core = make_engine(model, max_num_seqs=len(prompts), context_tokens=context, prefill_chunk=chunk,
                        lookahead=lookahead)
     warm = [p[:warm_tokens] for p in prompts] if warm_tokens else prompts
-    run_batch(core, warm, min(max_tokens, 4), sync)
-    return run_batch(core, prompts, max_tokens, sync)
+    run_batch(core, warm, min(max_tokens, 4), sync, sampling=sampling)
+    return run_batch(core, prompts, max_tokens, sync, sampling=sampling)
 
 
 def _hf(torch, hf, prompts, max_tokens, *, device, chunk=0):
@@ -292,18 +298,19 @@ def build(torch, args, device, offload_options=None):
 
 
 PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
+              "sampled": " (graphs, temperature 1, top-p 0.95)",
               "plain-hc": " (graphs, torch hyper-connections)", "eager": " (no graphs)",
               "reference": " (reference path)"}
 
 
 def _set_path(model, path: str) -> None:
     """graphs: every GPU path; lookahead: the same, the engine queueing each decode step behind the one
-    before (``decode_lookahead``); plain-hc: without the fused hyper-connection kernel; eager: no CUDA
+    before (``decode_lookahead``); sampled: the same, sampling (``SAMPLED``) instead of greedy; plain-hc: without the fused hyper-connection kernel; eager: no CUDA
     graphs; reference: the portable path (expert loop, per-sequence attention, dense window masks)."""
     if not hasattr(model, "_hc_kernel_ok"):
         model._hc_kernel_ok = model.fused_hc
     model.fast_path = path != "reference"
-    model.use_graphs = path in ("graphs", "lookahead", "plain-hc")
+    model.use_graphs = path in ("graphs", "lookahead", "sampled", "plain-hc")
     model.fused_hc = model._hc_kernel_ok and path != "plain-hc"
 
 
@@ -377,7 +384,8 @@ def run(args: argparse.Namespace) -> int:
             label = f"decode b{batch} @{context // 1024}K" + PATH_NOTES[path]
             steps = n if path != "reference" else max(8, n // 4)
             got = _guarded(torch, f"ds4d {label}", lambda steps=steps, chunk=chunk, path=path: _ds4d(
-                torch, model, ids, steps, chunk=chunk, sync=sync, lookahead=path == "lookahead").decode_tok_s)
+                torch, model, ids, steps, chunk=chunk, sync=sync, lookahead=path == "lookahead",
+                sampling=SAMPLED if path == "sampled" else None).decode_tok_s)
             theirs = None
             if hf is not None and not hf_done:
                 hf_done = True
@@ -387,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
 
     prefill_case(2048)
     batches = [int(b) for b in args.batches.split(",") if b]
-    ahead = ["lookahead"] if args.lookahead else []
+    ahead = (["lookahead"] if args.lookahead else []) + (["sampled"] if args.sampled else [])
     for batch in batches:
         decode_case(batch, 1024, (paths[:1] + ahead + paths[1:]) if batch == 1 else ["graphs", *ahead])
     if args.long:
