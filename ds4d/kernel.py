@@ -269,7 +269,8 @@ class Kernel:
 
             self.on_shutdown.append(save_sessions)
         self.state = ServingState(self.loaded, info, model.tokenizer, encoder, reasoning, tools, core, client,
-                                  served, max_context, plugins, sessions)
+                                  served, max_context, plugins, sessions,
+                                  memory_plan=self.memory_plan.as_dict() if self.memory_plan else None)
         return self.state
 
     def _prefix_cache(self, pool: BlockPool, model: Model, namespace: bytes):

@@ -101,6 +101,8 @@ def snapshot(state: ServingState) -> dict:
                        "decode_tokens_total": stats.decode_tokens_total},
         "host": host_memory(state),
         "gpus": gpus,
+        "memory_plan": state.memory_plan,
+        "engine": {"decode_lookahead": core.lookahead, "steps_ahead_total": core.steps_ahead},
         "cache": {"hits": hits, "misses": misses, "hit_rate": round(hit_rate, 4), "evictions": pool.evictions,
                   **sched.cache.stats()},
         "sessions": state.sessions.stats(),
@@ -134,7 +136,12 @@ async def ds4d_stats(request: web.Request) -> web.Response:
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
-    state = _state(request)
+    return web.Response(text=metrics_text(_state(request)), content_type="text/plain", charset="utf-8",
+                        headers={"X-Content-Type-Options": "nosniff"})
+
+
+def metrics_text(state: ServingState) -> str:
+    """The Prometheus text of ``/metrics``."""
     s = snapshot(state)
     core = state.core
     lines = []
@@ -190,8 +197,15 @@ async def metrics(request: web.Request) -> web.Response:
     _expert_metrics(lines, s.get("experts"))
     for gpu in s["gpus"]:
         metric("gpu_memory_used_bytes", "gauge", "GPU memory in use.", gpu["used_bytes"], f'{{gpu="{gpu["index"]}"}}')
-    return web.Response(text="\n".join(lines) + "\n", content_type="text/plain", charset="utf-8",
-                        headers={"X-Content-Type-Options": "nosniff"})
+    plan = s["memory_plan"]
+    if plan:
+        lines += ["# HELP ds4d_gpu_memory_planned_bytes The start-up GPU memory plan, by part.",
+                  "# TYPE ds4d_gpu_memory_planned_bytes gauge"]
+        lines += [f'ds4d_gpu_memory_planned_bytes{{part="{part}"}} {plan[f"{part}_bytes"]}'
+                  for part in ("weights", "activations", "graphs", "kv", "headroom")]
+    metric("decode_steps_ahead_total", "counter", "Decode steps queued before the previous step's tokens were read.",
+           s["engine"]["steps_ahead_total"])
+    return "\n".join(lines) + "\n"
 
 
 EXPERT_LAYER_METRICS = (

@@ -44,6 +44,8 @@ class ServingState:
     max_context_tokens: int
     plugins: dict[str, str]
     sessions: SessionMemory
+    memory_plan: dict | None = None
+    """The GPU memory plan made at start (``GpuMemoryPlan.as_dict``), None without one."""
     started_at: float = field(default_factory=time.time)
     draining: bool = False
     malformed_tool_calls_total: int = 0

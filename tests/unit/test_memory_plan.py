@@ -147,6 +147,13 @@ def test_build_sizes_the_pool_to_the_plan_and_logs_it(tmp_path, caplog):
         - plan.kv_bytes
     assert state.max_context_tokens == min(512, blocks * 4)
     assert any("GPU memory plan on cpu" in r.getMessage() for r in caplog.records)
+    from ds4d.server.admin import metrics_text, snapshot
+
+    shown = snapshot(state)["memory_plan"]  # /v1/ds4d/stats and /metrics carry the plan
+    assert shown == plan.as_dict() and shown["kv_bytes"] == blocks * block_bytes
+    text = metrics_text(state)
+    assert f'ds4d_gpu_memory_planned_bytes{{part="weights"}} {weights}' in text
+    assert f'ds4d_gpu_memory_planned_bytes{{part="kv"}} {blocks * block_bytes}' in text
     assert any("KV/state pool" in r.getMessage() for r in caplog.records)
 
 
