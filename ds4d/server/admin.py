@@ -81,6 +81,8 @@ def snapshot(state: ServingState) -> dict:
     hits, misses = pool.hits, pool.misses
     hit_rate = hits / (hits + misses) if hits + misses else 0.0
     gpus = gpu_memory()
+    experts = _expert_stats(core)
+    _planned_breakdown(gpus, state.memory_plan, pool, state.info.cache_bytes_per_block, experts)
     non_default = {k: {**v, "value": _jsonable(v["value"]), "default": _jsonable(v["default"])}
                    for k, v in state.loaded.non_default().items()}
     if "api_keys" in non_default:
@@ -106,10 +108,25 @@ def snapshot(state: ServingState) -> dict:
         "cache": {"hits": hits, "misses": misses, "hit_rate": round(hit_rate, 4), "evictions": pool.evictions,
                   **sched.cache.stats()},
         "sessions": state.sessions.stats(),
-        "experts": _expert_stats(core),
+        "experts": experts,
         "config": {"non_default": non_default},
         "plugins": state.plugins,
     }
+
+
+def _planned_breakdown(gpus: list[dict], plan: dict | None, pool, block_bytes: int, experts: dict | None) -> None:
+    """What the planned GPU holds (the console's bar): weights, hot expert banks and their staging,
+    the KV pool and state in use, and the pool's cached prefix blocks."""
+    if not plan:
+        return
+    device = plan["device"]
+    index = int(device.split(":")[1]) if ":" in device else 0
+    cached = pool.num_cached * block_bytes
+    expert_bytes = (experts or {}).get("vram_bytes", 0)
+    for gpu in gpus:
+        if gpu.get("index") == index:
+            gpu["breakdown"] = {"weights": max(0, plan["weights_bytes"] - expert_bytes), "experts": expert_bytes,
+                                "kv": max(0, plan["kv_bytes"] - cached), "prefix_cache": cached}
 
 
 def _expert_stats(core) -> dict | None:

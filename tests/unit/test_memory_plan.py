@@ -128,7 +128,7 @@ def _build(tmp_path, model, memory_for, **knobs):
     return kernel, state
 
 
-def test_build_sizes_the_pool_to_the_plan_and_logs_it(tmp_path, caplog):
+def test_build_sizes_the_pool_to_the_plan_and_logs_it(tmp_path, caplog, monkeypatch):
     model = CountingToy()
     block_bytes = model.info.cache_bytes_per_block
     # a device whose plan leaves room for 40 blocks of KV next to weights, activations and graphs
@@ -151,6 +151,13 @@ def test_build_sizes_the_pool_to_the_plan_and_logs_it(tmp_path, caplog):
 
     shown = snapshot(state)["memory_plan"]  # /v1/ds4d/stats and /metrics carry the plan
     assert shown == plan.as_dict() and shown["kv_bytes"] == blocks * block_bytes
+    # the console's GPU bar: what the planned device holds (the CPU stands in for GPU 0 here)
+    from ds4d.server import admin
+
+    monkeypatch.setattr(admin, "gpu_memory",
+                        lambda: [{"index": 0, "name": "stand-in", "used_bytes": weights, "total_bytes": total}])
+    breakdown = snapshot(state)["gpus"][0]["breakdown"]
+    assert breakdown == {"weights": weights, "experts": 0, "kv": blocks * block_bytes, "prefix_cache": 0}
     text = metrics_text(state)
     assert f'ds4d_gpu_memory_planned_bytes{{part="weights"}} {weights}' in text
     assert f'ds4d_gpu_memory_planned_bytes{{part="kv"}} {blocks * block_bytes}' in text

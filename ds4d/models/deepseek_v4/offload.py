@@ -701,6 +701,7 @@ class ExpertOffload:
             "demoted_bytes": self.demoted_bytes,
             "host_experts": self.host_experts(),
             "host_ram_bytes": self.slots.bytes,
+            "vram_bytes": gpu * self.device_expert_bytes + self.staging_bytes,
             "zero_copy": self.zero_copy,
             "host_read_bytes": sum(host_reads) * self.host_expert_bytes,
             "layers": layers,
