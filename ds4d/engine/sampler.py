@@ -83,7 +83,8 @@ class Sampler:
         noise = torch.empty_like(probs)
         for i, (request_id, params) in enumerate(rows):
             noise[i].exponential_(generator=self.generator_for(request_id, params.seed))
-        return (probs / noise).argmax(dim=-1)
+        # a draw of exactly 0 would make 0 / 0 (a cut token) a NaN, which argmax takes for the largest
+        return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
     def collect(
         self, tokens: torch.Tensor, logits: torch.Tensor, rows: Sequence[tuple[str, SamplingParams]]

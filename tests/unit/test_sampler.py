@@ -66,3 +66,16 @@ def test_mixed_rows_seeds_and_batch_independence():
     again = [alone.draw(logits[1:2], [("s2", seeded)]).tolist()[0] for _ in range(6)]
     assert [t[1] for t in first] == again  # the same seed, drawn alone: the same tokens
     assert len(set(again)) > 1
+
+
+def test_a_zero_noise_draw_never_picks_a_cut_token(monkeypatch):
+    """The exponential noise may come out exactly 0; a token cut by top-k must still never be drawn."""
+    real = torch.Tensor.exponential_
+
+    def with_zeros(self, *a, **k):
+        real(self, *a, **k)
+        return self.index_fill_(-1, torch.tensor([5, 7]), 0.0)  # exact zeros on two tokens top-k cuts
+
+    monkeypatch.setattr(torch.Tensor, "exponential_", with_zeros)
+    tokens = _draw(SamplingParams(temperature=1.0, top_k=3), 200)
+    assert set(tokens.tolist()) <= {0, 6, 1}
