@@ -6,13 +6,8 @@
 # pushed to the RAM tier and step 2 is served by promotions).
 # A quick run on the CPU: WIDTHS=tiny DEVICE=cpu LAYERS=0,4,128,4 REUSED=600 NEW=100 BETWEEN=900 CTX=2048.
 set -o pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-PY=${PY:-python3}
-if [ -d .whl ] && [ "${INSTALL:-1}" = 1 ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:.
-fi
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/daemon_lib.sh"
+ds4d_setup || exit 1
 WIDTHS=${WIDTHS:-flash} DEVICE=${DEVICE:-cuda} LAYERS=${LAYERS:-0,0,4,128,4,128,4,128}
 REUSED=${REUSED:-65000} NEW=${NEW:-1400} BETWEEN=${BETWEEN:-73000} CTX=${CTX:-81920} PORT=${PORT:-8123}
 CKPT=${CKPT:-/tmp/ds4d-agent-ckpt}
@@ -29,20 +24,7 @@ $PY -m ds4d.cli serve --model "$CKPT" --device "$DEVICE" --weight-format "$FORMA
   --max-context "$CTX" --kv-cache-tokens "$CTX" --max-num-seqs 2 --cache-disk-dir "" >"$OUT/daemon.log" 2>&1 &
 daemon=$!
 trap 'kill $daemon 2>/dev/null' EXIT
-$PY - "$PORT" "${LOAD_S:-400}" <<'EOF' || { tail -30 "$OUT/daemon.log"; exit 1; }
-import json, sys, time, urllib.request
-port, limit = sys.argv[1], float(sys.argv[2])
-deadline = time.time() + limit
-while time.time() < deadline:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-            if json.loads(r.read()).get("status") == "ok":
-                sys.exit(0)
-    except OSError:
-        pass
-    time.sleep(1)
-sys.exit(f"daemon not ready after {limit:g} s")
-EOF
+ds4d_wait_ready "$PORT" $daemon "${LOAD_S:-400}" || { tail -30 "$OUT/daemon.log"; exit 1; }
 echo "daemon ready in $(( ($(date +%s%N) - began) / 1000000 )) ms" | tee -a "$OUT/timing.txt"
 grep -E "loaded|KV pool|memory plan|GiB" "$OUT/daemon.log" | head -20
 

@@ -3,13 +3,8 @@
 # FP8 + MXFP4) logs its plan; nvidia-smi is sampled while long prompts run, and the most it saw is set
 # against the plan's total.  Then a kv_cache_tokens that cannot fit must be refused at start.  Logs under $OUT.
 set -o pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-PY=${PY:-python3}
-if [ -d .whl ] && [ "${INSTALL:-1}" = 1 ]; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:.
-fi
-export PYTHONUNBUFFERED=1
+. "$(dirname "$0")/daemon_lib.sh"
+ds4d_setup || exit 1
 WIDTHS=${WIDTHS:-flash} DEVICE=${DEVICE:-cuda} LAYERS=${LAYERS:-0,4} UTIL=${UTIL:-0.3} PORT=${PORT:-8124} CKPT=${CKPT:-/tmp/ds4d-plan-ckpt}
 MAXCTX=${MAXCTX:-65536} PROMPT_WORDS=${PROMPT_WORDS:-60000} PARALLEL=${PARALLEL:-4}
 
@@ -23,35 +18,13 @@ serve() {  # extra arguments go to `ds4d serve`
     --cache-disk-dir "" "$@"
 }
 
-wait_ready() {
-  $PY - "$PORT" "$1" <<'EOF'
-import json, sys, time, urllib.request
-port, pid = sys.argv[1], int(sys.argv[2])
-import os
-deadline = time.time() + 400
-while time.time() < deadline:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        sys.exit(1)
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-            if json.loads(r.read()).get("status") == "ok":
-                sys.exit(0)
-    except Exception:
-        pass
-    time.sleep(1)
-sys.exit(1)
-EOF
-}
-
 # 1. The plan binds: a pool asked for far more than the device has gets what gpu_memory_utilization leaves.
 # The longest prompts it accepts (MAXCTX) are sent, several at once.
 serve --gpu-memory-utilization "$UTIL" --kv-cache-gib 400 --max-num-seqs 64 --max-context "$MAXCTX" \
   >"$OUT/daemon.log" 2>&1 &
 daemon=$!
 trap 'kill $daemon 2>/dev/null' EXIT
-wait_ready $daemon || { tail -30 "$OUT/daemon.log"; exit 1; }
+ds4d_wait_ready "$PORT" $daemon || { tail -30 "$OUT/daemon.log"; exit 1; }
 grep -E "memory plan|weights|activations|graphs|KV|headroom|parameters" "$OUT/daemon.log" | cut -c1-200 | tee "$OUT/plan.txt"
 smi --query-gpu=memory.used --format=csv,noheader | tee "$OUT/ready.txt"
 ( while kill -0 $daemon 2>/dev/null; do smi --query-gpu=memory.used --format=csv,noheader,nounits; sleep 0.2; done ) \
@@ -94,6 +67,6 @@ grep -iE "error|does not fit|refus" "$OUT/refused.log" | tail -3 | cut -c1-300 |
 # 3. The plan at the model's full context (the profiling step at the end of its longest prompt).
 serve >"$OUT/full_context.log" 2>&1 &
 daemon=$!
-wait_ready $daemon && grep -E "memory plan|weights|activations|graphs|KV|headroom" "$OUT/full_context.log" | cut -c1-200 \
+ds4d_wait_ready "$PORT" $daemon && grep -E "memory plan|weights|activations|graphs|KV|headroom" "$OUT/full_context.log" | cut -c1-200 \
   | tee "$OUT/plan_full_context.txt"
 kill $daemon; wait $daemon 2>/dev/null
