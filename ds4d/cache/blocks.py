@@ -20,10 +20,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-def block_keys(token_ids: Sequence[int], block_size: int, namespace: bytes) -> list[bytes]:
-    """Chained keys of every *full* block of ``token_ids``."""
+def block_keys(token_ids: Sequence[int], block_size: int, namespace: bytes, parent: bytes = b"") -> list[bytes]:
+    """Chained keys of every *full* block of ``token_ids``; ``parent``: the key of the block before
+    the first one (the chain continued from blocks already hashed)."""
     keys = []
-    parent = b""
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         h = hashlib.sha256(parent)
         h.update(namespace)
@@ -121,9 +121,13 @@ class BlockPool:
                 del self._cached[block]
             self._ref[block] += 1
 
+    def settled(self, block_id: int, key: bytes) -> bool:
+        """:meth:`register` of this block under this key would change nothing."""
+        return not self.prefix_caching or key in self._block_of or block_id in self._key_of
+
     def register(self, block_id: int, key: bytes, token_ids: Sequence[int]) -> None:
         """Record a full, computed block under its key (first writer wins)."""
-        if not self.prefix_caching or key in self._block_of or block_id in self._key_of:
+        if self.settled(block_id, key):
             return
         self._block_of[key] = block_id
         self._key_of[block_id] = key

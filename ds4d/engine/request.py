@@ -127,6 +127,8 @@ class Sequence:
         """Reused prompt tokens per cache tier (gpu, ram, disk)."""
         self.cache_note = ""
         self.block_ids: list[int] = []
+        self.block_key_chain: list[bytes] = []
+        """Prefix-cache keys of the sequence's leading full blocks, hashed so far (the scheduler extends it)."""
         self.state_slot: int | None = None
         self.preemptions = 0
         self.prompt_logprobs_sent = 0
@@ -142,6 +144,17 @@ class Sequence:
     @property
     def all_token_ids(self) -> list[int]:
         return [*self.request.prompt_ids, *self.output_ids]
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        """``all_token_ids[start:end]`` without building the whole list (a decode step feeds one token
+        of a context that may be hundreds of thousands long)."""
+        prompt = self.request.prompt_ids
+        cut = len(prompt)
+        if end <= cut:
+            return list(prompt[start:end])
+        if start >= cut:
+            return self.output_ids[start - cut:end - cut]
+        return [*prompt[start:], *self.output_ids[:end - cut]]
 
     @property
     def num_tokens(self) -> int:

@@ -70,7 +70,7 @@ class ModelRunner:
         chunks = []
         for c in plan.chunks:
             seq = c.seq
-            tokens = seq.all_token_ids[c.start_pos:c.start_pos + c.num_tokens]
+            tokens = seq.tokens_between(c.start_pos, c.start_pos + c.num_tokens)
             chunks.append(SeqChunk(seq.state_slot, tuple(tokens), c.start_pos, tuple(seq.block_ids), c.logits_tokens))
         logits = self.model.forward(ForwardBatch(tuple(chunks), input_tokens=input_tokens))
 

@@ -299,3 +299,28 @@ def test_lookahead_stays_off_where_the_host_must_see_each_token():
     core = EngineCore(core.scheduler, ModelRunner(model, Sampler()), frozenset(), publish=outputs.extend,
                       lookahead=True)
     assert not core.lookahead
+
+
+def test_tokens_between_is_a_slice_of_all_tokens():
+    from ds4d.engine.request import Sequence
+
+    seq = Sequence(req("a", [5, 6, 7, 8], 10))
+    seq.output_ids = [9, 10, 11]
+    whole = seq.all_token_ids
+    for start in range(len(whole) + 1):
+        for end in range(start, len(whole) + 1):
+            assert seq.tokens_between(start, end) == whole[start:end], (start, end)
+
+
+def test_block_key_chain_grows_as_hashing_from_the_start_would():
+    from ds4d.cache.blocks import block_keys
+    from ds4d.engine.request import Sequence
+
+    core, _, _ = make_engine()
+    sched = core.scheduler
+    seq = Sequence(EngineRequest("a", tuple(range(1, 11)), SamplingParams(max_tokens=50), cache_salt="s"))
+    for blocks, more in ((1, [20, 21]), (3, [22, 23, 24, 25, 26]), (4, []), (2, [])):
+        seq.output_ids += more
+        whole = block_keys(seq.all_token_ids[: blocks * 4], 4, sched._namespace(seq))
+        assert sched._full_block_keys(seq, blocks) == whole
+    assert len(seq.block_key_chain) == 4  # hashed once each, kept
