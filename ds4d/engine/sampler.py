@@ -3,9 +3,9 @@
 Greedy rows are one batched argmax.  Sampled rows are handled together:
 temperature, top-k and top-p as batched tensor operations with per-row
 parameters, then one draw per row by the exponential race (the token with the
-largest ``p / E``, ``E`` exponential noise, is distributed as ``p``), the noise
-of each row drawn by its request's own generator, so a seeded request gives
-the same tokens whatever else shares the batch.  Nothing is read back to the
+largest ``p / E``, ``E`` exponential noise, is distributed as ``p``): one noise
+draw for all rows, then a seeded request's row redrawn by its own generator, so
+it gives the same tokens whatever else shares the batch.  Nothing is read back to the
 host until the tokens are collected.  Logprobs are taken from the model's
 distribution (before temperature), as OpenAI reports them.
 """
@@ -23,6 +23,7 @@ class Sampler:
     def __init__(self, device: str = "cpu") -> None:
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
+        self._shared: torch.Generator | None = None
 
     def generator_for(self, request_id: str, seed: int | None) -> torch.Generator:
         gen = self._generators.get(request_id)
@@ -34,6 +35,13 @@ class Sampler:
                 gen.manual_seed(seed)
             self._generators[request_id] = gen
         return gen
+
+    def _unseeded(self) -> torch.Generator:
+        """The generator of requests without a seed (randomly seeded once)."""
+        if self._shared is None:
+            self._shared = torch.Generator(device=self.device)
+            self._shared.seed()
+        return self._shared
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -80,9 +88,10 @@ class Sampler:
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
             limit = _on(device, [p if p < 1.0 else float("inf") for p in top_p], torch.float32)[:, None]
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(before > limit, 0.0))
-        noise = torch.empty_like(probs)
+        noise = torch.empty_like(probs).exponential_(generator=self._unseeded())  # one draw for every row
         for i, (request_id, params) in enumerate(rows):
-            noise[i].exponential_(generator=self.generator_for(request_id, params.seed))
+            if params.seed is not None:  # a seeded request: its own generator, whatever shares the batch
+                noise[i].exponential_(generator=self.generator_for(request_id, params.seed))
         # a draw of exactly 0 would make 0 / 0 (a cut token) a NaN, which argmax takes for the largest
         return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
