@@ -4,7 +4,8 @@ What a GPU holds while ds4d serves: the weights (measured: bytes allocated on
 the device once the model has loaded, including hot expert banks and staging),
 activations (measured: the peak of one profiling step as large as the scheduler
 can form, ``step_tokens`` of prompt in chunks of ``prefill_chunk``, one sequence
-each, every chunk at the end of a ``max_context``-token prompt), CUDA graphs (a fixed reserve: decode buckets
+each, every chunk at the end of a ``max_context``-token prompt, and of any shorter context the model
+names where its attention is heavier), CUDA graphs (a fixed reserve: decode buckets
 are captured lazily, after start), and the KV/state pool.  The pool takes what
 ``gpu_memory_utilization`` of the device leaves after the other three (and at
 most ``kv_cache_gib``); an explicit ``kv_cache_tokens`` that does not fit is
