@@ -179,11 +179,13 @@ class EngineCore:
 
     def _can_look_ahead(self, current: _InFlight) -> bool:
         """Every running sequence decodes in ``current`` with plain sampling (no constraint, no
-        logprobs), none ends by length there, nothing waits to be admitted, and the pool has a block
-        for each of them: the next plan is then the same sequences one position on, with no
-        preemption, and it can be fed ``current``'s tokens on the device."""
+        logprobs), none ends by length there, nothing could be admitted (no request waits, or every
+        state slot is taken), and the pool has a block for each of them: the next plan is then the
+        same sequences one position on, with no preemption, and it can be fed ``current``'s tokens
+        on the device."""
+        sched = self.scheduler
         live = [c for c in current.plan.chunks if _live(c)]
-        if not live or len(live) != len(self.scheduler.running) or self.scheduler.waiting:
+        if not live or len(live) != len(sched.running) or (sched.waiting and len(sched.running) < sched.max_num_seqs):
             return False
         for c in live:
             params, seq = c.seq.request.params, c.seq
@@ -191,7 +193,7 @@ class EngineCore:
                     params.constraint is not None or params.logprobs is not None or \
                     params.prompt_logprobs is not None or len(seq.output_ids) + 1 >= params.max_tokens:
                 return False
-        return self.scheduler.pool.num_free >= len(live)
+        return sched.pool.num_free >= len(live)
 
     def _look_ahead(self, current: _InFlight) -> _InFlight | None:
         """Commit ``current`` before its tokens are known and queue the next step behind it."""

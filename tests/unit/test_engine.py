@@ -324,3 +324,14 @@ def test_block_key_chain_grows_as_hashing_from_the_start_would():
         whole = block_keys(seq.all_token_ids[: blocks * 4], 4, sched._namespace(seq))
         assert sched._full_block_keys(seq, blocks) == whole
     assert len(seq.block_key_chain) == 4  # hashed once each, kept
+
+
+def test_lookahead_while_requests_wait_for_a_slot():
+    """Every state slot taken and more requests queued: the running ones still decode with steps
+    queued ahead, and each waiting request is admitted as a slot frees, with the same tokens."""
+    prompts = {f"r{j}": [j + 2] * (4 + j) for j in range(6)}
+    want, _, _ = run(*make_engine(max_num_seqs=2)[:2], [req(k, p, 8 + k.count("3")) for k, p in prompts.items()])
+    core, outputs, _ = lookahead_engine(max_num_seqs=2)
+    got, finish, _ = run(core, outputs, [req(k, p, 8 + k.count("3")) for k, p in prompts.items()])
+    assert got == want and len(finish) == 6 and core.steps_ahead > 6
+    assert all(got[k] == reference_tokens(p, len(got[k])) for k, p in prompts.items())
