@@ -18,6 +18,7 @@ Only the arithmetic and the profiling step live here; ``ds4d.kernel`` asks a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -128,18 +129,20 @@ def step_chunks(step_tokens: int, prefill_chunk: int, max_num_seqs: int, max_con
 
 
 def profile_activations(model: Model, info: ModelInfo, chunks: list[int], memory: DeviceMemory,
-                        contexts: int | list[int]) -> int:
+                        contexts: Sequence[int]) -> int:
     """Peak bytes one forward of prompt chunks (one sequence each, ``chunks`` tokens long) adds on the
     device, each chunk the last piece of a ``context``-token prompt: attention over the compressed
     entries, the indexer's scores and the window all grow with the context, so the end of the longest
     prompt the daemon accepts is the largest step it can meet, unless the model switches to a leaner
-    path past some length: a list of ``contexts`` (the model's ``activation_probe_contexts``) is
-    probed one by one and the largest peak counts.  The blocks before a chunk's own are one shared
-    block (the values do not matter, the shapes do), so the cache holds just the blocks the chunks
-    write plus that one (the caller allocates the real cache afterwards)."""
-    if not isinstance(contexts, int):
-        return max(profile_activations(model, info, chunks, memory, context) for context in contexts)
-    context = contexts
+    path past some length: every one of ``contexts`` (the model's ``activation_probe_contexts``) is
+    probed and the largest peak counts."""
+    return max(_profile_step(model, info, chunks, memory, context) for context in contexts)
+
+
+def _profile_step(model: Model, info: ModelInfo, chunks: list[int], memory: DeviceMemory, context: int) -> int:
+    """One profiling forward at the end of a ``context``-token prompt.  The blocks before a chunk's own
+    are one shared block (the values do not matter, the shapes do), so the cache holds just the blocks
+    the chunks write plus that one (the caller allocates the real cache afterwards)."""
     first = min(100, max(info.vocab_size - 1, 0))
     span = max(info.vocab_size - first, 1)
     block = info.block_size_tokens

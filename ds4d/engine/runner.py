@@ -26,11 +26,11 @@ class LaunchedStep:
     ``tokens``: the sampled tokens ``[S]`` on the model's device, one per sampling chunk in chunk
     order, before the host has read them (what a step queued right behind this one is fed)."""
 
-    def __init__(self, runner: ModelRunner, plan: StepPlan, logits: torch.Tensor, tokens: torch.Tensor | None,
+    def __init__(self, sampler: Sampler, plan: StepPlan, logits: torch.Tensor, tokens: torch.Tensor | None,
                  sample_meta: list, prompt_lp: list) -> None:
         self.plan = plan
         self.tokens = tokens
-        self._runner, self._logits, self._meta, self._prompt_lp = runner, logits, sample_meta, prompt_lp
+        self._sampler, self._logits, self._meta, self._prompt_lp = sampler, logits, sample_meta, prompt_lp
 
     def tokens_of(self, chunks: list[int]) -> torch.Tensor:
         """The sampled tokens of the given chunks (indices into a plan whose every chunk samples)."""
@@ -42,7 +42,7 @@ class LaunchedStep:
         sampled: list[int] = []
         sampled_lp: list[TokenLogprob | None] = []
         if self.tokens is not None:
-            sampled, sampled_lp = self._runner.sampler.collect(self.tokens, self._logits, self._meta)
+            sampled, sampled_lp = self._sampler.collect(self.tokens, self._logits, self._meta)
         out, k = [], 0
         for c, plp in zip(self.plan.chunks, self._prompt_lp):
             if c.sample:
@@ -90,7 +90,7 @@ class ModelRunner:
             sample_logits = logits if every_row else torch.stack(sample_rows).float()
             tokens = self.sampler.draw(sample_logits, sample_meta)
             logits = sample_logits
-        return LaunchedStep(self, plan, logits, tokens, sample_meta, prompt_lp)
+        return LaunchedStep(self.sampler, plan, logits, tokens, sample_meta, prompt_lp)
 
     @staticmethod
     def _prompt_logprobs(c, rows: torch.Tensor) -> tuple[TokenLogprob | None, ...]:

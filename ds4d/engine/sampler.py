@@ -63,8 +63,10 @@ class Sampler:
                 mask = rows[i][1].constraint.allowed_mask(logits.shape[-1])
                 if mask is not None:
                     logits[i].masked_fill_(~mask.to(logits.device), float("-inf"))
-        tokens = greedy_tokens(logits)
         sampled = [i for i, (_, params) in enumerate(rows) if not params.greedy]
+        if len(sampled) == len(rows):  # no greedy row: no argmax over the whole vocabulary
+            return self._draw_sampled(logits, rows)
+        tokens = greedy_tokens(logits)
         if sampled:
             index = _on(logits.device, sampled, torch.long)
             tokens[index] = self._draw_sampled(logits[index], [rows[i] for i in sampled])

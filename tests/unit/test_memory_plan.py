@@ -97,10 +97,10 @@ def test_profiling_step_feeds_the_largest_step_and_measures_its_peak():
     assert step_chunks(100, 30, 2, 10**6) == [30, 30]  # at most max_num_seqs sequences
     model = CountingToy()
     memory = FakeMemory(total=GIB, weights=1000, step=777, model=model)
-    assert profile_activations(model, model.info, [50, 7], memory, 50) == 777
+    assert profile_activations(model, model.info, [50, 7], memory, [50]) == 777
     assert model.fed == [57] and model.pool.shape[0] == 1 + 13 + 3  # the shared block, positions 0..49, positions 43..49
     # each chunk is the end of a context-token prompt: the blocks before its own are the shared block 0
-    assert profile_activations(model, model.info, [50, 7], memory, 1001) == 777
+    assert profile_activations(model, model.info, [50, 7], memory, [1001]) == 777
     long, short = model.batches[-1].chunks
     assert (long.start_pos, short.start_pos) == (951, 994)
     assert long.block_ids == (0,) * 237 + tuple(range(1, 15))  # positions 951..1000: blocks 237..250
@@ -200,7 +200,7 @@ def test_profiling_step_runs_on_a_v4_model_at_the_end_of_its_context(tmp_path):
     # the longest context, and the last one whose CSA entries (ratio 4) go through the dense score block
     assert model.activation_probe_contexts(context) == [4 * SPARSE_FROM, context]
     assert model.activation_probe_contexts(1000) == [1000]
-    assert profile_activations(model, model.info, [48, 16], Quiet(), context) == 0
+    assert profile_activations(model, model.info, [48, 16], Quiet(), [context]) == 0
     assert logits[0].shape == (2, model.info.vocab_size) and torch.isfinite(logits[0]).all()
     assert model.info.block_size_tokens == 128 and context % 128 == 0
     assert model.cache.max_seqs == 2 and model.cache.num_blocks == 3  # the shared block, one block per chunk
