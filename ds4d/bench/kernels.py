@@ -93,7 +93,8 @@ SWEEP = {
                  for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (2, 4)],
     "fp8_tiles": [{"block_n": bn, "warps": 4, "stages": st, "programs": p}
                   for bn in (32, 64, 128) for st in (3, 4) for p in (256, 512, 1024)],
-    "mxfp4_rows": [{"block_n": bn, "block_b": bb, "warps": w} for bn in (4, 8) for bb in (256, 512) for w in (2, 4)],
+    "mxfp4_rows": [{"block_n": bn, "block_b": bb, "warps": w, "ptx_decode": p}
+                   for bn in (4, 8) for bb in (256, 512) for w in (2, 4) for p in (False, True)],
     "mxfp4_grouped": [{"block_m": bm, "block_n": bn, "block_b": bb, "warps": w, "stages": st}
                       for bm, bn, bb, w, st in ((64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
                                                 (128, 128, 64, 8, 3), (64, 256, 64, 8, 3))],

@@ -299,19 +299,22 @@ def build(torch, args, device, offload_options=None):
 
 PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
               "sampled": " (graphs, temperature 1, top-p 0.95)",
-              "plain-hc": " (graphs, torch hyper-connections)", "eager": " (no graphs)",
+              "plain-hc": " (graphs, torch hyper-connections)",
+              "numba-hc": " (graphs, Numba hyper-connection kernel only)", "eager": " (no graphs)",
               "reference": " (reference path)"}
 
 
 def _set_path(model, path: str) -> None:
     """graphs: every GPU path; lookahead: the same, the engine queueing each decode step behind the one
-    before (``decode_lookahead``); sampled: the same, sampling (``SAMPLED``) instead of greedy; plain-hc: without the fused hyper-connection kernel; eager: no CUDA
-    graphs; reference: the portable path (expert loop, per-sequence attention, dense window masks)."""
+    before (``decode_lookahead``); sampled: the same, sampling (``SAMPLED``) instead of greedy; plain-hc: without the fused hyper-connection kernels; numba-hc: the Numba kernel
+    for decode steps too (not the Triton ones); eager: no CUDA graphs; reference: the portable path
+    (expert loop, per-sequence attention, dense window masks)."""
     if not hasattr(model, "_hc_kernel_ok"):
         model._hc_kernel_ok = model.fused_hc
     model.fast_path = path != "reference"
-    model.use_graphs = path in ("graphs", "lookahead", "sampled", "plain-hc")
-    model.fused_hc = model._hc_kernel_ok and path != "plain-hc"
+    model.use_graphs = path in ("graphs", "lookahead", "sampled", "plain-hc", "numba-hc")
+    ok = model._hc_kernel_ok
+    model.fused_hc = {"plain-hc": False, "numba-hc": ok and "numba"}.get(path, ok)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -357,13 +360,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     check = _parity(torch, model, hf, prompts(1, 256)[0], device) if hf is not None else "no HF peer"
     _say(f"same weights check (256-token prompt, logits ds4d vs HF): {check}")
-    paths = ["graphs", "plain-hc", "eager"] + ([] if args.no_reference else ["reference"])
+    paths = ["graphs", "plain-hc", "numba-hc", "eager"] + ([] if args.no_reference else ["reference"])
     rows: list[Row] = []
     n = args.decode_tokens
 
     def prefill_case(tokens: int, hf_ok: bool = True) -> None:
         ids = prompts(1, tokens)
-        for path in [p for p in paths if p != "eager"] if tokens <= 2048 else ["graphs"]:
+        for path in [p for p in paths if p not in ("eager", "numba-hc")] if tokens <= 2048 else ["graphs"]:
             _set_path(model, path)
             label = f"prefill {tokens} tok, b1" + {"graphs": "", "plain-hc": " (torch hyper-connections)",
                                                    "reference": " (reference path)"}[path]
@@ -457,7 +460,7 @@ def _profile_decode(torch, model, prompt, path: str, sync, steps: int = 8) -> No
          f"{device_us / 1e3:.3f} ms/step of device work in {kernels:.0f} kernels/step")
     _say("| kernel | calls/step | us/step | share |")
     _say("|---|---|---|---|")
-    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:25]:
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:40]:
         _say(f"| {e.key[:90]} | {e.count / steps:.0f} | {e.self_device_time_total / steps:.1f} | "
              f"{e.self_device_time_total / steps / max(device_us, 1e-9):.1%} |")
 

@@ -24,6 +24,50 @@ def e2m1_scaled(code):
 
 
 @triton.jit
+def e2m1_pairs_scaled(packed):
+    """uint8 bytes -> (low-nibble value, high-nibble value), each times 2^-14, as float16.
+
+    The same values as :func:`e2m1_scaled`, made four bytes at a time by PTX on packed 32-bit
+    registers: each pair of bytes is spread into the high bytes of two 16-bit lanes
+    (``prmt``), where the high nibble already holds the sign bit at bit 15 and only its 3
+    magnitude bits move (right by 3); the low nibble's sign moves left by 4, its magnitude left
+    by 1.  About 2.5 integer instructions a value against 6.  CUDA only (no interpreter)."""
+    return tl.inline_asm_elementwise(
+        asm="""
+        {
+        .reg .b32 lanes, zero, t, u;
+        mov.b32 zero, 0;
+        prmt.b32 lanes, $4, zero, 0x1404;
+        shl.b32 t, lanes, 4;
+        and.b32 t, t, 0x80008000;
+        shl.b32 u, lanes, 1;
+        and.b32 u, u, 0x0E000E00;
+        or.b32 $0, t, u;
+        shr.b32 t, lanes, 3;
+        and.b32 t, t, 0x0E000E00;
+        and.b32 u, lanes, 0x80008000;
+        or.b32 $2, t, u;
+        prmt.b32 lanes, $4, zero, 0x3424;
+        shl.b32 t, lanes, 4;
+        and.b32 t, t, 0x80008000;
+        shl.b32 u, lanes, 1;
+        and.b32 u, u, 0x0E000E00;
+        or.b32 $1, t, u;
+        shr.b32 t, lanes, 3;
+        and.b32 t, t, 0x0E000E00;
+        and.b32 u, lanes, 0x80008000;
+        or.b32 $3, t, u;
+        }
+        """,
+        constraints="=r,=r,=r,=r,r",
+        args=[packed],
+        dtype=(tl.float16, tl.float16),
+        is_pure=True,
+        pack=4,
+    )
+
+
+@triton.jit
 def e8m0_scaled(byte):
     """ue8m0 scale bytes -> 2^(byte - 127) * 2^14 as float32."""
     return ((byte.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
@@ -88,11 +132,12 @@ def fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, n, k, swn, ssn, son):
 
 @triton.jit
 def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, expert_ptr, n, k: tl.constexpr,
-                      sxr, swn, ssn, sor, block_n: tl.constexpr, block_b: tl.constexpr):
+                      sxr, swn, ssn, sor, block_n: tl.constexpr, block_b: tl.constexpr, ptx_decode: tl.constexpr):
     """One row times ``block_n`` rows of its expert's MXFP4 matrix, ``block_b`` bytes (2 x as many
     inputs) a step; byte j holds inputs 2j (low nibble) and 2j + 1, 16 bytes share a scale.  Each
     expert's packed bytes and scales are found through address tables (``w_table[e]``,
-    ``s_table[e]``), so an expert may sit in device memory or in mapped host memory."""
+    ``s_table[e]``), so an expert may sit in device memory or in mapped host memory.
+    ``ptx_decode``: codes decoded by :func:`e2m1_pairs_scaled` (CUDA) instead of :func:`e2m1_scaled`."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
     live_cols = cols < n
@@ -105,8 +150,13 @@ def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, expert_ptr, n, k: tl.con
         live = byte < k // 2
         even = tl.load(x_ptr + row * sxr + 2 * byte, mask=live, other=0.0).to(tl.float32)
         odd = tl.load(x_ptr + row * sxr + 2 * byte + 1, mask=live, other=0.0).to(tl.float32)
-        packed = tl.load(w_base + byte[None, :], mask=live_cols[:, None] & live[None, :], other=0).to(tl.int32)
-        part = e2m1_scaled(packed & 15) * even[None, :] + e2m1_scaled(packed >> 4) * odd[None, :]
+        packed = tl.load(w_base + byte[None, :], mask=live_cols[:, None] & live[None, :], other=0)
+        if ptx_decode:
+            low, high = e2m1_pairs_scaled(packed)
+            part = low.to(tl.float32) * even[None, :] + high.to(tl.float32) * odd[None, :]
+        else:
+            codes = packed.to(tl.int32)
+            part = e2m1_scaled(codes & 15) * even[None, :] + e2m1_scaled(codes >> 4) * odd[None, :]
         groups = k0 // 16 + tl.arange(0, block_b // 16)
         scale = e8m0_scaled(tl.load(s_base + groups[None, :], mask=live_cols[:, None] & (groups[None, :] < k // 32),
                                     other=0))

@@ -8,7 +8,7 @@ import torch
 
 from ds4d.contracts import ForwardBatch, Model, SeqChunk
 from ds4d.engine.request import TokenLogprob
-from ds4d.engine.sampler import Sampler, make_logprob
+from ds4d.engine.sampler import Sampler, make_logprob, small_tensor
 from ds4d.engine.scheduler import StepPlan
 
 
@@ -24,25 +24,30 @@ class LaunchedStep:
     """A step whose forward and sampling are queued on the device; :meth:`results` waits for them.
 
     ``tokens``: the sampled tokens ``[S]`` on the model's device, one per sampling chunk in chunk
-    order, before the host has read them (what a step queued right behind this one is fed)."""
+    order, before the host has read them (what a step queued right behind this one is fed).  Their
+    copy to the host is queued at launch, right behind the draw: reading them waits for this step
+    only, not for a step queued behind it on the same stream."""
 
     def __init__(self, sampler: Sampler, plan: StepPlan, logits: torch.Tensor, tokens: torch.Tensor | None,
                  sample_meta: list, prompt_lp: list) -> None:
         self.plan = plan
         self.tokens = tokens
         self._sampler, self._logits, self._meta, self._prompt_lp = sampler, logits, sample_meta, prompt_lp
+        self._host_tokens, self._copied = _start_read_back(tokens) if tokens is not None else (None, None)
 
     def tokens_of(self, chunks: list[int]) -> torch.Tensor:
         """The sampled tokens of the given chunks (indices into a plan whose every chunk samples)."""
         if len(chunks) == len(self.plan.chunks):
             return self.tokens
-        return self.tokens[torch.tensor(chunks, dtype=torch.long).to(self.tokens.device, non_blocking=True)]
+        return self.tokens[small_tensor(self.tokens.device, chunks, torch.long)]
 
     def results(self) -> list[ChunkResult]:
         sampled: list[int] = []
         sampled_lp: list[TokenLogprob | None] = []
-        if self.tokens is not None:
-            sampled, sampled_lp = self._sampler.collect(self.tokens, self._logits, self._meta)
+        if self._host_tokens is not None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            sampled, sampled_lp = self._sampler.collect(self._host_tokens, self._logits, self._meta)
         out, k = [], 0
         for c, plp in zip(self.plan.chunks, self._prompt_lp):
             if c.sample:
@@ -51,6 +56,18 @@ class LaunchedStep:
             else:
                 out.append(ChunkResult(None, None, plp))
         return out
+
+
+def _start_read_back(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Queue the copy of CUDA ``tokens`` into page-locked host memory and an event after it.
+    (``tokens.tolist()`` later would wait for everything queued on the stream by then.)"""
+    if not tokens.is_cuda:
+        return tokens, None
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied
 
 
 class ModelRunner:

@@ -68,7 +68,7 @@ class Sampler:
             return self._draw_sampled(logits, rows)
         tokens = greedy_tokens(logits)
         if sampled:
-            index = _on(logits.device, sampled, torch.long)
+            index = small_tensor(logits.device, sampled, torch.long)
             tokens[index] = self._draw_sampled(logits[index], [rows[i] for i in sampled])
         return tokens
 
@@ -76,19 +76,19 @@ class Sampler:
         """``[S]`` tokens of rows that sample (temperature > 0), all rows at once."""
         width = logits.shape[-1]
         device = logits.device
-        scaled = logits / _on(device, [p.temperature for _, p in rows], torch.float32)[:, None]
+        scaled = logits / small_tensor(device, [p.temperature for _, p in rows], torch.float32)[:, None]
         top_k = [p.top_k if 0 < p.top_k < width else 0 for _, p in rows]
         if any(top_k):  # keep each row's k largest (ties at the k-th value kept); k = 0: every token
             kth = torch.topk(scaled, max(top_k), dim=-1).values
-            floor = kth.gather(1, _on(device, [max(k - 1, 0) for k in top_k], torch.long)[:, None])
-            floor = floor.masked_fill(_on(device, [k == 0 for k in top_k], torch.bool)[:, None], float("-inf"))
+            floor = kth.gather(1, small_tensor(device, [max(k - 1, 0) for k in top_k], torch.long)[:, None])
+            floor = floor.masked_fill(small_tensor(device, [k == 0 for k in top_k], torch.bool)[:, None], float("-inf"))
             scaled = scaled.masked_fill(scaled < floor, float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
         top_p = [p.top_p for _, p in rows]
         if any(p < 1.0 for p in top_p):  # the smallest set of likeliest tokens reaching top_p
             sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-            limit = _on(device, [p if p < 1.0 else float("inf") for p in top_p], torch.float32)[:, None]
+            limit = small_tensor(device, [p if p < 1.0 else float("inf") for p in top_p], torch.float32)[:, None]
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(before > limit, 0.0))
         noise = torch.empty_like(probs).exponential_(generator=self._unseeded())  # one draw for every row
         for i, (request_id, params) in enumerate(rows):
@@ -115,9 +115,13 @@ class Sampler:
         return token_list, logprobs
 
 
-def _on(device, values: list, dtype: torch.dtype) -> torch.Tensor:
-    """A small per-row tensor on ``device``, copied without waiting for the device."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+def small_tensor(device, values: list, dtype: torch.dtype) -> torch.Tensor:
+    """A small per-row tensor on ``device``, copied from page-locked memory without waiting for
+    the device (a copy from pageable memory may wait for the work queued before it)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 ARGMAX_SEGMENT = 256

@@ -73,6 +73,27 @@ def test_mxfp4_rows_and_grouped(n, k):
         _check(qm.mxfp4_grouped(x, packed, scales, offsets), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp4_rows_ptx_decode_equals_the_plain_decode(dtype, monkeypatch):
+    """Every byte value (both nibbles, signs, the subnormal code) under every scale byte from 100 to
+    140: the PTX decode and the integer decode give the same outputs bit for bit."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    experts, n, k = 4, 64, 2048
+    packed = torch.arange(256, device="cuda", dtype=torch.uint8).repeat(experts * n * k // 512).view(experts, n, k // 2)
+    packed = packed[:, :, torch.randperm(k // 2, device="cuda", generator=gen)].contiguous()
+    scales = torch.randint(100, 141, (experts, n, k // 32), device="cuda", dtype=torch.uint8, generator=gen)
+    x = torch.randn(6, k, device="cuda", generator=gen).to(dtype)
+    of_row = torch.tensor([0, 1, 1, 2, 3, 3], device="cuda")
+    outs = {}
+    for ptx in (False, True):
+        monkeypatch.setitem(qm.TUNING, "mxfp4_rows", {**qm.TUNING["mxfp4_rows"], "ptx_decode": ptx})
+        outs[ptx] = qm.mxfp4_rows(x, packed, scales, of_row)
+    assert torch.equal(outs[True], outs[False])
+    values = torch.stack([dequant_mxfp4(packed[e], scales[e]) for e in range(experts)])
+    want = torch.einsum("rnk,rk->rn", values[of_row].float(), x.float())
+    assert (outs[True].float() - want).abs().max().item() < (1e-4 if dtype == torch.float32 else 2e-2) * want.abs().max()
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=3, layers=[0, 4, 128, 4])

@@ -31,12 +31,21 @@ def hc_pre(
     hc_eps: float,
     norm_eps: float,
     *,
-    fused: bool = False,
+    fused: bool | str = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``streams [T, m, D]`` -> (sub-layer input ``[T, D]``, post ``[T, m]``, comb ``[T, m, m]``).
 
-    ``fused``: on CUDA, the mixing weights come from one kernel (``ds4d.cuda.hc_kernels``)."""
+    ``fused``: on CUDA, the mixing weights come from kernels: with ``"triton"`` and a few tokens
+    the two Triton kernels of ``ds4d.cuda.hc_triton``, otherwise the norm and projection in torch
+    and the Numba kernel of ``ds4d.cuda.hc_kernels``."""
     m = streams.shape[-2]
+    if fused == "triton" and streams.is_cuda:
+        from ds4d.cuda import hc_triton
+
+        if hc_triton.usable(streams.shape[0], m):
+            pre, post, comb = hc_triton.hc_mix(streams, weights.fn, weights.base, weights.scale, hc_eps, iterations,
+                                               norm_eps)
+            return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype), post, comb
     mixes = _mixes(streams, weights.fn, norm_eps)
     if fused and streams.is_cuda:
         from ds4d.cuda.hc_kernels import hc_mix_torch
@@ -68,8 +77,17 @@ def hc_post(output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, com
     return spread + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
-def hc_head(streams: torch.Tensor, weights: HyperWeights, hc_eps: float, norm_eps: float) -> torch.Tensor:
-    """Final collapse of the streams before the output norm (pre weights only)."""
-    mixes = _mixes(streams, weights.fn, norm_eps)
+def hc_head(streams: torch.Tensor, weights: HyperWeights, hc_eps: float, norm_eps: float,
+            *, fused: bool | str = False) -> torch.Tensor:
+    """Final collapse of the streams before the output norm (pre weights only); ``fused == "triton"``:
+    on CUDA, a few tokens' mixing logits from the Triton kernel."""
+    mixes = None
+    if fused == "triton" and streams.is_cuda:
+        from ds4d.cuda import hc_triton
+
+        if hc_triton.usable(streams.shape[0], streams.shape[-2]):
+            mixes = hc_triton.hc_mixes(streams, weights.fn, norm_eps)
+    if mixes is None:
+        mixes = _mixes(streams, weights.fn, norm_eps)
     pre = torch.sigmoid(mixes * weights.scale.float() + weights.base.float()) + hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)

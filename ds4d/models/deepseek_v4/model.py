@@ -18,7 +18,9 @@ default on CUDA, off on the CPU, where the reference path is kept exact):
   which every chunk is one token needing its logits run the batched decode
   attention of ``decode.py`` (no per-sequence loop, no host round trip);
 * ``fused_hc`` (with ``fast_path``, where Numba CUDA is installed): the
-  hyper-connection mixing weights, Sinkhorn included, come from one kernel;
+  hyper-connection mixing weights, Sinkhorn included, come from kernels:
+  ``"triton"`` (decode batches: two Triton kernels, prefill: the Numba one) or
+  ``"numba"`` (always the Numba one); False: torch;
 * ``use_graphs``: such decode steps are padded to a batch bucket and a
   block-table bucket and replayed from CUDA graphs (``ds4d.cuda.graphs``).
 """
@@ -77,12 +79,13 @@ class DeepseekV4Model:
         on_gpu = self.device.type == "cuda"
         self.fast_path = on_gpu
         self.use_graphs = on_gpu
-        self.fused_hc = False
+        self.fused_hc: bool | str = False
         self._graphs = None
         if on_gpu:
+            from ds4d.cuda import hc_triton
             from ds4d.cuda.hc_kernels import available
 
-            self.fused_hc = available()
+            self.fused_hc = available() and ("triton" if hc_triton.available() else "numba")
             from ds4d.cuda.graphs import GraphCache
 
             self._graphs = GraphCache(self._decode_step)
@@ -261,8 +264,9 @@ class DeepseekV4Model:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         cfg, weights = self.cfg, self.weights
+        fused = self.fast_path and self.fused_hc
         final = rms_norm(
-            hc_head(hidden, weights.head_hc, cfg.hc_eps, cfg.rms_norm_eps), weights.norm, cfg.rms_norm_eps
+            hc_head(hidden, weights.head_hc, cfg.hc_eps, cfg.rms_norm_eps, fused=fused), weights.norm, cfg.rms_norm_eps
         )
         if weights.head.dtype == torch.float32:
             return F.linear(final.float(), weights.head)
