@@ -93,8 +93,8 @@ SWEEP = {
                  for bn in (4, 8, 16) for bk in (512, 1024, 2048) for w in (2, 4)],
     "fp8_tiles": [{"block_n": bn, "warps": 4, "stages": st, "programs": p}
                   for bn in (32, 64, 128) for st in (3, 4) for p in (256, 512, 1024)],
-    "mxfp4_rows": [{"block_n": bn, "block_b": bb, "warps": w, "ptx_decode": p, "by_group": g}
-                   for bn in (4, 8) for bb in (256, 512) for w in (2, 4) for p, g in ((0, 0), (1, 0), (0, 1), (1, 1))],
+    "mxfp4_rows": [{"block_n": bn, "block_b": bb, "warps": w, "ptx_decode": p}
+                   for bn in (4, 8) for bb in (256, 512) for w in (2, 4) for p in (False, True)],
     "mxfp4_grouped": [{"block_m": bm, "block_n": bn, "block_b": bb, "warps": w, "stages": st}
                       for bm, bn, bb, w, st in ((64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3),
                                                 (128, 128, 64, 8, 3), (64, 256, 64, 8, 3))],
@@ -147,7 +147,7 @@ def sweep(torch, device, say) -> dict:
             results.append((total, candidate))
         qm.TUNING[kernel] = original
         results.sort(key=lambda r: r[0])
-        for total, candidate in results if kernel == "mxfp4_rows" else results[:3]:
+        for total, candidate in results[:3]:
             say(f"{kernel}: {total * 1e6:.1f} us over {len(cases[kernel])} shapes: {candidate}")
         best[kernel] = results[0][1] if results else original
     return best

@@ -131,63 +131,36 @@ def fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, n, k, swn, ssn, son):
 
 
 @triton.jit
-def _decoded_part(packed, even, odd, ptx_decode: tl.constexpr):
-    """Each byte's two products, low nibble x even input + high nibble x odd input (float32)."""
-    if ptx_decode:
-        low, high = e2m1_pairs_scaled(packed)
-        return low.to(tl.float32) * even + high.to(tl.float32) * odd
-    codes = packed.to(tl.int32)
-    return e2m1_scaled(codes & 15) * even + e2m1_scaled(codes >> 4) * odd
-
-
-@triton.jit
-def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, expert_ptr, n, k: tl.constexpr, sxr, swn, ssn, sor,
-                      block_n: tl.constexpr, block_b: tl.constexpr, ptx_decode: tl.constexpr,
-                      by_group: tl.constexpr):
+def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, expert_ptr, n, k: tl.constexpr,
+                      sxr, swn, ssn, sor, block_n: tl.constexpr, block_b: tl.constexpr, ptx_decode: tl.constexpr):
     """One row times ``block_n`` rows of its expert's MXFP4 matrix, ``block_b`` bytes (2 x as many
     inputs) a step; byte j holds inputs 2j (low nibble) and 2j + 1, 16 bytes share a scale.  Each
     expert's packed bytes and scales are found through address tables (``w_table[e]``,
     ``s_table[e]``), so an expert may sit in device memory or in mapped host memory.
-    ``ptx_decode``: codes decoded by :func:`e2m1_pairs_scaled` (CUDA) instead of :func:`e2m1_scaled`.
-    ``by_group``: the bytes are loaded as ``[block_n, groups, 16]`` and each step's scaled products
-    added into a tile of that shape, summed once at the end (no per-step reshape and reduction)."""
+    ``ptx_decode``: codes decoded by :func:`e2m1_pairs_scaled` (CUDA) instead of :func:`e2m1_scaled`."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
     live_cols = cols < n
     expert = tl.load(expert_ptr + row)
-    w_expert = tl.load(w_table + expert).to(tl.pointer_type(tl.uint8))
+    w_base = tl.load(w_table + expert).to(tl.pointer_type(tl.uint8)) + cols[:, None] * swn
     s_base = tl.load(s_table + expert).to(tl.pointer_type(tl.uint8)) + cols[:, None] * ssn
-    x_row = x_ptr + row * sxr
-    if by_group:
-        group = tl.arange(0, block_b // 16)
-        within = tl.arange(0, 16)
-        w_base = w_expert + cols[:, None, None] * swn
-        tile = tl.zeros([block_n, block_b // 16, 16], dtype=tl.float32)
-        for k0 in range(0, k // 2, block_b):
-            byte = k0 + group[:, None] * 16 + within[None, :]
-            live = byte < k // 2
-            even = tl.load(x_row + 2 * byte, mask=live, other=0.0).to(tl.float32)
-            odd = tl.load(x_row + 2 * byte + 1, mask=live, other=0.0).to(tl.float32)
-            packed = tl.load(w_base + byte[None, :, :], mask=live_cols[:, None, None] & live[None, :, :], other=0)
-            groups = k0 // 16 + group
-            scale = e8m0_scaled(tl.load(s_base + groups[None, :], mask=live_cols[:, None] & (groups[None, :] < k // 32),
-                                        other=0))
-            tile += _decoded_part(packed, even[None, :, :], odd[None, :, :], ptx_decode) * scale[:, :, None]
-        acc = tl.sum(tl.sum(tile, axis=2), axis=1)
-    else:
-        w_base = w_expert + cols[:, None] * swn
-        acc = tl.zeros([block_n], dtype=tl.float32)
-        for k0 in range(0, k // 2, block_b):
-            byte = k0 + tl.arange(0, block_b)
-            live = byte < k // 2
-            even = tl.load(x_row + 2 * byte, mask=live, other=0.0).to(tl.float32)
-            odd = tl.load(x_row + 2 * byte + 1, mask=live, other=0.0).to(tl.float32)
-            packed = tl.load(w_base + byte[None, :], mask=live_cols[:, None] & live[None, :], other=0)
-            part = _decoded_part(packed, even[None, :], odd[None, :], ptx_decode)
-            groups = k0 // 16 + tl.arange(0, block_b // 16)
-            scale = e8m0_scaled(tl.load(s_base + groups[None, :], mask=live_cols[:, None] & (groups[None, :] < k // 32),
-                                        other=0))
-            acc += tl.sum(tl.sum(tl.reshape(part, [block_n, block_b // 16, 16]), axis=2) * scale, axis=1)
+    acc = tl.zeros([block_n], dtype=tl.float32)
+    for k0 in range(0, k // 2, block_b):
+        byte = k0 + tl.arange(0, block_b)
+        live = byte < k // 2
+        even = tl.load(x_ptr + row * sxr + 2 * byte, mask=live, other=0.0).to(tl.float32)
+        odd = tl.load(x_ptr + row * sxr + 2 * byte + 1, mask=live, other=0.0).to(tl.float32)
+        packed = tl.load(w_base + byte[None, :], mask=live_cols[:, None] & live[None, :], other=0)
+        if ptx_decode:
+            low, high = e2m1_pairs_scaled(packed)
+            part = low.to(tl.float32) * even[None, :] + high.to(tl.float32) * odd[None, :]
+        else:
+            codes = packed.to(tl.int32)
+            part = e2m1_scaled(codes & 15) * even[None, :] + e2m1_scaled(codes >> 4) * odd[None, :]
+        groups = k0 // 16 + tl.arange(0, block_b // 16)
+        scale = e8m0_scaled(tl.load(s_base + groups[None, :], mask=live_cols[:, None] & (groups[None, :] < k // 32),
+                                    other=0))
+        acc += tl.sum(tl.sum(tl.reshape(part, [block_n, block_b // 16, 16]), axis=2) * scale, axis=1)
     tl.store(out_ptr + row * sor + cols, acc.to(out_ptr.dtype.element_ty), mask=live_cols)
 
 

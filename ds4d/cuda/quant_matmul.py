@@ -63,7 +63,7 @@ TUNING = {
     "fp8_rows": {"most_rows": 1, "block_n": 4, "block_k": 2048, "warps": 2},
     "fp8_tiles": {"block_n": 128, "warps": 4, "stages": 3, "programs": 256},
     "fp8_dense_from": 257,
-    "mxfp4_rows": {"block_n": 8, "block_b": 256, "warps": 2, "ptx_decode": True, "by_group": True},
+    "mxfp4_rows": {"block_n": 8, "block_b": 256, "warps": 2, "ptx_decode": True},
     "mxfp4_grouped": {"block_m": 64, "block_n": 128, "block_b": 64, "warps": 4, "stages": 3},
 }
 """Tile shapes and launch settings (chosen by ``ds4d bench model --sweep`` on an H200)."""
@@ -184,8 +184,7 @@ def mxfp4_rows_at(x: torch.Tensor, w_table: torch.Tensor, s_table: torch.Tensor,
         grid = (rows, triton.cdiv(n, t["block_n"]))
         _kernels().mxfp4_rows_kernel[grid](x, w_table, s_table, out, experts, n, k, x.stride(0), w_row_stride,
                                            s_row_stride, out.stride(0), block_n=t["block_n"], block_b=t["block_b"],
-                                           ptx_decode=t["ptx_decode"] and x.is_cuda, by_group=t["by_group"],
-                                           num_warps=t["warps"])
+                                           ptx_decode=t["ptx_decode"] and x.is_cuda, num_warps=t["warps"])
     return out
 
 

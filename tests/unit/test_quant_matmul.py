@@ -60,10 +60,8 @@ def _mxfp4_bank(experts: int, n: int, k: int, gen: torch.Generator):
     return torch.stack(packed), torch.stack(scales), torch.stack(values)
 
 
-@pytest.mark.parametrize("by_group", [True, False])
 @pytest.mark.parametrize(("experts", "n", "k", "rows"), [(4, 10, 96, 5), (3, 7, 1056, 2), (2, 4, 32, 1)])
-def test_mxfp4_rows_match_decoded_matmul(experts, n, k, rows, by_group, monkeypatch):
-    monkeypatch.setitem(qm.TUNING, "mxfp4_rows", {**qm.TUNING["mxfp4_rows"], "by_group": by_group})
+def test_mxfp4_rows_match_decoded_matmul(experts, n, k, rows):
     gen = torch.Generator().manual_seed(experts + n + k)
     packed, scales, values = _mxfp4_bank(experts, n, k, gen)
     x = torch.randn(rows, k, generator=gen)
