@@ -114,7 +114,7 @@ class DeepseekV4Model:
     def compile_decode(self) -> None:
         """Run decode steps through ``torch.compile`` (inductor fuses the many small elementwise
         kernels of a step), still captured per bucket in CUDA graphs.  Each new bucket compiles
-        once (tens of seconds); the fused hyper-connection kernel stays a call of its own."""
+        once (tens of seconds); the hyper-connection kernels stay calls of their own."""
         import torch._dynamo
 
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
