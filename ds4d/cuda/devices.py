@@ -7,6 +7,7 @@ any CUDA library, so CPU-only installs never touch the driver.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 
@@ -16,6 +17,16 @@ def cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def triton_can_launch(build: Callable[[], object]) -> bool:
+    """``build()`` (importing Triton, defining kernels) succeeds and its kernels can launch here: on a
+    CUDA device, or on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``)."""
+    try:
+        build()
+    except Exception:  # noqa: BLE001 - no triton, or one that cannot build here: callers take a torch path
+        return False
+    return cuda_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def gpu_memory() -> list[dict[str, Any]]:

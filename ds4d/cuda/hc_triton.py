@@ -23,9 +23,9 @@ torch reference).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ds4d.cuda.devices import triton_can_launch
 
 MAX_TOKENS = 64
 """:func:`hc_mixes` is used up to this many tokens (decode batches)."""
@@ -87,11 +87,7 @@ def _kernels():
 def available() -> bool:
     """Triton is importable and can launch here (a CUDA device, or the interpreter)."""
     if "available" not in _state:
-        try:
-            _kernels()
-            _state["available"] = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-        except Exception:  # noqa: BLE001 - no triton: the Numba kernel or torch runs instead
-            _state["available"] = False
+        _state["available"] = triton_can_launch(_kernels)
     return bool(_state["available"])
 
 

@@ -21,9 +21,9 @@ tests check it against plain torch).
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ds4d.cuda.devices import triton_can_launch
 
 MAX_ROWS = 96
 BLOCK_N = 2
@@ -60,11 +60,7 @@ def _kernel():
 def available() -> bool:
     """Triton is importable and can launch on this process's CUDA device (or in the interpreter)."""
     if "available" not in _state:
-        try:
-            _kernel()
-            _state["available"] = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-        except Exception:  # noqa: BLE001 - no triton, or one that cannot build here: the grouped matmul runs
-            _state["available"] = False
+        _state["available"] = triton_can_launch(_kernel)
     return bool(_state["available"])
 
 

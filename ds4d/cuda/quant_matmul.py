@@ -31,9 +31,9 @@ tensors: that is how the tests compare them with plain torch.
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from ds4d.cuda.devices import triton_can_launch
 
 _state: dict[str, object] = {}
 
@@ -41,11 +41,7 @@ _state: dict[str, object] = {}
 def available() -> bool:
     """Triton is importable and can launch here (a CUDA device, or the interpreter)."""
     if "available" not in _state:
-        try:
-            _kernels()
-            _state["available"] = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-        except Exception:  # noqa: BLE001 - no triton, or one that cannot build here: callers widen instead
-            _state["available"] = False
+        _state["available"] = triton_can_launch(_kernels)
     return bool(_state["available"])
 
 
