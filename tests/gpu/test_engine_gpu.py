@@ -15,9 +15,8 @@ import torch
 
 from ds4d.engine.request import EngineRequest, SamplingParams
 from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
-from tests.unit.test_cache_dsv4 import engine
+from tests.unit.test_cache_dsv4 import engine, step_by_step_and_ahead
 from tests.unit.test_dsv4_model import _tokens
-from tests.unit.test_engine import req, run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,13 +49,6 @@ def test_reading_tokens_does_not_wait_for_work_queued_behind_them(model):
 
 def test_steps_queued_ahead_through_the_graphs_give_step_by_step_tokens(model):
     assert model.use_graphs
-    prompts = {"a": _tokens(model, 90, 70), "b": _tokens(model, 130, 71)}
-    results = []
-    for lookahead in (False, True):
-        core, outputs = engine(model, prefix=False)
-        core.lookahead = lookahead
-        tokens, _, _ = run(core, outputs, [req(k, p, 12) for k, p in prompts.items()])
-        results.append((tokens, core.steps_ahead))
-    (plain, none_ahead), (ahead, steps_ahead) = results
+    (plain, none_ahead), (ahead, steps_ahead) = step_by_step_and_ahead(model, 12)
     assert none_ahead == 0 and steps_ahead > 0
     assert ahead == plain

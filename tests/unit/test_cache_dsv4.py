@@ -171,6 +171,18 @@ def test_lookahead_on_v4_and_the_next_turn_reuses_its_checkpoint(model):  # noqa
     assert serve(cold, cold_outputs, "cold", turn2, 6)[0] == gen2
 
 
+def step_by_step_and_ahead(v4, max_tokens: int) -> list[tuple[dict, int]]:
+    """Two prompts decoded step by step, then with steps queued ahead: (tokens, steps ahead) of each."""
+    prompts = {"a": _tokens(v4, 90, 70), "b": _tokens(v4, 130, 71)}
+    results = []
+    for lookahead in (False, True):
+        core, outputs = engine(v4, prefix=False)
+        core.lookahead = lookahead
+        tokens, _, _ = run(core, outputs, [req(k, p, max_tokens) for k, p in prompts.items()])
+        results.append((tokens, core.steps_ahead))
+    return results
+
+
 def test_lookahead_through_the_padded_decode_step(model):  # noqa: F811
     """The decode path the CUDA graphs replay (bucket-padded rows, tokens packed with positions and
     block tables), run eagerly on the CPU: tokens fed on the device give the tokens fed from the host."""
@@ -179,14 +191,7 @@ def test_lookahead_through_the_padded_decode_step(model):  # noqa: F811
     saved = model.fast_path, model._graphs, model.use_graphs
     try:
         model.fast_path, model._graphs, model.use_graphs = True, EagerBuckets(model._decode_step), True
-        prompts = {"a": _tokens(model, 90, 70), "b": _tokens(model, 130, 71)}
-        results = []
-        for lookahead in (False, True):
-            core, outputs = engine(model, prefix=False)
-            core.lookahead = lookahead
-            tokens, _, _ = run(core, outputs, [req(k, p, 10) for k, p in prompts.items()])
-            results.append((tokens, core.steps_ahead))
-        (plain, none_ahead), (ahead, steps_ahead) = results
+        (plain, none_ahead), (ahead, steps_ahead) = step_by_step_and_ahead(model, 10)
         assert none_ahead == 0 and steps_ahead > 0 and ahead == plain
         assert len(model._graphs) > 0  # the padded decode step ran
     finally:
