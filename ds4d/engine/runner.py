@@ -64,9 +64,9 @@ def _start_read_back(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Eve
     if not tokens.is_cuda:
         return tokens, None
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host.copy_(tokens, non_blocking=True)
+    host.copy_(tokens, non_blocking=True)  # queued on the tokens' device's stream (a split model's last GPU)
     copied = torch.cuda.Event()
-    copied.record()
+    copied.record(torch.cuda.current_stream(tokens.device))
     return host, copied
 
 
