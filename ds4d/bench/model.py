@@ -306,9 +306,10 @@ PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
 
 def _set_path(model, path: str) -> None:
     """graphs: every GPU path; lookahead: the same, the engine queueing each decode step behind the one
-    before (``decode_lookahead``); sampled: the same, sampling (``SAMPLED``) instead of greedy; plain-hc: without the fused hyper-connection kernels; numba-hc: the Numba kernel
-    for decode steps too (not the Triton ones); eager: no CUDA graphs; reference: the portable path
-    (expert loop, per-sequence attention, dense window masks)."""
+    before (``decode_lookahead``); sampled: the same, sampling (``SAMPLED``) instead of greedy;
+    plain-hc: without the fused hyper-connection kernels; numba-hc: the Numba kernel for decode steps
+    too (not the Triton ones); eager: no CUDA graphs; reference: the portable path (expert loop,
+    per-sequence attention, dense window masks)."""
     if not hasattr(model, "_hc_kernel_ok"):
         model._hc_kernel_ok = model.fused_hc
     model.fast_path = path != "reference"

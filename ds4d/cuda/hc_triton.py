@@ -55,8 +55,8 @@ def _kernels():
             tl.store(out_ptr + token * so + col, tl.sum(dot, axis=0) * norm)
 
         @triton.jit
-        def weights_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, tokens, hc_eps, iters: tl.constexpr,
-                           m: tl.constexpr, block_t: tl.constexpr):
+        def weights_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, tokens, hc_eps,
+                           iters: tl.constexpr, m: tl.constexpr, block_t: tl.constexpr):
             t = tl.program_id(0) * block_t + tl.arange(0, block_t)
             live = t < tokens
             i = tl.arange(0, m)

@@ -31,7 +31,8 @@ def e2m1_pairs_scaled(packed):
     registers: each pair of bytes is spread into the high bytes of two 16-bit lanes
     (``prmt``), where the high nibble already holds the sign bit at bit 15 and only its 3
     magnitude bits move (right by 3); the low nibble's sign moves left by 4, its magnitude left
-    by 1.  About 2.5 integer instructions a value against 6.  CUDA only (no interpreter)."""
+    by 1.  About 2.5 integer instructions a value against 6; the rows kernel gained about 4% on an
+    H200 (docs/BENCHMARKS.md), so decoding is not what bounds it.  CUDA only (no interpreter)."""
     return tl.inline_asm_elementwise(
         asm="""
         {

@@ -24,6 +24,11 @@ def _mixes(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Te
     return F.linear(flat, fn.float())
 
 
+def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """The streams ``[T, m, D]`` weighted by ``pre [T, m]`` and summed: ``[T, D]`` in the streams' dtype."""
+    return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+
+
 def hc_pre(
     streams: torch.Tensor,
     weights: HyperWeights,
@@ -45,14 +50,13 @@ def hc_pre(
         if hc_triton.usable(streams.shape[0], m):
             pre, post, comb = hc_triton.hc_mix(streams, weights.fn, weights.base, weights.scale, hc_eps, iterations,
                                                norm_eps)
-            return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype), post, comb
+            return _collapse(pre, streams), post, comb
     mixes = _mixes(streams, weights.fn, norm_eps)
     if fused and streams.is_cuda:
         from ds4d.cuda.hc_kernels import hc_mix_torch
 
         pre, post, comb = hc_mix_torch(mixes, weights.base, weights.scale, hc_eps, iterations, m)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
-        return collapsed, post, comb
+        return _collapse(pre, streams), post, comb
     pre_w, post_w, comb_w = mixes.split([m, m, m * m], dim=-1)
     pre_b, post_b, comb_b = weights.base.split([m, m, m * m])
     pre_scale, post_scale, comb_scale = weights.scale.unbind(0)
@@ -66,8 +70,7 @@ def hc_pre(
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
 
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
-    return collapsed, post, comb
+    return _collapse(pre, streams), post, comb
 
 
 def hc_post(output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -90,4 +93,4 @@ def hc_head(streams: torch.Tensor, weights: HyperWeights, hc_eps: float, norm_ep
     if mixes is None:
         mixes = _mixes(streams, weights.fn, norm_eps)
     pre = torch.sigmoid(mixes * weights.scale.float() + weights.base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+    return _collapse(pre, streams)
