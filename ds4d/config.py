@@ -71,9 +71,9 @@ class Config:
         "(the pool gets what is left of it; the rest is headroom).", section="engine")
     decode_lookahead: bool = knob(
         True, "While every running request decodes, queue each step behind the one before it, fed that "
-        "step's tokens on the GPU, so the host's work between steps overlaps the GPU's (no logprobs, "
-        "constraints or expert offload at the time). Off: each step's tokens are read before the next "
-        "step is planned.", section="engine")
+        "step's tokens on the GPU, so the host's work between steps overlaps the GPU's (not while a request "
+        "asks for logprobs or a constraint; not with expert offload or a model split over GPUs). Off: each "
+        "step's tokens are read before the next step is planned.", section="engine")
     prefix_caching: bool = knob(True, "Reuse KV blocks of identical prompt prefixes. Turning it off is a debugging aid.", section="engine", debug=True)
     # --- cache
     cache_tiers: tuple[str, ...] = knob(("gpu", "ram", "disk"), "Prefix-cache tiers, fastest first (cache_tier plugins); the KV pool (gpu) always comes first. A block evicted from one tier moves to the next; a hit below the pool is copied back. A tier with a zero budget or no directory is off.", section="cache")
