@@ -3,7 +3,8 @@
 Greedy rows are one batched argmax.  Sampled rows are handled together:
 temperature, top-k and top-p as batched tensor operations with per-row
 parameters, then one draw per row by the exponential race (the token with the
-largest ``p / E``, ``E`` exponential noise, is distributed as ``p``): one noise
+largest ``p / E``, ``E`` exponential noise, is distributed as ``p``; without top-p
+it is the largest scaled logit less ``log E``, no softmax needed): one noise
 draw for all rows, then a seeded request's row redrawn by its own generator, so
 it gives the same tokens whatever else shares the batch.  Nothing is read back to the
 host until the tokens are collected.  Logprobs are taken from the model's
@@ -83,19 +84,23 @@ class Sampler:
             floor = kth.gather(1, small_tensor(device, [max(k - 1, 0) for k in top_k], torch.long)[:, None])
             floor = floor.masked_fill(small_tensor(device, [k == 0 for k in top_k], torch.bool)[:, None], float("-inf"))
             scaled = scaled.masked_fill(scaled < floor, float("-inf"))
-        probs = torch.softmax(scaled, dim=-1)
         top_p = [p.top_p for _, p in rows]
-        if any(p < 1.0 for p in top_p):  # the smallest set of likeliest tokens reaching top_p
-            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        nucleus = any(p < 1.0 for p in top_p)
+        if nucleus:  # the smallest set of likeliest tokens reaching top_p
+            sorted_probs, order = torch.sort(torch.softmax(scaled, dim=-1), dim=-1, descending=True)
             before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
             limit = small_tensor(device, [p if p < 1.0 else float("inf") for p in top_p], torch.float32)[:, None]
-            probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(before > limit, 0.0))
-        noise = torch.empty_like(probs).exponential_(generator=self._unseeded())  # one draw for every row
+            probs = torch.zeros_like(scaled).scatter_(1, order, sorted_probs.masked_fill(before > limit, 0.0))
+        noise = torch.empty_like(scaled).exponential_(generator=self._unseeded())  # one draw for every row
         for i, (request_id, params) in enumerate(rows):
             if params.seed is not None:  # a seeded request: its own generator, whatever shares the batch
                 noise[i].exponential_(generator=self.generator_for(request_id, params.seed))
-        # a draw of exactly 0 would make 0 / 0 (a cut token) a NaN, which argmax takes for the largest
-        return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+        # a draw of exactly 0 would make 0 / 0 or -inf - log 0 (a cut token) a NaN, which argmax takes for the largest
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        if nucleus:
+            return greedy_tokens(probs / noise)
+        # the largest p / E without the softmax: log p is the scaled logit less one per-row constant
+        return greedy_tokens(scaled - noise.log_())
 
     def collect(
         self, tokens: torch.Tensor, logits: torch.Tensor, rows: Sequence[tuple[str, SamplingParams]]

@@ -77,5 +77,7 @@ def test_a_zero_noise_draw_never_picks_a_cut_token(monkeypatch):
         return self.index_fill_(-1, torch.tensor([5, 7]), 0.0)  # exact zeros on two tokens top-k cuts
 
     monkeypatch.setattr(torch.Tensor, "exponential_", with_zeros)
-    tokens = _draw(SamplingParams(temperature=1.0, top_k=3), 200)
+    tokens = _draw(SamplingParams(temperature=1.0, top_k=3), 200)  # the race on scaled logits - log(noise)
+    assert set(tokens.tolist()) <= {0, 6, 1}
+    tokens = _draw(SamplingParams(temperature=1.0, top_k=3, top_p=0.99), 200)  # the race on probs / noise
     assert set(tokens.tolist()) <= {0, 6, 1}
