@@ -77,7 +77,10 @@ class Sampler:
         """``[S]`` tokens of rows that sample (temperature > 0), all rows at once."""
         width = logits.shape[-1]
         device = logits.device
-        scaled = logits / small_tensor(device, [p.temperature for _, p in rows], torch.float32)[:, None]
+        temperatures = [p.temperature for _, p in rows]
+        scaled = logits
+        if any(t != 1.0 for t in temperatures):  # (1.0, what OpenCode's requests leave it at: no division)
+            scaled = logits / small_tensor(device, temperatures, torch.float32)[:, None]
         top_k = [p.top_k if 0 < p.top_k < width else 0 for _, p in rows]
         if any(top_k):  # keep each row's k largest (ties at the k-th value kept); k = 0: every token
             kth = torch.topk(scaled, max(top_k), dim=-1).values
