@@ -177,10 +177,11 @@ def mxfp4_rows_at(x: torch.Tensor, w_table: torch.Tensor, s_table: torch.Tensor,
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
         t = TUNING["mxfp4_rows"]
+        ptx = t["ptx_decode"] and x.is_cuda and torch.version.hip is None  # NVIDIA PTX: not the interpreter
         grid = (rows, triton.cdiv(n, t["block_n"]))
         _kernels().mxfp4_rows_kernel[grid](x, w_table, s_table, out, experts, n, k, x.stride(0), w_row_stride,
                                            s_row_stride, out.stride(0), block_n=t["block_n"], block_b=t["block_b"],
-                                           ptx_decode=t["ptx_decode"] and x.is_cuda, num_warps=t["warps"])
+                                           ptx_decode=ptx, num_warps=t["warps"])
     return out
 
 
