@@ -66,7 +66,8 @@ def add_parser(sub) -> None:
     p.add_argument("--lookahead", action="store_true",
                    help="also decode with the engine queueing each step behind the one before (decode_lookahead)")
     p.add_argument("--sampled", action="store_true",
-                   help="also decode sampling (temperature 1, top-p 0.95) instead of greedy")
+                   help="also decode sampling instead of greedy, steps queued ahead: temperature 1 (what a request "
+                        "that sets nothing gets), and temperature 1 with top-p 0.95")
     p.add_argument("--profile", action="store_true",
                    help="only profile decode at batch 1 (1K context) per path: time and kernels per step, top kernels")
     p.add_argument("--native", action="store_true",
@@ -182,8 +183,8 @@ class Floors:
 # ------------------------------------------------------------------ the two engines
 
 
-SAMPLED = {"temperature": 1.0, "top_p": 0.95}
-"""What ``--sampled`` decodes with (an agent's request that sets no temperature gets 1.0)."""
+SAMPLED = {"sampled": {"temperature": 1.0}, "sampled-top-p": {"temperature": 1.0, "top_p": 0.95}}
+"""What the ``--sampled`` rows decode with, per path (a request that sets no temperature gets 1.0)."""
 
 
 def _ds4d(torch, model, prompts, max_tokens, *, chunk, sync, warm_tokens=0, lookahead=False, sampling=None):
@@ -298,7 +299,8 @@ def build(torch, args, device, offload_options=None):
 
 
 PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
-              "sampled": " (graphs, temperature 1, top-p 0.95)",
+              "sampled": " (graphs, steps queued ahead, temperature 1)",
+              "sampled-top-p": " (graphs, steps queued ahead, temperature 1, top-p 0.95)",
               "plain-hc": " (graphs, torch hyper-connections)",
               "numba-hc": " (graphs, Numba hyper-connection kernel only)", "eager": " (no graphs)",
               "reference": " (reference path)"}
@@ -306,14 +308,14 @@ PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
 
 def _set_path(model, path: str) -> None:
     """graphs: every GPU path; lookahead: the same, the engine queueing each decode step behind the one
-    before (``decode_lookahead``); sampled: the same, sampling (``SAMPLED``) instead of greedy;
+    before (``decode_lookahead``); sampled, sampled-top-p: the same, sampling (``SAMPLED``) instead of greedy;
     plain-hc: without the fused hyper-connection kernels; numba-hc: the Numba kernel for decode steps
     too (not the Triton ones); eager: no CUDA graphs; reference: the portable path (expert loop,
     per-sequence attention, dense window masks)."""
     if not hasattr(model, "_hc_kernel_ok"):
         model._hc_kernel_ok = model.fused_hc
     model.fast_path = path != "reference"
-    model.use_graphs = path in ("graphs", "lookahead", "sampled", "plain-hc", "numba-hc")
+    model.use_graphs = path in ("graphs", "lookahead", "sampled", "sampled-top-p", "plain-hc", "numba-hc")
     ok = model._hc_kernel_ok
     model.fused_hc = {"plain-hc": False, "numba-hc": ok and "numba"}.get(path, ok)
 
@@ -388,8 +390,8 @@ def run(args: argparse.Namespace) -> int:
             label = f"decode b{batch} @{context // 1024}K" + PATH_NOTES[path]
             steps = n if path != "reference" else max(8, n // 4)
             got = _guarded(torch, f"ds4d {label}", lambda steps=steps, chunk=chunk, path=path: _ds4d(
-                torch, model, ids, steps, chunk=chunk, sync=sync, lookahead=path == "lookahead",
-                sampling=SAMPLED if path == "sampled" else None).decode_tok_s)
+                torch, model, ids, steps, chunk=chunk, sync=sync, lookahead=path in ("lookahead", *SAMPLED),
+                sampling=SAMPLED.get(path)).decode_tok_s)
             theirs = None
             if hf is not None and not hf_done:
                 hf_done = True
@@ -399,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
 
     prefill_case(2048)
     batches = [int(b) for b in args.batches.split(",") if b]
-    ahead = (["lookahead"] if args.lookahead else []) + (["sampled"] if args.sampled else [])
+    ahead = (["lookahead"] if args.lookahead else []) + (list(SAMPLED) if args.sampled else [])
     for batch in batches:
         decode_case(batch, 1024, (paths[:1] + ahead + paths[1:]) if batch == 1 else ["graphs", *ahead])
     if args.long:
