@@ -67,6 +67,26 @@ def test_grouped_experts_match_the_expert_loop(checkpoint):
     assert (loop - grouped).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+def test_row_by_row_experts_equal_the_sorted_route(checkpoint, tokens, monkeypatch):
+    """Where each (token, expert) row is its own product, the rows are not sorted by expert; the
+    result is the sorted route's bit for bit (per-row products, the same sum over the slots)."""
+    from ds4d.models.deepseek_v4 import moe
+
+    model = load_model(checkpoint)
+    layer = model.weights.layers[3].ffn
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, model.cfg.hidden_size, generator=gen)
+    token_ids = torch.randint(0, 1000, (tokens,), generator=gen)
+    calls = []
+    real = moe._row_by_row
+    monkeypatch.setattr(moe, "_row_by_row", lambda *a: calls.append(real(*a)) or calls[-1])
+    direct = moe.moe_forward(x, token_ids, layer, model.cfg, grouped=True)
+    monkeypatch.setattr(moe, "_row_by_row", lambda *a: False)
+    grouped = moe.moe_forward(x, token_ids, layer, model.cfg, grouped=True)
+    assert calls == [True] and torch.equal(direct, grouped)
+
+
 @pytest.mark.parametrize("window", [128, 8])
 def test_block_local_prefill_matches_dense(tmp_path, window):
     path = write_tiny_checkpoint(tmp_path, seed=3, layers=[0, 4, 128], sliding_window=window, index_topk=3)

@@ -17,8 +17,10 @@ Two ways to run the routed experts, with the same arithmetic per expert:
   expert and both projections run as one grouped matmul each over the whole
   bank, the kernel reading each used expert's weights by offset; up to
   ``moe_gemv.MAX_ROWS`` pairs (small-batch decode) a Triton GEMV per pair
-  reads its expert by index instead (``ds4d.cuda.moe_gemv``).  Nothing waits
-  for the host, so a step can be captured in a CUDA graph.
+  reads its expert by index instead (``ds4d.cuda.moe_gemv``), and the pairs
+  are then not sorted at all (row ``t * k + j``: token ``t``'s ``j``-th
+  expert).  Nothing waits for the host, so a step can be captured in a CUDA
+  graph.
 """
 
 from __future__ import annotations
@@ -120,6 +122,14 @@ def combine_sorted(
     return unsorted.view(tokens, k, -1).sum(dim=1).to(dtype)
 
 
+def _row_by_row(x: torch.Tensor, weight, step_rows: int) -> bool:
+    """Whether :func:`_grouped_linear` takes each row on its own (a GEMV or batched product per row,
+    by its expert index) rather than groups of rows sorted by expert."""
+    if isinstance(weight, Mxfp4Matrices) or (x.is_cuda and x.dtype == torch.bfloat16):
+        return step_rows <= moe_gemv.MAX_ROWS and (isinstance(weight, Mxfp4Matrices) or moe_gemv.available())
+    return True
+
+
 def _routed_grouped(
     x: torch.Tensor, expert_weights: torch.Tensor, indices: torch.Tensor, weights: MoEWeights, limit: float
 ) -> torch.Tensor:
@@ -127,6 +137,10 @@ def _routed_grouped(
     bank = weights.experts
     gate_up, down = bank.native if bank.native is not None else bank.dense()
     flat = indices.reshape(-1)
+    if _row_by_row(x, gate_up, flat.shape[0]):  # no sort, no group ends: row t * k + j is token t's j-th expert
+        out = expert_ffn(x.repeat_interleave(k, dim=0), gate_up, down, None, flat, limit)
+        weighted = out.float() * expert_weights.reshape(-1, 1)
+        return weighted.view(tokens, k, -1).sum(dim=1).to(x.dtype)  # the sum of combine_sorted, in slot order
     expert_of_row, order = torch.sort(flat, stable=True)
     counts = torch.zeros(bank.weights["w2"].shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
