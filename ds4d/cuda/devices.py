@@ -19,6 +19,16 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def to_device_async(host, device):
+    """The CPU tensor ``host`` on ``device`` without waiting for the device: on CUDA it is copied from
+    page-locked memory (a copy from pageable memory may wait for the work queued before it)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def triton_can_launch(build: Callable[[], object]) -> bool:
     """``build()`` (importing Triton, defining kernels) succeeds and its kernels can launch here: on a
     CUDA device, or on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``)."""

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ds4d.cuda.devices import to_device_async
 from ds4d.engine.request import SamplingParams, TokenLogprob
 
 
@@ -124,12 +125,8 @@ class Sampler:
 
 
 def small_tensor(device, values: list, dtype: torch.dtype) -> torch.Tensor:
-    """A small per-row tensor on ``device``, copied from page-locked memory without waiting for
-    the device (a copy from pageable memory may wait for the work queued before it)."""
-    host = torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    """A small per-row tensor on ``device``, copied without waiting for the device."""
+    return to_device_async(torch.tensor(values, dtype=dtype), device)
 
 
 ARGMAX_SEGMENT = 256

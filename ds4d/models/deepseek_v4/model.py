@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ds4d.contracts import ForwardBatch, ModelInfo, SeqChunk, Tokenizer
+from ds4d.cuda.devices import to_device_async
 from ds4d.models.deepseek_v4.attention import ChunkRows, StepInputs, attention_forward
 from ds4d.models.deepseek_v4.cache import DeepseekV4Cache
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
@@ -282,11 +283,8 @@ class DeepseekV4Model:
         rows = count
         if graphs is not None:
             rows, width = _bucket(count), max(8, _bucket(width))
-        packed = pack_decode_rows(batch.chunks, cache, rows, width)
-        if self.device.type == "cuda":  # page-locked and not waited for: a step queued ahead does not stall here
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        else:
-            packed = packed.to(self.device)
+        # not waited for: a step queued ahead does not stall here
+        packed = to_device_async(pack_decode_rows(batch.chunks, cache, rows, width), self.device)
         if batch.input_tokens is not None:
             packed[:count, 0] = batch.input_tokens
         if graphs is not None:
