@@ -77,12 +77,13 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     if isinstance(weight, Mxfp4Addresses):  # small-batch decode only (``ExpertOffload.capturable``)
         return quant_matmul.mxfp4_rows_at(x, weight.packed, weight.scales, expert_of_row, weight.rows,
                                           weight.inputs // 2, weight.inputs // 32)
+    per_row = _per_row_kernel(x, weight, step_rows)
     if isinstance(weight, Mxfp4Matrices):
-        if step_rows <= moe_gemv.MAX_ROWS:
+        if per_row:
             return quant_matmul.mxfp4_rows(x, weight.packed, weight.scales, expert_of_row)
         return quant_matmul.mxfp4_grouped(x, weight.packed, weight.scales, offsets)
     if x.is_cuda and x.dtype == torch.bfloat16:
-        if step_rows <= moe_gemv.MAX_ROWS and moe_gemv.available():  # a few rows: one GEMV per row
+        if per_row:  # a few rows: one GEMV per row
             return moe_gemv.expert_rows(x, weight, expert_of_row)
         return _GROUPED_MM(x, weight.transpose(-2, -1), offs=offsets)
     # no grouped kernel for this device or dtype: one batched product over per-row weights
@@ -122,12 +123,21 @@ def combine_sorted(
     return unsorted.view(tokens, k, -1).sum(dim=1).to(dtype)
 
 
-def _row_by_row(x: torch.Tensor, weight, step_rows: int) -> bool:
+def _per_row_kernel(x: torch.Tensor, weight, step_rows: int) -> bool:
     """Whether :func:`_grouped_linear` takes each row on its own (a GEMV or batched product per row,
-    by its expert index) rather than groups of rows sorted by expert."""
-    if isinstance(weight, Mxfp4Matrices) or (x.is_cuda and x.dtype == torch.bfloat16):
-        return step_rows <= moe_gemv.MAX_ROWS and (isinstance(weight, Mxfp4Matrices) or moe_gemv.available())
+    by its expert index) rather than groups of rows sorted by expert (the grouped kernels: MXFP4
+    as stored, or bf16 on CUDA, past ``moe_gemv.MAX_ROWS`` rows)."""
+    if isinstance(weight, Mxfp4Matrices):
+        return step_rows <= moe_gemv.MAX_ROWS
+    if x.is_cuda and x.dtype == torch.bfloat16:
+        return step_rows <= moe_gemv.MAX_ROWS and moe_gemv.available()
     return True
+
+
+def _row_by_row(x: torch.Tensor, weight, step_rows: int) -> bool:
+    """The route's choice: the (token, expert) rows go unsorted exactly where the kernel takes each
+    row on its own (a seam of its own, so a test can route sorted rows through the same kernels)."""
+    return _per_row_kernel(x, weight, step_rows)
 
 
 def _routed_grouped(
