@@ -1,6 +1,6 @@
 """Where a V4 step spends its GPU time: per-step wall times and the top kernels.
 
-    PYTHONPATH=. python3 tests/gpu/profile_dsv4.py [--tiny] [--out DIR]
+    PYTHONPATH=. python3 tests/gpu/profile_dsv4.py [--tiny] [--native] [--out DIR]
 
 Builds the same random model as ``ds4d bench model`` and, for a 2K prefill, a
 16K prefill (chunks of 2K), and batch-1 decode after 1K tokens, prints each
@@ -65,11 +65,13 @@ def _profile(label: str, fn, out: Path | None) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--native", action="store_true", help="FP8 linears and MXFP4 experts")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     out = Path(args.out) if args.out else None
-    build_args = argparse.Namespace(config="", tiny=args.tiny, layers="0,0,4,128", dtype="bfloat16", seed=0,
-                                    no_hf=True)
+    bench_parser = argparse.ArgumentParser()
+    bench.add_parser(bench_parser.add_subparsers())
+    build_args = bench_parser.parse_args(["model", "--no-hf"] + ["--tiny"] * args.tiny + ["--native"] * args.native)
     cfg, _, model, _, _ = bench.build(torch, build_args, torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, cfg.vocab_size, (16384,), generator=gen).tolist()
