@@ -132,25 +132,39 @@ def fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, n, k, swn, ssn, son):
 
 
 @triton.jit
-def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, expert_ptr, n, k: tl.constexpr,
-                      sxr, swn, ssn, sor, block_n: tl.constexpr, block_b: tl.constexpr, ptx_decode: tl.constexpr):
+def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, anchor_ptr, anchor, expert_ptr, n, k: tl.constexpr,
+                      sxr, swn, ssn, sor, block_n: tl.constexpr, block_b: tl.constexpr, ptx_decode: tl.constexpr,
+                      aligned: tl.constexpr):
     """One row times ``block_n`` rows of its expert's MXFP4 matrix, ``block_b`` bytes (2 x as many
     inputs) a step; byte j holds inputs 2j (low nibble) and 2j + 1, 16 bytes share a scale.  Each
     expert's packed bytes and scales are found through address tables (``w_table[e]``,
     ``s_table[e]``), so an expert may sit in device memory or in mapped host memory.
-    ``ptx_decode``: codes decoded by :func:`e2m1_pairs_scaled` (CUDA) instead of :func:`e2m1_scaled`."""
+    ``ptx_decode``: codes decoded by :func:`e2m1_pairs_scaled` (CUDA) instead of :func:`e2m1_scaled`.
+
+    Addresses are taken as offsets from ``anchor_ptr`` (a uint8 view of 16-byte aligned memory at
+    address ``anchor``): the compiler tracks the alignment of a pointer argument plus an offset
+    declared a multiple of 16 (``aligned``: the caller promises every address in the tables is
+    one), and then reads the bytes in 16-byte vectors.  An address loaded from memory and turned
+    into a pointer is read one byte at a time (half the bandwidth, ``tests/gpu/mxfp4_ablation.py``)."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
     live_cols = cols < n
     expert = tl.load(expert_ptr + row)
-    w_base = tl.load(w_table + expert).to(tl.pointer_type(tl.uint8)) + cols[:, None] * swn
-    s_base = tl.load(s_table + expert).to(tl.pointer_type(tl.uint8)) + cols[:, None] * ssn
+    w_offset = tl.load(w_table + expert) - anchor
+    s_offset = tl.load(s_table + expert) - anchor
+    if aligned:
+        w_offset = tl.multiple_of(w_offset, 16)
+        s_offset = tl.multiple_of(s_offset, 16)
+    w_base = anchor_ptr + w_offset + cols[:, None] * swn
+    s_base = anchor_ptr + s_offset + cols[:, None] * ssn
     acc = tl.zeros([block_n], dtype=tl.float32)
     for k0 in range(0, k // 2, block_b):
         byte = k0 + tl.arange(0, block_b)
         live = byte < k // 2
-        even = tl.load(x_ptr + row * sxr + 2 * byte, mask=live, other=0.0).to(tl.float32)
-        odd = tl.load(x_ptr + row * sxr + 2 * byte + 1, mask=live, other=0.0).to(tl.float32)
+        # inputs 2j and 2j + 1 in one contiguous load, then split (two stride-2 loads cost more)
+        pairs = tl.load(x_ptr + row * sxr + 2 * byte[:, None] + tl.arange(0, 2)[None, :], mask=live[:, None],
+                        other=0.0)
+        even, odd = tl.split(pairs.to(tl.float32))
         packed = tl.load(w_base + byte[None, :], mask=live_cols[:, None] & live[None, :], other=0)
         if ptx_decode:
             low, high = e2m1_pairs_scaled(packed)

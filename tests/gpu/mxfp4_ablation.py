@@ -16,7 +16,8 @@ settings of ``quant_matmul.TUNING``, on V4-Flash gate/up shapes (6 and 48 rows o
   reduced once at the end, no scales: the cost of the per-step reductions).
 
 Variants that keep the arithmetic (decode ptx/int, x strided/pairs, sum group) are checked against
-a float32 product of the decoded weights.  A tool for reading, not a test.
+a float32 product of the decoded weights.  Each timed call picks other experts (weights cold, as in
+a decode step).  A tool for reading, not a test.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ds4d.bench.kernels import _timed_over, cold_copies, global_loads
 from ds4d.cuda import quant_matmul as qm
 from ds4d.cuda.quant_kernels import e2m1_pairs_scaled, e2m1_scaled, e8m0_scaled
 from ds4d.models.deepseek_v4.quant import dequant_mxfp4
@@ -35,18 +37,29 @@ from ds4d.models.deepseek_v4.quant import dequant_mxfp4
 DECODES = {"ptx": 0, "int": 1, "none": 2}
 XS = {"strided": 0, "pairs": 1, "none": 2}
 SUMS = {"group": 0, "flat": 1}
+ADDRS = {"strided": 0, "table": 1, "table16": 2, "offsets": 3}
 
 
 @triton.jit
-def variant_kernel(x_ptr, w_ptr, s_ptr, out_ptr, expert_ptr, n, k: tl.constexpr, sxr, swe, swn, sse, ssn, sor,
-                   block_n: tl.constexpr, block_b: tl.constexpr, decode: tl.constexpr, x_mode: tl.constexpr,
-                   sum_mode: tl.constexpr):
+def variant_kernel(x_ptr, w_ptr, s_ptr, w_table, s_table, out_ptr, expert_ptr, n, k: tl.constexpr, sxr, swe, swn,
+                   sse, ssn, sor, block_n: tl.constexpr, block_b: tl.constexpr, decode: tl.constexpr,
+                   x_mode: tl.constexpr, sum_mode: tl.constexpr, addr_mode: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
     live_cols = cols < n
     expert = tl.load(expert_ptr + row).to(tl.int64)
-    w_base = w_ptr + expert * swe + cols[:, None] * swn
-    s_base = s_ptr + expert * sse + cols[:, None] * ssn
+    if addr_mode == 0:  # base + expert * stride
+        w_base = w_ptr + expert * swe + cols[:, None] * swn
+        s_base = s_ptr + expert * sse + cols[:, None] * ssn
+    elif addr_mode == 1:  # address table, int -> pointer
+        w_base = tl.load(w_table + expert).to(tl.pointer_type(tl.uint8)) + cols[:, None] * swn
+        s_base = tl.load(s_table + expert).to(tl.pointer_type(tl.uint8)) + cols[:, None] * ssn
+    elif addr_mode == 2:  # address table, int -> pointer, the address declared a multiple of 16
+        w_base = tl.multiple_of(tl.load(w_table + expert), 16).to(tl.pointer_type(tl.uint8)) + cols[:, None] * swn
+        s_base = tl.multiple_of(tl.load(s_table + expert), 16).to(tl.pointer_type(tl.uint8)) + cols[:, None] * ssn
+    else:  # table of offsets from the base pointer, declared multiples of 16
+        w_base = w_ptr + tl.multiple_of(tl.load(w_table + expert), 16) + cols[:, None] * swn
+        s_base = s_ptr + tl.multiple_of(tl.load(s_table + expert), 16) + cols[:, None] * ssn
     acc = tl.zeros([block_n], dtype=tl.float32)
     flat = tl.zeros([block_n, block_b], dtype=tl.float32)
     for k0 in range(0, k // 2, block_b):
@@ -83,17 +96,30 @@ def variant_kernel(x_ptr, w_ptr, s_ptr, out_ptr, expert_ptr, n, k: tl.constexpr,
     tl.store(out_ptr + row * sor + cols, acc.to(out_ptr.dtype.element_ty), mask=live_cols)
 
 
-def run_variant(x, packed, scales, experts, decode: str, x_mode: str, sum_mode: str) -> torch.Tensor:
+def run_variant(x, packed, scales, experts, decode: str, x_mode: str, sum_mode: str, addr: str = "strided"):
     rows, k = x.shape
     n = packed.shape[1]
     t = qm.TUNING["mxfp4_rows"]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     grid = (rows, triton.cdiv(n, t["block_n"]))
-    variant_kernel[grid](x, packed, scales, out, experts, n, k, x.stride(0), packed.stride(0), packed.stride(1),
-                         scales.stride(0), scales.stride(1), out.stride(0), block_n=t["block_n"],
-                         block_b=t["block_b"], decode=DECODES[decode], x_mode=XS[x_mode], sum_mode=SUMS[sum_mode],
-                         num_warps=t["warps"])
+    w_table, s_table = qm.expert_table(packed), qm.expert_table(scales)
+    if addr == "offsets":
+        w_table, s_table = w_table - packed.data_ptr(), s_table - scales.data_ptr()
+    compiled = variant_kernel[grid](x, packed, scales, w_table, s_table, out, experts, n, k, x.stride(0),
+                                    packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
+                                    out.stride(0), block_n=t["block_n"], block_b=t["block_b"], decode=DECODES[decode],
+                                    x_mode=XS[x_mode], sum_mode=SUMS[sum_mode], addr_mode=ADDRS[addr],
+                                    num_warps=t["warps"])
+    LOADS[(decode, x_mode, sum_mode, addr)] = _vector_loads(compiled)
     return out
+
+
+LOADS: dict = {}
+
+
+def _vector_loads(compiled) -> str:
+    ptx = getattr(compiled, "asm", {}).get("ptx", "") if compiled is not None else ""
+    return ", ".join(f"{w}: {c}" for w, c in sorted(global_loads(ptx).items())) or "n/a"
 
 
 def main() -> int:
@@ -105,32 +131,42 @@ def main() -> int:
     experts, n, k = (8, 48, 256) if args.tiny else (64, 4096, 4096)
     packed = torch.randint(0, 256, (experts, n, k // 2), device=device, dtype=torch.uint8, generator=gen)
     scales = torch.randint(118, 124, (experts, n, k // 32), device=device, dtype=torch.uint8, generator=gen)
-    variants = [(d, x, s) for d, x, s in (("ptx", "strided", "group"), ("int", "strided", "group"),
-                                          ("none", "strided", "group"), ("ptx", "pairs", "group"),
-                                          ("int", "pairs", "group"),
-                                          ("ptx", "none", "group"), ("ptx", "strided", "flat"),
-                                          ("none", "none", "flat"))
-                if device == "cuda" or d != "ptx"]
-    print("| variant (decode, x, sum) | rows | us | TB/s of stored bytes |")
-    print("|---|---|---|---|")
+    variants = [(d, x, s, a) for d, x, s, a in (("ptx", "strided", "group", "strided"),
+                                                ("ptx", "pairs", "group", "strided"),
+                                                ("ptx", "pairs", "group", "table"),
+                                                ("ptx", "pairs", "group", "table16"),
+                                                ("ptx", "pairs", "group", "offsets"),
+                                                ("int", "pairs", "group", "strided"),
+                                                ("none", "pairs", "group", "strided"),
+                                                ("ptx", "none", "group", "strided"),
+                                                ("none", "none", "flat", "strided"))
+                if device == "cuda" or d != "ptx"] if device == "cuda" else [
+        ("int", "pairs", "group", a) for a in ADDRS]
+    print("| variant (decode, x, sum, addresses) | rows | us | TB/s of stored bytes | global loads in the PTX |")
+    print("|---|---|---|---|---|")
     for rows in (6, 48) if not args.tiny else (3,):
-        experts_of = torch.randperm(experts, device=device, generator=gen)[:rows].sort().values
-        x = torch.randn(rows, k, device=device, generator=gen).to(torch.bfloat16 if device == "cuda" else torch.float32)
-        values = torch.stack([dequant_mxfp4(packed[e], scales[e]) for e in experts_of.tolist()])
-        want = torch.einsum("rnk,rk->rn", values, x.float())
         stored = rows * n * (k // 2 + k // 32)
+        # Distinct expert picks per timed call: the weights come from HBM, not from the L2 cache.
+        picks = [torch.randperm(experts, device=device, generator=gen)[:rows].sort().values
+                 for _ in range(cold_copies(stored))]
+        x = torch.randn(rows, k, device=device, generator=gen).to(torch.bfloat16 if device == "cuda" else torch.float32)
+        values = torch.stack([dequant_mxfp4(packed[e], scales[e]) for e in picks[0].tolist()])
+        want = torch.einsum("rnk,rk->rn", values, x.float())
         for variant in variants:
-            got = run_variant(x, packed, scales, experts_of, *variant)
+            got = run_variant(x, packed, scales, picks[0], *variant)
             if variant[0] != "none" and variant[1] != "none" and variant[2] == "group":
                 err = ((got.float() - want).abs().max() / want.abs().max()).item()
                 assert err < 2e-2, (variant, err)
             if args.tiny:
-                print(f"| {', '.join(variant)} | {rows} | checked | |")
+                print(f"| {', '.join(variant)} | {rows} | checked | | |")
                 continue
-            from ds4d.bench.kernels import _timed
-
-            seconds = _timed(torch, run_variant, x, packed, scales, experts_of, *variant)
-            print(f"| {', '.join(variant)} | {rows} | {seconds * 1e6:.1f} | {stored / seconds / 1e12:.2f} |")
+            seconds = _timed_over(torch, run_variant, [(x, packed, scales, e, *variant) for e in picks])
+            print(f"| {', '.join(variant)} | {rows} | {seconds * 1e6:.1f} | {stored / seconds / 1e12:.2f} | "
+                  f"{LOADS.get(variant, 'n/a')} |")
+        if not args.tiny:
+            seconds = _timed_over(torch, qm.mxfp4_rows, [(x, packed, scales, e) for e in picks])
+            print(f"| production (quant_matmul.mxfp4_rows) | {rows} | {seconds * 1e6:.1f} | "
+                  f"{stored / seconds / 1e12:.2f} | |")
     return 0
 
 

@@ -94,6 +94,40 @@ def test_mxfp4_rows_ptx_decode_equals_the_plain_decode(dtype, monkeypatch):
     assert (outs[True].float() - want).abs().max().item() < (1e-4 if dtype == torch.float32 else 2e-2) * want.abs().max()
 
 
+def _loads_of_one_call(call) -> list[dict[str, int]]:
+    """The global loads of the MXFP4 rows kernel variants ``call()`` compiles or finds (the kernel's
+    in-memory cache emptied first, so only those)."""
+    from ds4d.bench.kernels import global_loads
+
+    kernel = qm._kernels().mxfp4_rows_kernel
+    kernel.device_caches.clear()
+    result = call()
+    torch.cuda.synchronize()
+    loads = [global_loads(compiled.asm["ptx"]) for cache in kernel.device_caches.values()
+             for compiled in cache[0].values()]
+    return result, loads
+
+
+def test_mxfp4_rows_reads_aligned_experts_in_16_byte_vectors():
+    """Experts at 16-byte aligned addresses are read in 16-byte vectors (the kernel takes them as
+    offsets from an aligned pointer); told nothing, the same kernel reads bytes.  Same results."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    experts, n, k = 8, 512, 1024
+    packed, scales, _ = _bank(experts, n, k, gen)
+    x = torch.randn(6, k, device="cuda", generator=gen).to(torch.bfloat16)
+    of_row = torch.tensor([0, 1, 3, 3, 5, 7], device="cuda")
+    w_table, s_table = qm.expert_table(packed), qm.expert_table(scales)
+    vectors, aligned = _loads_of_one_call(
+        lambda: qm.mxfp4_rows_at(x, w_table, s_table, of_row, n, k // 2, k // 32, aligned=True))
+    bytewise, unaligned = _loads_of_one_call(
+        lambda: qm.mxfp4_rows_at(x, w_table, s_table, of_row, n, k // 2, k // 32, aligned=False))
+    assert torch.equal(vectors, bytewise)
+    assert torch.equal(qm.mxfp4_rows(x, packed, scales, of_row), vectors)
+    assert len(aligned) == 1 and len(unaligned) == 1, (aligned, unaligned)
+    assert any(w.startswith("v4") for w in aligned[0]) and not any(w.endswith(("b8", "u8")) for w in aligned[0]), aligned
+    assert any(w.endswith(("b8", "u8")) for w in unaligned[0]), unaligned
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=3, layers=[0, 4, 128, 4])

@@ -76,7 +76,7 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     chosen by it, so every bank of one call (device, staging) uses the same arithmetic."""
     if isinstance(weight, Mxfp4Addresses):  # small-batch decode only (``ExpertOffload.capturable``)
         return quant_matmul.mxfp4_rows_at(x, weight.packed, weight.scales, expert_of_row, weight.rows,
-                                          weight.inputs // 2, weight.inputs // 32)
+                                          weight.inputs // 2, weight.inputs // 32, aligned=weight.aligned)
     per_row = _per_row_kernel(x, weight, step_rows)
     if isinstance(weight, Mxfp4Matrices):
         if per_row:

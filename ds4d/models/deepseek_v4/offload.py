@@ -388,6 +388,8 @@ class ExpertOffload:
                 else:
                     row.append(self.slots.parts(self.host_slot[layer][expert])[name].data_ptr())
             rows.append(row)
+        if any(address % 16 for row in rows for address in row):  # the kernels are told every address is
+            raise ValueError("expert parts must sit at 16-byte aligned addresses")  # (``_addresses``)
         table = torch.tensor(rows, dtype=torch.int64)
         self.on_host[layer].copy_(torch.tensor([int(slot < 0) for slot in bank.slot_of]))
         if self.tables[layer] is None:
@@ -552,8 +554,10 @@ class ExpertOffload:
         """Gate/up and down matrices found through ``table`` (rows: gate/up bytes, its scales, down
         bytes, its scales; one column per entry)."""
         inter, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
-        return (Mxfp4Addresses(table[0], table[1], 2 * inter, hidden),
-                Mxfp4Addresses(table[2], table[3], hidden, inter))
+        # aligned: checked for the tables (``_address_table``); host slots and scratch rows start at
+        # multiples of 256 bytes (``SlotArena``)
+        return (Mxfp4Addresses(table[0], table[1], 2 * inter, hidden, aligned=True),
+                Mxfp4Addresses(table[2], table[3], hidden, inter, aligned=True))
 
     def _routed(self, layer, x, expert_weights, indices, limit, decode) -> torch.Tensor:
         tokens, k = indices.shape
