@@ -301,7 +301,7 @@ def build(torch, args, device, offload_options=None):
 PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
               "sampled": " (graphs, steps queued ahead, temperature 1)",
               "sampled-top-p": " (graphs, steps queued ahead, temperature 1, top-p 0.95)",
-              "plain-hc": " (graphs, torch hyper-connections)",
+              "plain-hc": " (graphs, torch hyper-connections)", "torch-attention": " (torch attention)",
               "numba-hc": " (graphs, Numba hyper-connection kernel only)", "eager": " (no graphs)",
               "reference": " (reference path)"}
 
@@ -310,14 +310,18 @@ def _set_path(model, path: str) -> None:
     """graphs: every GPU path; lookahead: the same, the engine queueing each decode step behind the one
     before (``decode_lookahead``); sampled, sampled-top-p: the same, sampling (``SAMPLED``) instead of greedy;
     plain-hc: without the fused hyper-connection kernels; numba-hc: the Numba kernel for decode steps
-    too (not the Triton ones); eager: no CUDA graphs; reference: the portable path (expert loop,
-    per-sequence attention, dense window masks)."""
+    too (not the Triton ones); torch-attention: prefill attention in torch's score blocks, not the
+    Triton kernel; eager: no CUDA graphs; reference: the portable path (expert loop, per-sequence
+    attention, dense window masks)."""
     if not hasattr(model, "_hc_kernel_ok"):
         model._hc_kernel_ok = model.fused_hc
+        model._attention_kernel_ok = model.fused_attention
     model.fast_path = path != "reference"
-    model.use_graphs = path in ("graphs", "lookahead", "sampled", "sampled-top-p", "plain-hc", "numba-hc")
+    model.use_graphs = path in ("graphs", "lookahead", "sampled", "sampled-top-p", "plain-hc", "numba-hc",
+                                "torch-attention")
     ok = model._hc_kernel_ok
     model.fused_hc = {"plain-hc": False, "numba-hc": ok and "numba"}.get(path, ok)
+    model.fused_attention = model._attention_kernel_ok and path != "torch-attention"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -369,9 +373,11 @@ def run(args: argparse.Namespace) -> int:
 
     def prefill_case(tokens: int, hf_ok: bool = True) -> None:
         ids = prompts(1, tokens)
-        for path in [p for p in paths if p not in ("eager", "numba-hc")] if tokens <= 2048 else ["graphs"]:
+        prefill_paths = [p for p in paths if p not in ("eager", "numba-hc")] + ["torch-attention"]
+        for path in prefill_paths if tokens <= 2048 else ["graphs", "torch-attention"]:
             _set_path(model, path)
             label = f"prefill {tokens} tok, b1" + {"graphs": "", "plain-hc": " (torch hyper-connections)",
+                                                   "torch-attention": " (torch attention)",
                                                    "reference": " (reference path)"}[path]
             got = _guarded(torch, f"ds4d {label}", lambda: _ds4d(torch, model, ids, 1, chunk=args.prefill_chunk,
                                                                sync=sync, warm_tokens=2 * args.prefill_chunk)

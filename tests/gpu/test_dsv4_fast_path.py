@@ -103,6 +103,36 @@ def test_block_local_prefill_matches_dense(tmp_path, window):
     assert torch.equal(local.argmax(-1), dense.argmax(-1))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_through_the_attention_kernel_matches_dense(tmp_path, device):
+    """Chunks longer than the window through the Triton attention kernel (on the CPU: its interpreter),
+    a prompt in three chunks (held window keys, compressed entries closed in earlier chunks, the
+    indexer's picks): the dense reference's logits in float32."""
+    from ds4d.cuda import attention_triton
+
+    if not attention_triton.usable(torch.empty(1, 1, 16, device=device)):
+        pytest.skip("needs Triton on this device (a GPU, or the interpreter for the CPU)")
+    path = write_tiny_checkpoint(tmp_path, seed=3, layers=[0, 4, 128], sliding_window=8, index_topk=3)
+    model = load_model(path, device=device)
+    rng = random.Random(8)
+    ids = [rng.randrange(1000, 50000) for _ in range(300)]
+    dense = model.logits_for(ids)
+    model.fast_path, model.fused_attention = True, True
+    calls = []
+    real = attention_triton.window_attention
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(attention_triton, "window_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+        model.allocate_cache(8, 1)
+        got = []
+        for begin, end in ((0, 100), (100, 230), (230, 300)):
+            blocks = tuple(range(-(-end // 128)))
+            got.append(model.forward(ForwardBatch((SeqChunk(0, tuple(ids[begin:end]), begin, blocks, end - begin),))))
+    got = torch.cat(got)
+    assert len(calls) == 3 * 3  # every chunk, every layer
+    assert (got - dense).abs().max().item() < 2e-4
+    assert torch.equal(got.argmax(-1), dense.argmax(-1))
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_chunks_without_logits_still_write_the_cache(checkpoint, fast):
     """The engine asks for no logits on a prompt's inner chunks; their KV and state must still be written."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ds4d.cuda import attention_triton
 from ds4d.models.deepseek_v4.cache import LayerCache
 from ds4d.models.deepseek_v4.compressor import compress_chunk, gather_entries, project, store_entries
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
@@ -256,11 +257,13 @@ def attention_forward(
     rope_compress: Rope,
     *,
     local_window: bool = False,
+    fused: bool = False,
 ) -> torch.Tensor:
     """``x [T, D]`` (normed sub-layer input) -> attention output ``[T, D]``.
 
     ``local_window``: chunks longer than the window attend block by block
-    (:func:`_attend_local`) instead of through a dense ``[n, n]`` mask."""
+    (:func:`_attend_local`) instead of through a dense ``[n, n]`` mask; with ``fused``, such a chunk
+    attends in one Triton kernel (``ds4d.cuda.attention_triton``, the same result up to rounding)."""
     head_dim = cfg.head_dim
     cos, sin = step.rope_compress if weights.ratio else step.rope_main
     q_residual, q, kv = project_qkv(x, weights, cos, sin, cfg)
@@ -283,6 +286,10 @@ def attention_forward(
                                          (cos[rows], sin[rows]), weights, cache, cfg, rope_compress)
             first = chunk.start_pos - (keys.shape[0] - (chunk.end - chunk.begin))
             window, n = cfg.sliding_window, chunk.end - chunk.begin
+            if fused and attention_triton.usable(q):
+                attention_triton.window_attention(q[rows], keys, first, chunk.start_pos, window, weights.sink,
+                                                  head_dim**-0.5, extra, out=out[rows])
+                continue
             width = 2 * window + (0 if extra is None else extra[1].shape[-1]) + 1
             for part in _query_blocks(n, cfg.num_attention_heads, width, unit=window):
                 out[chunk.begin + part.start:chunk.begin + part.stop] = _attend_local(

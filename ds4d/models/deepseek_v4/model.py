@@ -21,6 +21,10 @@ default on CUDA, off on the CPU, where the reference path is kept exact):
   hyper-connection mixing weights, Sinkhorn included, come from kernels:
   ``"triton"`` (decode batches: two Triton kernels, prefill: the Numba one) or
   ``"numba"`` (always the Numba one); False: torch;
+* ``fused_attention`` (with ``fast_path``, where Triton launches): prefill chunks
+  longer than the sliding window attend in one Triton kernel (window keys,
+  compressed entries and the sink in one online softmax) instead of torch's
+  score blocks;
 * ``use_graphs``: such decode steps are padded to a batch bucket and a
   block-table bucket and replayed from CUDA graphs (``ds4d.cuda.graphs``).
 """
@@ -81,12 +85,15 @@ class DeepseekV4Model:
         self.fast_path = on_gpu
         self.use_graphs = on_gpu
         self.fused_hc: bool | str = False
+        self.fused_attention = False
+        """Prefill chunks longer than the window attend in one Triton kernel (``attention_triton``)."""
         self._graphs = None
         if on_gpu:
-            from ds4d.cuda import hc_triton
+            from ds4d.cuda import attention_triton, hc_triton
             from ds4d.cuda.hc_kernels import available
 
             self.fused_hc = available() and ("triton" if hc_triton.available() else "numba")
+            self.fused_attention = attention_triton.available()
             from ds4d.cuda.graphs import GraphCache
 
             self._graphs = GraphCache(self._decode_step)
@@ -310,7 +317,8 @@ class DeepseekV4Model:
         if isinstance(step, DecodeInputs):
             attend = decode_attention
         else:
-            attend = partial(attention_forward, local_window=self.fast_path)
+            attend = partial(attention_forward, local_window=self.fast_path,
+                             fused=self.fast_path and self.fused_attention)
         fused = self.fast_path and self.fused_hc
         offload, tally = self.expert_offload, self.routing_tally
         for index, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache.layers)):
