@@ -54,7 +54,10 @@ def global_loads(ptx: str) -> dict[str, int]:
     (cache hints left out): 16-byte vector loads against byte loads tell how a kernel reads its weights."""
     counts: dict[str, int] = {}
     for line in ptx.splitlines():
-        op = next((part for part in line.split()[:2] if part.startswith("ld.global")), None)
+        parts = line.split()
+        if parts and parts[0].startswith("@"):  # a predicated instruction
+            parts = parts[1:]
+        op = parts[0] if parts and parts[0].startswith("ld.global") else None
         if op is not None:
             width = ".".join(p for p in op.split(".")[2:] if p != "nc" and "::" not in p)
             counts[width] = counts.get(width, 0) + 1
