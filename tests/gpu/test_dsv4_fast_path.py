@@ -107,7 +107,8 @@ def test_block_local_prefill_matches_dense(tmp_path, window):
 def test_prefill_through_the_attention_kernel_matches_dense(tmp_path, device):
     """Chunks longer than the window through the Triton attention kernel (on the CPU: its interpreter),
     a prompt in three chunks (held window keys, compressed entries closed in earlier chunks, the
-    indexer's picks): the dense reference's logits in float32."""
+    indexer's picks), the first step shared with another sequence's prompt: the dense reference's
+    logits in float32."""
     from ds4d.cuda import attention_triton
 
     if not attention_triton.usable(torch.empty(1, 1, 16, device=device)):
@@ -116,21 +117,29 @@ def test_prefill_through_the_attention_kernel_matches_dense(tmp_path, device):
     model = load_model(path, device=device)
     rng = random.Random(8)
     ids = [rng.randrange(1000, 50000) for _ in range(300)]
-    dense = model.logits_for(ids)
+    other = [rng.randrange(1000, 50000) for _ in range(60)]
+    dense, dense_other = model.logits_for(ids), model.logits_for(other)
     model.fast_path, model.fused_attention = True, True
     calls = []
     real = attention_triton.window_attention
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(attention_triton, "window_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-        model.allocate_cache(8, 1)
+        model.allocate_cache(8, 2)
         got = []
         for begin, end in ((0, 100), (100, 230), (230, 300)):
             blocks = tuple(range(-(-end // 128)))
-            got.append(model.forward(ForwardBatch((SeqChunk(0, tuple(ids[begin:end]), begin, blocks, end - begin),))))
+            chunks = (SeqChunk(0, tuple(ids[begin:end]), begin, blocks, end - begin),)
+            if begin == 0:
+                chunks += (SeqChunk(1, tuple(other), 0, (7,), len(other)),)
+            logits = model.forward(ForwardBatch(chunks))
+            got.append(logits[: end - begin])
+            if begin == 0:
+                got_other = logits[end - begin :]
     got = torch.cat(got)
-    assert len(calls) == 3 * 3  # every chunk, every layer
+    assert len(calls) == 4 * 3  # every chunk, every layer
     assert (got - dense).abs().max().item() < 2e-4
     assert torch.equal(got.argmax(-1), dense.argmax(-1))
+    assert (got_other - dense_other).abs().max().item() < 2e-4
 
 
 @pytest.mark.parametrize("fast", [False, True])
