@@ -301,7 +301,7 @@ def build(torch, args, device, offload_options=None):
 PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
               "sampled": " (graphs, steps queued ahead, temperature 1)",
               "sampled-top-p": " (graphs, steps queued ahead, temperature 1, top-p 0.95)",
-              "plain-hc": " (graphs, torch hyper-connections)", "torch-attention": " (torch attention)",
+              "plain-hc": " (graphs, torch hyper-connections)",
               "numba-hc": " (graphs, Numba hyper-connection kernel only)", "eager": " (no graphs)",
               "reference": " (reference path)"}
 

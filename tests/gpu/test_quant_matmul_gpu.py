@@ -94,9 +94,9 @@ def test_mxfp4_rows_ptx_decode_equals_the_plain_decode(dtype, monkeypatch):
     assert (outs[True].float() - want).abs().max().item() < (1e-4 if dtype == torch.float32 else 2e-2) * want.abs().max()
 
 
-def _loads_of_one_call(call) -> list[dict[str, int]]:
-    """The global loads of the MXFP4 rows kernel variants ``call()`` compiles or finds (the kernel's
-    in-memory cache emptied first, so only those)."""
+def _loads_of_one_call(call) -> tuple[torch.Tensor, list[dict[str, int]]]:
+    """``call()``'s result, and the global loads of the MXFP4 rows kernel variants it compiles or finds
+    (the kernel's in-memory cache emptied first, so only those)."""
     from ds4d.bench.kernels import global_loads
 
     kernel = qm._kernels().mxfp4_rows_kernel
