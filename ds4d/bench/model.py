@@ -311,17 +311,22 @@ def _set_path(model, path: str) -> None:
     before (``decode_lookahead``); sampled, sampled-top-p: the same, sampling (``SAMPLED``) instead of greedy;
     plain-hc: without the fused hyper-connection kernels; numba-hc: the Numba kernel for decode steps
     too (not the Triton ones); torch-attention: prefill attention in torch's score blocks, not the
-    Triton kernel; eager: no CUDA graphs; reference: the portable path (expert loop, per-sequence
-    attention, dense window masks)."""
+    Triton kernel; torch-token-wise: a prefill's token-wise work in torch, not ``prefill_triton``;
+    all-rows: the last layer's feed-forward on every row, not only those whose logits are asked
+    for; eager: no CUDA graphs; reference: the portable path (expert loop, per-sequence attention,
+    dense window masks)."""
     if not hasattr(model, "_hc_kernel_ok"):
         model._hc_kernel_ok = model.fused_hc
         model._attention_kernel_ok = model.fused_attention
+        model._prefill_kernels_ok = model.fused_prefill
     model.fast_path = path != "reference"
     model.use_graphs = path in ("graphs", "lookahead", "sampled", "sampled-top-p", "plain-hc", "numba-hc",
-                                "torch-attention")
+                                "torch-attention", "torch-token-wise", "all-rows")
     ok = model._hc_kernel_ok
     model.fused_hc = {"plain-hc": False, "numba-hc": ok and "numba"}.get(path, ok)
     model.fused_attention = model._attention_kernel_ok and path != "torch-attention"
+    model.fused_prefill = model._prefill_kernels_ok and path not in ("torch-token-wise", "plain-hc")
+    model.last_layer_rows_only = path != "all-rows"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -373,11 +378,14 @@ def run(args: argparse.Namespace) -> int:
 
     def prefill_case(tokens: int, hf_ok: bool = True) -> None:
         ids = prompts(1, tokens)
-        prefill_paths = [p for p in paths if p not in ("eager", "numba-hc")] + ["torch-attention"]
-        for path in prefill_paths if tokens <= 2048 else ["graphs", "torch-attention"]:
+        prefill_paths = [p for p in paths if p not in ("eager", "numba-hc")] + ["torch-attention", "torch-token-wise",
+                                                                                "all-rows"]
+        for path in prefill_paths if tokens <= 2048 else ["graphs", "torch-token-wise", "all-rows"]:
             _set_path(model, path)
             label = f"prefill {tokens} tok, b1" + {"graphs": "", "plain-hc": " (torch hyper-connections)",
                                                    "torch-attention": " (torch attention)",
+                                                   "torch-token-wise": " (token-wise work in torch)",
+                                                   "all-rows": " (last feed-forward on every row)",
                                                    "reference": " (reference path)"}[path]
             got = _guarded(torch, f"ds4d {label}", lambda: _ds4d(torch, model, ids, 1, chunk=args.prefill_chunk,
                                                                sync=sync, warm_tokens=2 * args.prefill_chunk)

@@ -142,6 +142,44 @@ def test_prefill_through_the_attention_kernel_matches_dense(tmp_path, device):
     assert (got_other - dense_other).abs().max().item() < 2e-4
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_prefill_through_the_token_wise_kernels_matches_dense(tmp_path, device):
+    """A prompt in three chunks with the prefill's token-wise Triton kernels (on the CPU: the
+    interpreter): logits of every row of the first chunk, none of the second (its last layer stops
+    after attention), five of the third (the last feed-forward runs on those rows alone); the dense
+    reference's logits in float32."""
+    from ds4d.cuda import hc_triton, prefill_triton
+
+    if not (prefill_triton.usable(torch.empty(1, device=device)) and hc_triton.available()):
+        pytest.skip("needs Triton on this device (a GPU, or the interpreter for the CPU)")
+    path = write_tiny_checkpoint(tmp_path, seed=3, layers=[0, 4, 128], sliding_window=8, index_topk=3)
+    model = load_model(path, device=device)
+    rng = random.Random(9)
+    ids = [rng.randrange(1000, 50000) for _ in range(300)]
+    dense = model.logits_for(ids)
+    model.fast_path, model.fused_prefill = True, True
+    calls = {name: 0 for name in ("hc_update_mixes", "head_norm_rope", "swiglu")}
+    with pytest.MonkeyPatch.context() as patch:
+        for name in calls:
+            real = getattr(prefill_triton, name)
+            patch.setattr(prefill_triton, name,
+                          lambda *a, _real=real, _name=name, **k: calls.__setitem__(_name, calls[_name] + 1) or _real(*a, **k))
+        model.allocate_cache(8, 1)
+        got = []
+        for (begin, end), wanted in zip(((0, 100), (100, 230), (230, 300)), (100, 0, 5)):
+            blocks = tuple(range(-(-end // 128)))
+            logits = model.forward(ForwardBatch((SeqChunk(0, tuple(ids[begin:end]), begin, blocks, wanted),)))
+            assert logits.shape == (wanted, model.info.vocab_size)
+            got.append(logits)
+    got = torch.cat(got)
+    want = torch.cat([dense[:100], dense[295:]])
+    assert calls["hc_update_mixes"] == 6 + 5 + 6  # two per layer; the second chunk's last layer stops early
+    assert calls["head_norm_rope"] == 2 * 3 * 3 + 3 * 3  # queries and keys, output; 3 layers, 3 chunks
+    assert calls["swiglu"] >= 3 + 2 + 3  # the shared expert's of each feed-forward (and where experts are grouped, theirs)
+    assert (got - want).abs().max().item() < 2e-4
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 @pytest.mark.parametrize("fast", [False, True])
 def test_chunks_without_logits_still_write_the_cache(checkpoint, fast):
     """The engine asks for no logits on a prompt's inner chunks; their KV and state must still be written."""

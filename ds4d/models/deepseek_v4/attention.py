@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds4d.cuda import attention_triton
+from ds4d.cuda import attention_triton, prefill_triton
 from ds4d.models.deepseek_v4.cache import LayerCache
 from ds4d.models.deepseek_v4.compressor import compress_chunk, gather_entries, project, store_entries
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
@@ -258,15 +258,17 @@ def attention_forward(
     *,
     local_window: bool = False,
     fused: bool = False,
+    kernels: bool = False,
 ) -> torch.Tensor:
     """``x [T, D]`` (normed sub-layer input) -> attention output ``[T, D]``.
 
     ``local_window``: chunks longer than the window attend block by block
     (:func:`_attend_local`) instead of through a dense ``[n, n]`` mask; with ``fused``, such a chunk
-    attends in one Triton kernel (``ds4d.cuda.attention_triton``, the same result up to rounding)."""
+    attends in one Triton kernel (``ds4d.cuda.attention_triton``, the same result up to rounding);
+    ``kernels``: the queries' norm and RoPE and the output's inverse RoPE in place, in Triton."""
     head_dim = cfg.head_dim
     cos, sin = step.rope_compress if weights.ratio else step.rope_main
-    q_residual, q, kv = project_qkv(x, weights, cos, sin, cfg)
+    q_residual, q, kv = project_qkv(x, weights, cos, sin, cfg, kernels=kernels)
     projections = {}
     if weights.compressor is not None:
         projections["main"] = project(x, step.positions, weights.compressor)
@@ -324,26 +326,35 @@ def attention_forward(
             # per-query entries (sparse CSA) join the softmax as a part of their own
             out[chunk.begin + part.start:chunk.begin + part.stop] = _attend(
                 q[rows][part], keys, mask[part], weights.sink, head_dim**-0.5, _extra_rows(extra, part))
-    return project_out(out, weights, cos, sin, cfg)
+    return project_out(out, weights, cos, sin, cfg, kernels=kernels)
 
 
 def project_qkv(
-    x: torch.Tensor, weights: AttentionWeights, cos: torch.Tensor, sin: torch.Tensor, cfg: DeepseekV4Config
+    x: torch.Tensor, weights: AttentionWeights, cos: torch.Tensor, sin: torch.Tensor, cfg: DeepseekV4Config,
+    *, kernels: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [T, D]`` -> (query residual ``[T, q_lora_rank]``, roped queries ``[T, H, d]``, roped KV ``[T, d]``)."""
+    """``x [T, D]`` -> (query residual ``[T, q_lora_rank]``, roped queries ``[T, H, d]``, roped KV ``[T, d]``);
+    ``kernels``: norms and RoPE of the fresh projections in place (``prefill_triton.head_norm_rope``)."""
     eps = cfg.rms_norm_eps
     q_residual = rms_norm(linear(x, weights.wq_a), weights.q_norm, eps)
     q = linear(q_residual, weights.wq_b).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
-    q = apply_rope(unweighted_rms_norm(q, eps), cos, sin)
-    kv = apply_rope(rms_norm(linear(x, weights.wkv), weights.kv_norm, eps), cos, sin)
-    return q_residual, q, kv
+    kv = rms_norm(linear(x, weights.wkv), weights.kv_norm, eps)
+    if kernels and prefill_triton.rope_usable(q, 2 * cos.shape[-1]):
+        prefill_triton.head_norm_rope(q, cos, sin, eps)
+        return q_residual, q, prefill_triton.head_norm_rope(kv.unsqueeze(1), cos, sin, norm=False).squeeze(1)
+    return q_residual, apply_rope(unweighted_rms_norm(q, eps), cos, sin), apply_rope(kv, cos, sin)
 
 
 def project_out(
-    out: torch.Tensor, weights: AttentionWeights, cos: torch.Tensor, sin: torch.Tensor, cfg: DeepseekV4Config
+    out: torch.Tensor, weights: AttentionWeights, cos: torch.Tensor, sin: torch.Tensor, cfg: DeepseekV4Config,
+    *, kernels: bool = False,
 ) -> torch.Tensor:
-    """Per-head attention output ``[T, H, d]``: undo the value RoPE, then the grouped low-rank projection."""
-    out = apply_rope(out, cos, -sin)
+    """Per-head attention output ``[T, H, d]``: undo the value RoPE, then the grouped low-rank projection;
+    ``kernels``: the inverse RoPE in place, on the rotated channels only (``out`` is spent)."""
+    if kernels and prefill_triton.rope_usable(out, 2 * cos.shape[-1]):
+        prefill_triton.head_norm_rope(out, cos, sin, norm=False, inverse=True)
+    else:
+        out = apply_rope(out, cos, -sin)
     groups = cfg.o_groups
     grouped = out.reshape(out.shape[0], groups, -1).transpose(0, 1)  # [G, T, k]
     wo_a = weights.wo_a.view(groups, cfg.o_lora_rank, -1).transpose(1, 2)  # [G, k, r]

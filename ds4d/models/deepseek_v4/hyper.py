@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds4d.models.deepseek_v4.ops import unweighted_rms_norm
+from ds4d.models.deepseek_v4.ops import rms_norm, unweighted_rms_norm
 from ds4d.models.deepseek_v4.weights import HyperWeights
 
 
@@ -78,6 +78,41 @@ def hc_post(output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, com
     dtype = streams.dtype
     spread = post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2)
     return spread + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+def hc_boundary(
+    output: torch.Tensor | None,
+    streams: torch.Tensor,
+    post: torch.Tensor | None,
+    comb: torch.Tensor | None,
+    weights: HyperWeights,
+    norm: torch.Tensor,
+    iterations: int,
+    hc_eps: float,
+    norm_eps: float,
+    *,
+    fused: bool | str = False,
+    kernels: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hyper-connection work between two sub-layers: the streams take in ``output`` of the one
+    before (:func:`hc_post` with its ``post`` and ``comb``; None before the first sub-layer), then
+    the next one's input is collapsed from them (:func:`hc_pre`) and RMS-normed with ``norm``.
+
+    Returns (the sub-layer input ``[T, D]``, the streams, its post, its comb).  ``fused``: as for
+    :func:`hc_pre`; ``kernels``: three Triton kernels instead (``ds4d.cuda.prefill_triton``'s
+    update-and-mixes and collapse-and-norm around ``hc_triton.hc_weights``), about one pass over
+    the streams where torch makes a dozen (many tokens: a prefill step)."""
+    m = streams.shape[-2]
+    if kernels and m & (m - 1) == 0:
+        from ds4d.cuda import hc_triton, prefill_triton
+
+        streams, mixes = prefill_triton.hc_update_mixes(streams, weights.fn, norm_eps, output, post, comb)
+        pre, post, comb = hc_triton.hc_weights(mixes, weights.base, weights.scale, hc_eps, iterations, m)
+        return prefill_triton.hc_collapse_norm(streams, pre, norm, norm_eps), streams, post, comb
+    if output is not None:
+        streams = hc_post(output, streams, post, comb)
+    x, post, comb = hc_pre(streams, weights, iterations, hc_eps, norm_eps, fused=fused)
+    return rms_norm(x, norm, norm_eps), streams, post, comb
 
 
 def hc_head(streams: torch.Tensor, weights: HyperWeights, hc_eps: float, norm_eps: float,

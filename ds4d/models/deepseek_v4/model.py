@@ -6,12 +6,16 @@ projections, MoE, head) runs over the whole step at once; attention runs per
 chunk against that sequence's state slot and compressed-KV blocks (see
 ``cache.py``).  A chunk starting at position 0 starts the sequence afresh.
 
+Only the hidden states of rows whose logits are asked for are finished: the
+last layer's feed-forward runs on those rows alone (the others' KV and state
+are complete after its attention).
+
 Each step's result for a sequence is the same whatever else shares the step
 and however its prompt was split into chunks, up to float rounding: the state
 carried between chunks is exactly what a whole-sequence pass would have
 computed at that point.
 
-Two switches pick faster paths with the same arithmetic per token (both on by
+Switches pick faster paths with the same arithmetic per token (all on by
 default on CUDA, off on the CPU, where the reference path is kept exact):
 
 * ``fast_path``: routed experts as grouped matmuls (``moe.py``), and steps in
@@ -25,6 +29,10 @@ default on CUDA, off on the CPU, where the reference path is kept exact):
   longer than the sliding window attend in one Triton kernel (window keys,
   compressed entries and the sink in one online softmax) instead of torch's
   score blocks;
+* ``fused_prefill`` (with ``fast_path``, where Triton launches): the token-wise
+  work of steps that are not pure decode (hyper-connections, norms, RoPE,
+  SwiGLU, the experts' weighted sum) goes through ``ds4d.cuda.prefill_triton``,
+  about one pass over memory each instead of a dozen torch kernels;
 * ``use_graphs``: such decode steps are padded to a batch bucket and a
   block-table bucket and replayed from CUDA graphs (``ds4d.cuda.graphs``).
 """
@@ -46,7 +54,7 @@ from ds4d.models.deepseek_v4.attention import ChunkRows, StepInputs, attention_f
 from ds4d.models.deepseek_v4.cache import DeepseekV4Cache
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.decode import DecodeInputs, decode_attention
-from ds4d.models.deepseek_v4.hyper import hc_head, hc_post, hc_pre
+from ds4d.models.deepseek_v4.hyper import hc_boundary, hc_head, hc_post
 from ds4d.models.deepseek_v4.moe import moe_forward
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
 from ds4d.models.deepseek_v4.weights import Fp8Weight, ModelWeights
@@ -87,13 +95,19 @@ class DeepseekV4Model:
         self.fused_hc: bool | str = False
         self.fused_attention = False
         """Prefill chunks longer than the window attend in one Triton kernel (``attention_triton``)."""
+        self.fused_prefill = False
+        """Prefill steps run their token-wise work (hyper-connections, norms, RoPE, SwiGLU, the experts'
+        weighted sum) through the Triton kernels of ``ds4d.cuda.prefill_triton``."""
+        self.last_layer_rows_only = True
+        """The last layer's feed-forward runs on the rows whose logits are asked for only."""
         self._graphs = None
         if on_gpu:
-            from ds4d.cuda import attention_triton, hc_triton
+            from ds4d.cuda import attention_triton, hc_triton, prefill_triton
             from ds4d.cuda.hc_kernels import available
 
             self.fused_hc = available() and ("triton" if hc_triton.available() else "numba")
             self.fused_attention = attention_triton.available()
+            self.fused_prefill = hc_triton.available() and prefill_triton.available()
             from ds4d.cuda.graphs import GraphCache
 
             self._graphs = GraphCache(self._decode_step)
@@ -264,11 +278,15 @@ class DeepseekV4Model:
             rope_main=self.rope_main.cos_sin(pos),
             rope_compress=self.rope_compress.cos_sin(pos),
         )
-        hidden = self._layers(token_ids, step, cache)  # always: it writes the chunks' KV and state
+        rows = torch.tensor(keep, dtype=torch.long, device=device)
+        # calibration counts every row's routing
+        if self.routing_tally is not None or not self.last_layer_rows_only or len(keep) == len(ids):
+            hidden = self._layers(token_ids, step, cache)[rows]
+        else:
+            hidden = self._layers(token_ids, step, cache, keep=rows)  # always: it writes the chunks' KV and state
         if not keep:
             return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=device)
-        rows = torch.tensor(keep, dtype=torch.long, device=device)
-        return self._logits(hidden[rows])
+        return self._logits(hidden)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         cfg, weights = self.cfg, self.weights
@@ -310,31 +328,41 @@ class DeepseekV4Model:
         with counted_rows(self.expert_offload, packed[:, 2] != cache.scratch_slot):
             return self._logits(self._layers(packed[:, 0], dec, cache))
 
-    def _layers(self, token_ids: torch.Tensor, step: StepInputs | DecodeInputs, cache: DeepseekV4Cache) -> torch.Tensor:
+    def _layers(self, token_ids: torch.Tensor, step: StepInputs | DecodeInputs, cache: DeepseekV4Cache,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The streams after the last layer ``[T, m, D]``; with ``keep`` (row indices), only those
+        rows': the last layer's feed-forward then runs on them alone (no other row's hidden state
+        is read; attention still runs on every row, since it writes their KV and state)."""
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         embedded = self.weights.embed[token_ids].to(self.dtype)
         streams = embedded.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
-        if isinstance(step, DecodeInputs):
+        decode = isinstance(step, DecodeInputs)
+        kernels = not decode and self.fast_path and self.fused_prefill
+        if decode:
             attend = decode_attention
         else:
             attend = partial(attention_forward, local_window=self.fast_path,
-                             fused=self.fast_path and self.fused_attention)
-        fused = self.fast_path and self.fused_hc
+                             fused=self.fast_path and self.fused_attention, kernels=kernels)
+        boundary = partial(hc_boundary, iterations=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=eps,
+                           fused=self.fast_path and self.fused_hc, kernels=kernels)
         offload, tally = self.expert_offload, self.routing_tally
+        output = post = comb = None
+        last = len(self.weights.layers) - 1
         for index, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache.layers)):
-            x, post, comb = hc_pre(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, fused=fused)
-            x = attend(rms_norm(x, layer.attn_norm, eps), step, layer.attn, layer_cache, cfg, self.rope_compress)
-            streams = hc_post(x, streams, post, comb)
-            x, post, comb = hc_pre(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, fused=fused)
+            x, streams, post, comb = boundary(output, streams, post, comb, layer.attn_hc, layer.attn_norm)
+            output = attend(x, step, layer.attn, layer_cache, cfg, self.rope_compress)
+            if index == last and keep is not None:
+                if keep.numel() == 0:  # no row wanted: the last feed-forward has nothing to do
+                    return streams[:0]
+                output, streams, post, comb, token_ids = (t[keep] for t in (output, streams, post, comb, token_ids))
+            x, streams, post, comb = boundary(output, streams, post, comb, layer.ffn_hc, layer.ffn_norm)
             if offload is not None:
-                x = offload.moe_forward(index, rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn, cfg,
-                                        decode=isinstance(step, DecodeInputs),
-                                        tally=None if tally is None else tally[index])
+                output = offload.moe_forward(index, x, token_ids, layer.ffn, cfg, decode=decode,
+                                             tally=None if tally is None else tally[index])
             else:
-                x = moe_forward(rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn, cfg, grouped=self.fast_path,
-                                tally=None if tally is None else tally[index])
-            streams = hc_post(x, streams, post, comb)
-        return streams
+                output = moe_forward(x, token_ids, layer.ffn, cfg, grouped=self.fast_path, kernels=kernels,
+                                     tally=None if tally is None else tally[index])
+        return hc_post(output, streams, post, comb)
 
 
 def _holds_bf16_values(tensor: torch.Tensor) -> bool:

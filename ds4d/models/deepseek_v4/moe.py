@@ -28,19 +28,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds4d.cuda import moe_gemv, quant_matmul
+from ds4d.cuda import moe_gemv, prefill_triton, quant_matmul
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.ops import linear
 from ds4d.models.deepseek_v4.weights import Linear, MoEWeights, Mxfp4Addresses, Mxfp4Matrices
 
 
-def _swiglu(x: torch.Tensor, w1: Linear, w3: Linear, w2: Linear, limit: float) -> torch.Tensor:
-    gate = linear(x, w1)
-    up = linear(x, w3)
+def _gated(gate: torch.Tensor, up: torch.Tensor, limit: float, kernels: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` with the gate clamped from above and up on both sides at ``limit`` (if > 0);
+    ``kernels``: in one Triton kernel (``prefill_triton.swiglu``) where it launches."""
+    if kernels and prefill_triton.usable(gate):
+        return prefill_triton.swiglu(gate, up, limit)
     if limit > 0:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
-    return linear(F.silu(gate) * up, w2)
+    return F.silu(gate) * up
+
+
+def _swiglu(x: torch.Tensor, w1: Linear, w3: Linear, w2: Linear, limit: float, kernels: bool = False) -> torch.Tensor:
+    return linear(_gated(linear(x, w1), linear(x, w3), limit, kernels), w2)
 
 
 def _scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -97,20 +103,17 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 
 def expert_ffn(
     rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offsets: torch.Tensor,
-    expert_of_row: torch.Tensor, limit: float, *, step_rows: int | None = None,
+    expert_of_row: torch.Tensor, limit: float, *, step_rows: int | None = None, kernels: bool = False,
 ) -> torch.Tensor:
     """SwiGLU of ``rows`` (sorted by expert; group ends ``offsets``) through a bank's experts.
 
     Each row's result depends only on that row, its expert's weights and ``step_rows``
     (all rows of the MoE call; default: these rows), so any split of one call's rows
-    into banks (device, staging) gives the same rows back."""
+    into banks (device, staging) gives the same rows back.  ``kernels``: see :func:`_gated`."""
     step_rows = rows.shape[0] if step_rows is None else step_rows
     hidden = _grouped_linear(rows, gate_up, offsets, expert_of_row, step_rows)
     gate, up = hidden.chunk(2, dim=-1)
-    if limit > 0:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return _grouped_linear(F.silu(gate) * up, down, offsets, expert_of_row, step_rows)
+    return _grouped_linear(_gated(gate, up, limit, kernels), down, offsets, expert_of_row, step_rows)
 
 
 def combine_sorted(
@@ -141,7 +144,8 @@ def _row_by_row(x: torch.Tensor, weight, step_rows: int) -> bool:
 
 
 def _routed_grouped(
-    x: torch.Tensor, expert_weights: torch.Tensor, indices: torch.Tensor, weights: MoEWeights, limit: float
+    x: torch.Tensor, expert_weights: torch.Tensor, indices: torch.Tensor, weights: MoEWeights, limit: float,
+    kernels: bool = False,
 ) -> torch.Tensor:
     tokens, k = indices.shape
     bank = weights.experts
@@ -155,7 +159,9 @@ def _routed_grouped(
     counts = torch.zeros(bank.weights["w2"].shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    out = expert_ffn(x[order // k], gate_up, down, offsets, expert_of_row, limit)
+    out = expert_ffn(x[order // k], gate_up, down, offsets, expert_of_row, limit, kernels=kernels)
+    if kernels and prefill_triton.usable(out):
+        return prefill_triton.combine(out, order, expert_weights, x.dtype)
     return combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
 
 
@@ -168,14 +174,16 @@ def tally_routing(tally: torch.Tensor | None, indices: torch.Tensor) -> None:
 
 def moe_forward(
     x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config, *, grouped: bool = False,
-    tally: torch.Tensor | None = None,
+    kernels: bool = False, tally: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """``kernels`` (with ``grouped``): SwiGLU and the routed experts' weighted sum in Triton
+    (``ds4d.cuda.prefill_triton``), for steps of many tokens."""
     expert_weights, indices = route(x, token_ids, weights, cfg)
     tally_routing(tally, indices)
     limit = cfg.swiglu_limit
     if grouped:
-        shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit)
-        return _routed_grouped(x, expert_weights, indices, weights, limit) + shared
+        shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit, kernels)
+        return _routed_grouped(x, expert_weights, indices, weights, limit, kernels) + shared
     routed = torch.zeros_like(x)
     for expert in torch.unique(indices).tolist():
         token_idx, slot = torch.where(indices == expert)

@@ -56,7 +56,7 @@ from ds4d.models.deepseek_v4.attention import ChunkRows, StepInputs, attention_f
 from ds4d.models.deepseek_v4.cache import DeepseekV4Cache
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.decode import DecodeInputs, decode_attention
-from ds4d.models.deepseek_v4.hyper import hc_head, hc_post, hc_pre
+from ds4d.models.deepseek_v4.hyper import hc_boundary, hc_head, hc_post
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
 from ds4d.models.deepseek_v4.model import (
     _bucket,
@@ -365,14 +365,14 @@ class ShardRunner:
         else:
             attend = partial(attention_forward, local_window=self.fast_path)
         decode = isinstance(step, DecodeInputs)
+        boundary = partial(hc_boundary, iterations=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=eps, fused=fused)
+        output = post = comb = None
         for index, (layer, layer_cache) in enumerate(zip(self.weights.layers, self.cache.layers)):
-            x, post, comb = hc_pre(streams, layer.attn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, fused=fused)
-            x = attend(rms_norm(x, layer.attn_norm, eps), step, layer.attn, layer_cache, cfg, self.rope_compress)
-            streams = hc_post(x, streams, post, comb)
-            x, post, comb = hc_pre(streams, layer.ffn_hc, cfg.hc_sinkhorn_iters, cfg.hc_eps, eps, fused=fused)
-            x = self._moe(rms_norm(x, layer.ffn_norm, eps), token_ids, layer.ffn, index, decode)
-            streams = hc_post(x, streams, post, comb)
-        return streams
+            x, streams, post, comb = boundary(output, streams, post, comb, layer.attn_hc, layer.attn_norm)
+            output = attend(x, step, layer.attn, layer_cache, cfg, self.rope_compress)
+            x, streams, post, comb = boundary(output, streams, post, comb, layer.ffn_hc, layer.ffn_norm)
+            output = self._moe(x, token_ids, layer.ffn, index, decode)
+        return hc_post(output, streams, post, comb)
 
     def _moe(
         self, x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, index: int, decode: bool
