@@ -41,7 +41,7 @@ def _kernels():
         def attention_kernel(q_ptr, keys_ptr, ent_ptr, emask_ptr, sink_ptr, out_ptr, heads, n_keys, first, start,
                              window, n_entries, scale, sqn, sqh, skn, sen, sek, smn, smk, son, soh,
                              d: tl.constexpr, block_h: tl.constexpr, block_k: tl.constexpr, window_tiles: tl.constexpr,
-                             entry_tiles: tl.constexpr, extra: tl.constexpr, precision: tl.constexpr):
+                             extra: tl.constexpr, precision: tl.constexpr):
             query = tl.program_id(0)
             h = tl.program_id(1) * block_h + tl.arange(0, block_h)
             live_h = h < heads
@@ -67,8 +67,10 @@ def _kernels():
                 m = top
             if extra != 0:  # 1: entries [E, d] shared by all queries; 2: each query's own [n, E, d]
                 base = ent_ptr + (query * sen if extra == 2 else 0)
-                for tile in range(entry_tiles):  # a fixed count (tiles past ``n_entries`` are masked off)
-                    idx = tile * block_k + tl.arange(0, block_k)
+                start_k = 0
+                while start_k < n_entries:  # a bound read at run time (a ``for`` over one fails in the interpreter)
+                    idx = start_k + tl.arange(0, block_k)
+                    start_k += block_k
                     live = idx < n_entries
                     add = tl.load(emask_ptr + query * smn + idx * smk, mask=live, other=float("-inf")).to(tl.float32)
                     e_tile = tl.load(base + idx[:, None] * sek + dims[None, :], mask=live[:, None], other=0.0)
@@ -86,15 +88,6 @@ def _kernels():
 
         _state["kernel"] = attention_kernel
     return _state["kernel"]
-
-
-def _tiles(entries: int, block: int) -> int:
-    """Tiles the entry loop runs: enough for ``entries``, rounded up to a power of two.  The count is a
-    compile-time constant (Triton's interpreter takes no loop bound read at run time), so rounding
-    keeps the compiled variants few (one per doubling of a prompt's compressed entries) at the cost
-    of masked tiles (fewer than half of the loop)."""
-    tiles = -(-entries // block)
-    return 1 << (tiles - 1).bit_length() if tiles else 0
 
 
 def available() -> bool:
@@ -144,7 +137,7 @@ def window_attention(q: torch.Tensor, keys: torch.Tensor, first: int, start: int
     _kernels()[grid](q, keys, entries, mask, sink, out, heads, keys.shape[0], first, start, window, n_entries,
                      float(scale), q.stride(0), q.stride(1), keys.stride(0), sen, sek, smn, smk, out.stride(0),
                      out.stride(1), d=d, block_h=block_h, block_k=t["block_keys"],
-                     window_tiles=-(-window // t["block_keys"]), entry_tiles=_tiles(n_entries, t["block_keys"]),
+                     window_tiles=-(-window // t["block_keys"]),
                      extra=kind, precision="ieee" if q.dtype == torch.float32 else "tf32",
                      num_warps=t["warps"], num_stages=t["stages"])
     return out

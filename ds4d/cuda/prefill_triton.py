@@ -6,10 +6,9 @@ each of those is several elementwise kernels that read and write tensors of
 tens to hundreds of MB (the streams of 2K tokens at V4-Flash widths are 64 MB
 in bf16, twice that as the float32 copies the reference makes).  Here:
 
-* :func:`hc_update_mixes` -- the hyper-connection update after a sub-layer
-  (``post * output + comb^T streams``) with each token's sum of squares in the
-  same pass, then the next sub-layer's mixing logits (the RMS-normalised
-  flattened streams times ``fn``) from one bf16 matmul;
+* :func:`hc_update` -- the hyper-connection update after a sub-layer
+  (``post * output + comb^T streams``) with each token's sum of squares (for
+  the next sub-layer's RMS-normalised mixing logits) in the same pass;
 * :func:`hc_collapse_norm` -- the streams weighted by ``pre`` and summed, then
   the sub-layer's RMS norm, one program per token;
 * :func:`head_norm_rope` -- the queries' per-head RMS norm and RoPE, in place;
@@ -35,7 +34,7 @@ import torch
 from ds4d.cuda.devices import triton_can_launch
 
 TUNING = {"hc_block_t": 8, "hc_block_d": 128, "hc_splits": 8, "hc_warps": 4, "rope_block_h": 4, "block_cols": 1024}
-"""Tokens and stream columns per step of a :func:`hc_update_mixes` program, the column ranges a
+"""Tokens and stream columns per step of a :func:`hc_update` program, the column ranges a
 block of tokens is split into, and its warps; heads per
 :func:`head_norm_rope` program; columns per :func:`swiglu` / :func:`combine` program."""
 _state: dict[str, object] = {}
@@ -179,17 +178,14 @@ def _contiguous(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.is_contiguous() else t.contiguous() for t in tensors]
 
 
-def hc_update_mixes(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, output: torch.Tensor | None = None,
-                    post: torch.Tensor | None = None, comb: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(new streams ``[T, m, D]``, mixing logits ``[T, N]`` float32).
+def hc_update(streams: torch.Tensor, output: torch.Tensor | None = None, post: torch.Tensor | None = None,
+              comb: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(new streams ``[T, m, D]``, each token's sum of their squares ``[T]`` float32).
 
     With ``output [T, D]``, ``post [T, m]`` and ``comb [T, m, m]`` (the sub-layer just run and
     its hyper-connection weights) the new streams are ``hyper.hc_post(output, streams, post, comb)``;
-    without, ``streams`` themselves.  The logits are ``hyper._mixes(new streams, fn, norm_eps)``.
-    A kernel writes the new streams and each token's sum of squares (programs take a block of
-    tokens and one of ``hc_splits`` column ranges of every stream); the projection is one
-    matmul of the streams as stored (:func:`_project_f32`) and the norm scales its result."""
+    without, ``streams`` themselves (then only read).  Programs take a block of tokens and one of
+    ``hc_splits`` column ranges of every stream; their partial sums then add up in torch."""
     tokens, m, d = streams.shape
     update = output is not None
     streams = streams if streams.is_contiguous() else streams.contiguous()
@@ -208,24 +204,7 @@ def hc_update_mixes(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float, ou
         _kernels()["update"][(-(-tokens // block_t), splits)](
             streams, output, post, comb, new, squares, tokens, d=d, m=m, update=update, span=span, block_t=block_t,
             block_d=block_d, num_warps=t["hc_warps"])
-    mixes = _project_f32(new.view(tokens, m * d), fn)
-    return new, mixes * torch.rsqrt(squares.sum(0) / (m * d) + norm_eps).unsqueeze(-1)
-
-
-def _project_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight^T`` in float32 for a float32 ``weight``, reading ``x`` as stored: a bf16 ``x``
-    meets the weight split into a bf16 high part and a bf16 remainder (16 mantissa bits together)
-    in one bf16 matmul with float32 results, whose two halves then add."""
-    if x.dtype != torch.bfloat16:
-        return x.float() @ weight.float().t()
-    weight = weight.float()
-    high = weight.to(torch.bfloat16)
-    parts = torch.cat([high, (weight - high.float()).to(torch.bfloat16)]).t()
-    if x.is_cuda:
-        both = torch.mm(x, parts, out_dtype=torch.float32)
-    else:  # no bf16 -> float32 matmul on the CPU: the same products (exact in float32), summed in float32
-        both = x.float() @ parts.float()
-    return both[:, : weight.shape[0]] + both[:, weight.shape[0] :]
+    return new, squares.sum(0)
 
 
 def hc_collapse_norm(streams: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

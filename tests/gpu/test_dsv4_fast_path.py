@@ -158,7 +158,7 @@ def test_prefill_through_the_token_wise_kernels_matches_dense(tmp_path, device):
     ids = [rng.randrange(1000, 50000) for _ in range(300)]
     dense = model.logits_for(ids)
     model.fast_path, model.fused_prefill = True, True
-    calls = {name: 0 for name in ("hc_update_mixes", "head_norm_rope", "swiglu")}
+    calls = {name: 0 for name in ("hc_update", "head_norm_rope", "swiglu")}
     with pytest.MonkeyPatch.context() as patch:
         for name in calls:
             real = getattr(prefill_triton, name)
@@ -173,7 +173,7 @@ def test_prefill_through_the_token_wise_kernels_matches_dense(tmp_path, device):
             got.append(logits)
     got = torch.cat(got)
     want = torch.cat([dense[:100], dense[295:]])
-    assert calls["hc_update_mixes"] == 6 + 5 + 6  # two per layer; the second chunk's last layer stops early
+    assert calls["hc_update"] == 6 + 5 + 6  # two per layer; the second chunk's last layer stops early
     assert calls["head_norm_rope"] == 2 * 3 * 3 + 3 * 3  # queries and keys, output; 3 layers, 3 chunks
     assert calls["swiglu"] >= 3 + 2 + 3  # the shared expert's of each feed-forward (and where experts are grouped, theirs)
     assert (got - want).abs().max().item() < 2e-4

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ds4d.bench.kernels import COLD_BYTES, cold_copies, global_loads
-from ds4d.cuda.attention_triton import _tiles
 
 PTX = """
     ld.global.b64 %rd9, [%rd8+0];
@@ -24,7 +23,3 @@ def test_cold_copies_exceed_the_cold_bytes():
     assert cold_copies(4 << 20) * (4 << 20) >= COLD_BYTES  # a 4 MB projection: 64 copies
     assert cold_copies(4 << 20) == COLD_BYTES // (4 << 20)
     assert cold_copies(COLD_BYTES * 3) == 2  # larger than the whole: still two, so calls alternate
-
-
-def test_entry_tiles_round_up_to_a_power_of_two():
-    assert [_tiles(e, 32) for e in (0, 1, 32, 33, 64, 65, 512, 513)] == [0, 1, 1, 2, 2, 4, 16, 32]

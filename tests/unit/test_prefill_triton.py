@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ds4d.models.deepseek_v4.hyper import _collapse, _mixes, hc_post, hc_pre
+from ds4d.models.deepseek_v4.hyper import _collapse, _mixes, hc_boundary, hc_post, hc_pre
 from ds4d.models.deepseek_v4.moe import combine_sorted
-from ds4d.models.deepseek_v4.ops import apply_rope, rms_norm, unweighted_rms_norm
+from ds4d.models.deepseek_v4.ops import apply_rope, linear_f32, linear_split, rms_norm, split_bf16, unweighted_rms_norm
 from ds4d.models.deepseek_v4.weights import HyperWeights
 
 prefill_triton = pytest.importorskip("ds4d.cuda.prefill_triton")
@@ -55,19 +55,51 @@ def _hc_case(tokens: int, m: int, d: int, seed: int, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("tokens", "m", "d"), [(20, 4, 96), (3, 2, 200), (17, 4, 64)])
-def test_hc_update_mixes_is_hc_post_then_the_mixing_logits(dtype, tokens, m, d):
-    streams, output, post, comb, weights = _hc_case(tokens, m, d, seed=tokens + d, dtype=dtype)
+@pytest.mark.parametrize(("tokens", "m", "d"), [(20, 4, 96), (3, 2, 200), (17, 4, 1100)])
+def test_hc_update_is_hc_post_with_the_sums_of_squares(dtype, tokens, m, d):
+    streams, output, post, comb, _ = _hc_case(tokens, m, d, seed=tokens + d, dtype=dtype)
     want_streams = hc_post(output, streams, post, comb)
-    new, mixes = prefill_triton.hc_update_mixes(streams, weights.fn, 1e-6, output, post, comb)
+    new, squares = prefill_triton.hc_update(streams, output, post, comb)
     assert _ulps(new, want_streams) <= _bound(dtype, 3)
-    want_mixes = _mixes(new, weights.fn, 1e-6)  # of the streams it wrote (checked just above)
-    assert mixes.dtype == torch.float32 and mixes.shape == want_mixes.shape
-    assert (mixes - want_mixes).abs().max().item() < 1e-5 * want_mixes.abs().max().item()
-    # no update: the logits of the streams as given
-    same, first = prefill_triton.hc_update_mixes(streams, weights.fn, 1e-6)
-    assert same is streams or torch.equal(same, streams)
-    torch.testing.assert_close(first, _mixes(streams, weights.fn, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(squares, new.float().square().sum(dim=(1, 2)), rtol=1e-5, atol=1e-5)
+    # no update: the streams as given, only read
+    same, first = prefill_triton.hc_update(streams)
+    assert same is streams
+    torch.testing.assert_close(first, streams.float().square().sum(dim=(1, 2)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_hc_boundary_through_the_kernels_matches_torch(dtype):
+    """The whole boundary between two sub-layers (``hyper.hc_boundary``): update, mixing logits (bf16
+    streams through the split ``fn``), Sinkhorn weights, collapse and norm."""
+    streams, output, post, comb, weights = _hc_case(24, 4, 256, seed=7, dtype=dtype)
+    if dtype == torch.bfloat16:
+        weights.fn_split = split_bf16(weights.fn)
+    norm = (1 + 0.3 * torch.randn(256, generator=torch.Generator().manual_seed(8))).to(DEVICE)
+    want = hc_boundary(output, streams, post, comb, weights, norm, 20, 1e-6, 1e-6)
+    got = hc_boundary(output, streams, post, comb, weights, norm, 20, 1e-6, 1e-6, kernels=True)
+    assert _ulps(got[1], want[1]) <= _bound(dtype, 3)  # the streams
+    for name, g, w in (("post", got[2], want[2]), ("comb", got[3], want[3])):
+        # in bf16, the logits of the kernel's own streams, a few units in the last place off the reference's
+        # (rounded differently in the interpreter; on a GPU, cuBLAS may sum the reference's bf16 products in bf16)
+        tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+        assert (g - w).abs().max().item() < tolerance * w.abs().max().item(), name
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    assert (got[0].float() - want[0].float()).abs().max().item() < tolerance * want[0].float().abs().max().item()
+
+
+def test_split_bf16_weights_multiply_bf16_activations_in_float32():
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(9, 300, generator=gen).to(DEVICE, torch.bfloat16)
+    w = torch.randn(40, 300, generator=gen).to(DEVICE)
+    want = x.float() @ w.t()
+    got = linear_split(x, split_bf16(w))
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    # a weight that holds bf16 values loses nothing: only the summation order differs
+    exact = w.to(torch.bfloat16).float()
+    torch.testing.assert_close(linear_split(x, split_bf16(exact)), x.float() @ exact.t(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(linear_f32(x.float(), w, split_bf16(w)), torch.nn.functional.linear(x.float(), w))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

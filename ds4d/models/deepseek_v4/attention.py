@@ -265,15 +265,16 @@ def attention_forward(
     ``local_window``: chunks longer than the window attend block by block
     (:func:`_attend_local`) instead of through a dense ``[n, n]`` mask; with ``fused``, such a chunk
     attends in one Triton kernel (``ds4d.cuda.attention_triton``, the same result up to rounding);
-    ``kernels``: the queries' norm and RoPE and the output's inverse RoPE in place, in Triton."""
+    ``kernels``: the queries' norm and RoPE and the output's inverse RoPE in place, in Triton, and
+    the compressors' projections as one bf16 matmul each (``compressor.project``'s ``split``)."""
     head_dim = cfg.head_dim
     cos, sin = step.rope_compress if weights.ratio else step.rope_main
     q_residual, q, kv = project_qkv(x, weights, cos, sin, cfg, kernels=kernels)
     projections = {}
     if weights.compressor is not None:
-        projections["main"] = project(x, step.positions, weights.compressor)
+        projections["main"] = project(x, step.positions, weights.compressor, split=kernels)
     if weights.indexer is not None:
-        projections["indexer"] = project(x, step.positions, weights.indexer.compressor)
+        projections["indexer"] = project(x, step.positions, weights.indexer.compressor, split=kernels)
 
     out = torch.empty_like(q)
     for chunk in step.chunks:

@@ -20,16 +20,20 @@ from __future__ import annotations
 import torch
 
 from ds4d.models.deepseek_v4.cache import CompressorState
-from ds4d.models.deepseek_v4.ops import Rope, apply_rope, rms_norm
+from ds4d.models.deepseek_v4.ops import Rope, apply_rope, linear_split, rms_norm
 from ds4d.models.deepseek_v4.weights import CompressorWeights
 
 
-def project(x: torch.Tensor, positions: torch.Tensor, weights: CompressorWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (kv, score) in float32; the score already carries the slot bias."""
-    x = x.float()
-    kv = x @ weights.wkv.t()
-    score = x @ weights.wgate.t() + weights.ape[positions % weights.ratio]
-    return kv, score
+def project(x: torch.Tensor, positions: torch.Tensor, weights: CompressorWeights,
+            *, split: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (kv, score) in float32; the score already carries the slot bias.  ``split``: a bf16
+    ``x`` meets both weights in one bf16 matmul (``weights.split``, ``ops.linear_split``) where set."""
+    if split and weights.split is not None and x.dtype == torch.bfloat16:
+        kv, score = linear_split(x, weights.split).split(weights.wkv.shape[0], dim=1)
+    else:
+        x = x.float()
+        kv, score = x @ weights.wkv.t(), x @ weights.wgate.t()
+    return kv, score + weights.ape[positions % weights.ratio]
 
 
 def compress_chunk(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds4d.models.deepseek_v4.ops import rms_norm, unweighted_rms_norm
+from ds4d.models.deepseek_v4.ops import linear_f32, rms_norm, unweighted_rms_norm
 from ds4d.models.deepseek_v4.weights import HyperWeights
 
 
@@ -99,14 +99,17 @@ def hc_boundary(
     the next one's input is collapsed from them (:func:`hc_pre`) and RMS-normed with ``norm``.
 
     Returns (the sub-layer input ``[T, D]``, the streams, its post, its comb).  ``fused``: as for
-    :func:`hc_pre`; ``kernels``: three Triton kernels instead (``ds4d.cuda.prefill_triton``'s
-    update-and-mixes and collapse-and-norm around ``hc_triton.hc_weights``), about one pass over
-    the streams where torch makes a dozen (many tokens: a prefill step)."""
+    :func:`hc_pre`; ``kernels``: Triton kernels instead (``ds4d.cuda.prefill_triton``'s update,
+    which also sums squares, and collapse-and-norm around ``hc_triton.hc_weights``), the mixing
+    logits from one matmul of the streams as stored (``weights.fn_split`` where set), about two
+    passes over the streams where torch makes a dozen (many tokens: a prefill step)."""
     m = streams.shape[-2]
     if kernels and m & (m - 1) == 0:
         from ds4d.cuda import hc_triton, prefill_triton
 
-        streams, mixes = prefill_triton.hc_update_mixes(streams, weights.fn, norm_eps, output, post, comb)
+        streams, squares = prefill_triton.hc_update(streams, output, post, comb)
+        flat = streams.view(streams.shape[0], -1)
+        mixes = linear_f32(flat, weights.fn, weights.fn_split) * torch.rsqrt(squares / flat.shape[1] + norm_eps)[:, None]
         pre, post, comb = hc_triton.hc_weights(mixes, weights.base, weights.scale, hc_eps, iterations, m)
         return prefill_triton.hc_collapse_norm(streams, pre, norm, norm_eps), streams, post, comb
     if output is not None:

@@ -57,7 +57,7 @@ from ds4d.models.deepseek_v4.decode import DecodeInputs, decode_attention
 from ds4d.models.deepseek_v4.hyper import hc_boundary, hc_head, hc_post
 from ds4d.models.deepseek_v4.moe import moe_forward
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
-from ds4d.models.deepseek_v4.weights import Fp8Weight, ModelWeights
+from ds4d.models.deepseek_v4.weights import Fp8Weight, ModelWeights, add_split_weights
 
 
 class DeepseekV4Model:
@@ -97,7 +97,8 @@ class DeepseekV4Model:
         """Prefill chunks longer than the window attend in one Triton kernel (``attention_triton``)."""
         self.fused_prefill = False
         """Prefill steps run their token-wise work (hyper-connections, norms, RoPE, SwiGLU, the experts'
-        weighted sum) through the Triton kernels of ``ds4d.cuda.prefill_triton``."""
+        weighted sum) through the Triton kernels of ``ds4d.cuda.prefill_triton``, and (bf16 models)
+        their float32 projections of bf16 activations through split weights (``add_split_weights``)."""
         self.last_layer_rows_only = True
         """The last layer's feed-forward runs on the rows whose logits are asked for only."""
         self._graphs = None
@@ -108,6 +109,8 @@ class DeepseekV4Model:
             self.fused_hc = available() and ("triton" if hc_triton.available() else "numba")
             self.fused_attention = attention_triton.available()
             self.fused_prefill = hc_triton.available() and prefill_triton.available()
+            if self.fused_prefill and dtype == torch.bfloat16:
+                add_split_weights(weights)
             from ds4d.cuda.graphs import GraphCache
 
             self._graphs = GraphCache(self._decode_step)

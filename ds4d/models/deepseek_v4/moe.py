@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ds4d.cuda import moe_gemv, prefill_triton, quant_matmul
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
-from ds4d.models.deepseek_v4.ops import linear
+from ds4d.models.deepseek_v4.ops import linear, linear_f32
 from ds4d.models.deepseek_v4.weights import Linear, MoEWeights, Mxfp4Addresses, Mxfp4Matrices
 
 
@@ -58,10 +58,11 @@ def _scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
 
 
 def route(
-    x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config
+    x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config, *, split: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [T, D]`` -> (expert weights ``[T, k]`` float32, expert ids ``[T, k]``)."""
-    scores = _scores(F.linear(x.float(), weights.gate), cfg.scoring_func)
+    """``x [T, D]`` -> (expert weights ``[T, k]`` float32, expert ids ``[T, k]``); ``split``: the
+    router's logits from ``weights.gate_split`` where set (``ops.linear_f32``)."""
+    scores = _scores(linear_f32(x, weights.gate, weights.gate_split if split else None), cfg.scoring_func)
     if weights.tid2eid is not None:
         indices = weights.tid2eid[token_ids]
     else:
@@ -177,8 +178,8 @@ def moe_forward(
     kernels: bool = False, tally: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``kernels`` (with ``grouped``): SwiGLU and the routed experts' weighted sum in Triton
-    (``ds4d.cuda.prefill_triton``), for steps of many tokens."""
-    expert_weights, indices = route(x, token_ids, weights, cfg)
+    (``ds4d.cuda.prefill_triton``) and the router's logits from its split weight, for steps of many tokens."""
+    expert_weights, indices = route(x, token_ids, weights, cfg, split=kernels and grouped)
     tally_routing(tally, indices)
     limit = cfg.swiglu_limit
     if grouped:

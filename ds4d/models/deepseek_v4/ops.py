@@ -109,6 +109,34 @@ def linear_bf16_weight_f32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.T
     return torch.nn.functional.linear(x, weight.float())
 
 
+def split_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 ``weight [N, K]`` as ``[2N, K]`` bf16: its bf16 rounding, then the remainder's
+    (16 mantissa bits together, against float32's 24)."""
+    weight = weight.float()
+    high = weight.to(torch.bfloat16)
+    return torch.cat([high, (weight - high.float()).to(torch.bfloat16)])
+
+
+def linear_split(x: torch.Tensor, split: torch.Tensor) -> torch.Tensor:
+    """``x [n, K]`` (bf16) times a float32 weight given as :func:`split_bf16`, float32 ``[n, N]``: one
+    bf16 matmul with float32 results (each product exact in float32), whose two halves then add.
+    On the CPU, where that matmul is missing, the same products in a float32 matmul."""
+    if x.is_cuda:
+        both = torch.mm(x, split.t(), out_dtype=torch.float32)
+    else:
+        both = x.float() @ split.float().t()
+    half = split.shape[0] // 2
+    return both[:, :half] + both[:, half:]
+
+
+def linear_f32(x: torch.Tensor, weight: torch.Tensor, split: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight^T`` in float32 for a float32 ``weight``: through ``split`` (:func:`split_bf16` of
+    ``weight``) for a bf16 ``x`` where given, else with ``x`` widened."""
+    if split is not None and x.dtype == torch.bfloat16:
+        return linear_split(x, split)
+    return torch.nn.functional.linear(x.float(), weight.float())
+
+
 def linear(x: torch.Tensor, weight) -> torch.Tensor:
     """``x @ weight^T`` for a decoded weight, or for an FP8 one kept as stored (``weights.Fp8Weight``)."""
     if isinstance(weight, torch.Tensor):

@@ -84,6 +84,7 @@ class HyperWeights:
     fn: torch.Tensor  # [(2 + m) * m, m * D]
     base: torch.Tensor  # [(2 + m) * m]
     scale: torch.Tensor  # [3]
+    fn_split: torch.Tensor | None = None  # ops.split_bf16(fn), where set (add_split_weights)
 
 
 @dataclass
@@ -94,6 +95,7 @@ class CompressorWeights:
     norm: torch.Tensor  # [d]
     ratio: int
     head_dim: int
+    split: torch.Tensor | None = None  # ops.split_bf16 of wkv and wgate stacked, where set (add_split_weights)
 
     @property
     def overlap(self) -> bool:
@@ -179,6 +181,7 @@ class MoEWeights:
     shared_w1: Linear
     shared_w2: Linear
     shared_w3: Linear
+    gate_split: torch.Tensor | None = None  # ops.split_bf16(gate), where set (add_split_weights)
 
 
 @dataclass
@@ -224,7 +227,26 @@ def _walk(obj):
                 yield from _walk(getattr(obj, name))
 
 
-_NOT_PARAMETERS = {"gate_up", "native", "_dense_cache"}  # views over, or copies of, tensors counted elsewhere
+_NOT_PARAMETERS = {"gate_up", "native", "_dense_cache", "fn_split", "split", "gate_split"}
+"""Views over, or copies of, tensors counted elsewhere."""
+
+
+def add_split_weights(weights: ModelWeights) -> None:
+    """Give the float32 weights that a prefill step multiplies by bf16 activations their
+    ``ops.split_bf16`` form: the hyper-connections' ``fn``, the compressors' ``wkv`` and ``wgate``
+    (stacked), the routers' ``gate``.  One bf16 matmul with float32 results then does what a
+    float32 matmul of the widened activations did (16 of the weights' 24 mantissa bits kept),
+    at as much device memory again as those weights take."""
+    from ds4d.models.deepseek_v4.ops import split_bf16
+
+    for layer in weights.layers:
+        for hyper in (layer.attn_hc, layer.ffn_hc):
+            hyper.fn_split = split_bf16(hyper.fn)
+        attn = layer.attn
+        for comp in (attn.compressor, attn.indexer.compressor if attn.indexer is not None else None):
+            if comp is not None:
+                comp.split = split_bf16(torch.cat([comp.wkv, comp.wgate]))
+        layer.ffn.gate_split = split_bf16(layer.ffn.gate)
 
 
 F32 = torch.float32
