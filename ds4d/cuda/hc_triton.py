@@ -14,7 +14,8 @@ and the mixing kernel.  Here:
   (``MAX_TOKENS``); a prefill's many tokens are a matmul.
 * :func:`hc_weights` -- ``pre``, ``post`` and ``comb`` of a block of tokens,
   the ``m x m`` matrices held as one ``[tokens, m, m]`` tile whose row and
-  column sums are reductions inside a warp (no shared-memory barriers).
+  column sums are reductions inside a warp (no shared-memory barriers); a
+  prefill step's many tokens use it too (``hyper.hc_boundary``).
 
 Both run in float32.  Triton is imported on first use; with ``TRITON_INTERPRET=1``
 the kernels run on CPU tensors (that is how the tests compare them with the

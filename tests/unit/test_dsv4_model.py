@@ -228,6 +228,26 @@ def test_logits_tokens_selects_trailing_rows(model, long_prompt, whole):
     _assert_close(last3, whole[97:100])
 
 
+def test_last_feed_forward_runs_on_the_wanted_rows_only(model, long_prompt, whole, monkeypatch):
+    """Two prompts in one step, 3 and 0 rows of logits wanted: every layer's feed-forward but the last
+    sees all 200 rows, the last only the 3; the logits are those of the whole pass."""
+    import ds4d.models.deepseek_v4.model as model_module
+
+    rows = []
+    real = model_module.moe_forward
+    monkeypatch.setattr(model_module, "moe_forward", lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k))
+    driver = Driver(model, seed=2)
+    driver.start("a")
+    driver.start("b")
+    last3, none = driver.step([("a", long_prompt[:100], 3), ("b", long_prompt[:100], 0)])
+    assert rows == [200] * (model.cfg.num_hidden_layers - 1) + [3]
+    assert none.shape == (0, model.info.vocab_size)
+    _assert_close(last3, whole[97:100])
+    rows.clear()
+    driver.step([("a", long_prompt[100:110], 0)])  # no row wanted: the last feed-forward does not run
+    assert rows == [10] * (model.cfg.num_hidden_layers - 1)
+
+
 def test_bad_batches_are_refused(model):
     model.allocate_cache(4, 2)
     with pytest.raises(ValueError, match="slot"):

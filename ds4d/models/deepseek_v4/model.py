@@ -8,7 +8,8 @@ chunk against that sequence's state slot and compressed-KV blocks (see
 
 Only the hidden states of rows whose logits are asked for are finished: the
 last layer's feed-forward runs on those rows alone (the others' KV and state
-are complete after its attention).
+are complete after its attention), unless ``last_layer_rows_only`` is off or
+calibration counts every row's routing (``routing_tally``).
 
 Each step's result for a sequence is the same whatever else shares the step
 and however its prompt was split into chunks, up to float rounding: the state
@@ -282,11 +283,12 @@ class DeepseekV4Model:
             rope_compress=self.rope_compress.cos_sin(pos),
         )
         rows = torch.tensor(keep, dtype=torch.long, device=device)
-        # calibration counts every row's routing
+        # always run the layers: they write the chunks' KV and state; every row through all of them where
+        # calibration counts routing, where asked to, or where every row is wanted anyway
         if self.routing_tally is not None or not self.last_layer_rows_only or len(keep) == len(ids):
             hidden = self._layers(token_ids, step, cache)[rows]
         else:
-            hidden = self._layers(token_ids, step, cache, keep=rows)  # always: it writes the chunks' KV and state
+            hidden = self._layers(token_ids, step, cache, keep=rows)
         if not keep:
             return torch.zeros(0, cfg.vocab_size, dtype=torch.float32, device=device)
         return self._logits(hidden)
