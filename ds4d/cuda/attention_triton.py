@@ -21,11 +21,9 @@ torch reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ds4d.cuda.devices import triton_can_launch
+from ds4d.cuda.devices import triton_can_launch, triton_launches_on
 
 TUNING = {"block_heads": 64, "block_keys": 32, "warps": 8, "stages": 2}
 """Heads per program, keys or entries per tile, launch settings (``tests/gpu/attention_sweep.py`` on an H200)."""
@@ -101,8 +99,7 @@ def usable(q: torch.Tensor) -> bool:
     """Whether :func:`window_attention` takes queries ``[n, heads, d]`` like ``q``: ``d`` a power of
     two of at least 16, on a CUDA device (or on the CPU in Triton's interpreter), and Triton can launch."""
     d = q.shape[-1]
-    launches = q.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
-    return d >= 16 and d & (d - 1) == 0 and launches and available()
+    return d >= 16 and d & (d - 1) == 0 and triton_launches_on(q) and available()
 
 
 def window_attention(q: torch.Tensor, keys: torch.Tensor, first: int, start: int, window: int, sink: torch.Tensor,

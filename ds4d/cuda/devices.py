@@ -29,6 +29,12 @@ def to_device_async(host, device):
     return host.to(device, non_blocking=True)
 
 
+def triton_launches_on(tensor) -> bool:
+    """Triton kernels can take ``tensor``: it is on a CUDA device, or Triton runs in its interpreter
+    (``TRITON_INTERPRET=1``, CPU tensors)."""
+    return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def triton_can_launch(build: Callable[[], object]) -> bool:
     """``build()`` (importing Triton, defining kernels) succeeds and its kernels can launch here: on a
     CUDA device, or on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``)."""

@@ -27,11 +27,9 @@ them with the reference).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ds4d.cuda.devices import triton_can_launch
+from ds4d.cuda.devices import triton_can_launch, triton_launches_on
 
 TUNING = {"hc_block_t": 8, "hc_block_d": 128, "hc_splits": 8, "hc_warps": 4, "rope_block_h": 4, "block_cols": 1024}
 """Tokens and stream columns per step of a :func:`hc_update` program, the column ranges a
@@ -160,7 +158,7 @@ def available() -> bool:
 def usable(x: torch.Tensor) -> bool:
     """Whether the kernels take tensors like ``x``: on a CUDA device (or on the CPU in Triton's
     interpreter), and Triton can launch."""
-    return (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1") and available()
+    return triton_launches_on(x) and available()
 
 
 def rope_usable(x: torch.Tensor, rope_dim: int) -> bool:
