@@ -177,10 +177,10 @@ class Int4Linear:
 
     Several weights may be fused along the output dimension (Q/K/V, gate/up); parts
     with fewer planes are padded with zero planes.  Each output row is computed on its
-    own, so callers need no minimum row count (``min_rows`` is 1).
+    own, so callers need not pad the rows (``row_multiple`` is 1).
     """
 
-    min_rows = 1
+    row_multiple = 1
 
     def __init__(self, parts: list[BlockPlanes]) -> None:
         planes = max(p.planes for p in parts)
@@ -241,10 +241,10 @@ class DenseLinear:
     pieces, accumulated in a fixed order.  bfloat16 on the CPU: one oneDNN matmul on
     a weight pre-packed at load; oneDNN's bf16 kernel is row-invariant for every M
     and reduction length, and packing once saves re-laying the weight every call.
-    Callers keep every GEMM at ``min_rows`` rows or more (see ds4d/models/llama.py).
+    Callers give every GEMM a multiple of ``row_multiple`` rows (see ds4d/models/llama.py).
     """
 
-    min_rows = 2
+    row_multiple = 8
 
     def __init__(self, parts_out_in: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> None:
         self.in_features = parts_out_in[0].shape[1]

@@ -39,31 +39,35 @@ Invariance
 ----------
 A sequence must get the same logits however its prompt is chunked and whatever
 shares the batch (contracts: ``Model.forward``).  On the CPU, MKL's float32 GEMM
-gives bitwise-identical rows for any row count M >= 2 as long as the reduction
-length K stays <= 768 and the weight is a row-major ``[K, N]`` matrix; M == 1 takes
-a GEMV path with a different summation order, and longer K switches blocking with M.
-Hence:
+gives a row the same bits whatever the row count M only on its regular blocked path:
+small M takes special kernels that sum in other orders (measured with torch 2.13 /
+MKL 2024.2 on AVX-512 Xeons: M = 2, 3, 5-7 and 9-11 differ from M = 280; M = 4, 8
+and every M >= 12 agree; on another Xeon every M >= 2 agreed), and reductions longer
+than 768 switch blocking with M.  Which kernel runs is the library's choice, so the
+model fixes the shapes it hands over instead of trusting one machine's measurement:
 
-* every GEMM runs on at least two rows (a lone decode token is duplicated);
+* every GEMM's rows are padded to a multiple of 8 with copies of the last row (a
+  lone decode token computes 8 rows; its own is the first);
 * reductions longer than 768 are split into fixed pieces summed in order
   (the FFN down projection);
 * attention runs per sequence chunk, over whole blocks, in key tiles of 256
-  positions counted from position 0: the weighted sum over values is one GEMM per
-  tile, accumulated tile after tile.  A query's scores, softmax and weighted sum
-  thus see the same operands in the same order whether its chunk is 1 or 500 tokens
-  long and wherever that chunk ends; keys past the query are masked to -inf and add
-  exact zeros.  (Measured: with K a multiple of 16 and at most 256, zero-padding the
-  reduction does not change MKL's result; across 384 it does.)
+  positions counted from position 0, the keys zero-padded (and masked) to whole
+  tiles: the weighted sum over values is one GEMM of K = 256 per tile, accumulated
+  tile after tile, and the softmax always runs over whole tiles.  A query's scores,
+  softmax and weighted sum thus see the same operands in the same shapes whether its
+  chunk is 1 or 500 tokens long and wherever that chunk ends; keys past the query
+  are masked to -inf and add exact zeros.
 
 The int4 kernel computes each output row on its own (one float32 FMA chain over the
-reduction in order) for any M, K and thread count, so with int4 weights a lone decode
-token is not duplicated.  Elementwise ops (RoPE, SiLU, residual adds) and row-wise
-reductions (RMSNorm, softmax) are row-independent.  bfloat16 matmuls (oneDNN) are
-row-invariant for any M and K; bfloat16 linears use weights pre-packed for oneDNN
-(see ``cpu_linear.DenseLinear``).
-These are properties of the BLAS kernels measured with torch 2.13 (MKL 2024.2,
-oneDNN 3.12) on 1, 2 and 4 threads; tests/unit/test_llama.py checks the result
-bitwise (chunkings 1/7/16/whole, mixed batches, decode vs recompute, prefix reuse).
+reduction in order) for any M, K and thread count, so int4 linears need no padding
+(the attention GEMMs still get it).  Elementwise ops (RoPE, SiLU, residual adds) and
+row-wise reductions (RMSNorm, softmax) are row-independent.  bfloat16 linears run
+one oneDNN matmul on weights pre-packed at load (``cpu_linear.DenseLinear``); oneDNN
+picks its bf16 kernel per shape and CPU (AVX512-BF16, AMX tiles, split reductions),
+so in bfloat16 chunkings agree to within bf16 rounding, not bitwise (the float32
+path is the exact one).  tests/unit/test_llama.py checks float32 bitwise (chunkings
+1/37/whole, mixed batches, decode vs recompute, prefix reuse) and bfloat16 against
+the bound bfloat16 itself sets.
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ from ds4d.models.gguf_tokenizer import GGUFTokenizer
 BLOCK_SIZE_TOKENS = 16
 KEY_TILE_TOKENS = 256
 """Attention reduction tile (a multiple of the block size, below MKL's K-blocking switch)."""
+ATTENTION_ROW_MULTIPLE = 8
+"""The attention GEMMs' row counts are padded to this multiple (see Invariance)."""
 SCORES_BUDGET = 1 << 24
 """Most attention scores held at once; a long chunk attends in slices of queries."""
 WEIGHT_FORMATS = ("dense", "int4", "auto")
@@ -196,8 +202,8 @@ class LlamaModel:
         self._output_norm = output_norm
         self._head = head
         linears = [head] + [lin for w in layers for lin in (w.qkv, w.out, w.gate_up, w.down)]
-        # a batch of fewer rows is padded with a copy of its row (see module docstring)
-        self._min_rows = max(lin.min_rows for lin in linears)
+        # a batch's rows are padded with copies of its last row to this multiple (see module docstring)
+        self._row_multiple = max(lin.row_multiple for lin in linears)
         self._group = hparams.n_heads // hparams.n_kv_heads
         self._qk_cols = (hparams.n_heads + hparams.n_kv_heads) * hparams.head_dim
         self._k_cache: list[torch.Tensor] = []
@@ -316,8 +322,8 @@ class LlamaModel:
         tokens, positions, slots, chunks, logit_rows = self._plan(batch)
         if not tokens:
             return torch.zeros(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
-        if len(tokens) < self._min_rows:
-            tokens, positions = tokens * 2, positions * 2
+        pad = -len(tokens) % self._row_multiple
+        tokens, positions = tokens + tokens[-1:] * pad, positions + positions[-1:] * pad
         hp = self.hp
         n_rows, n_real = len(tokens), len(slots)
         dev = self.device
@@ -353,7 +359,7 @@ class LlamaModel:
         n_logits = len(logit_rows)
         if n_logits == 0:
             return torch.zeros(0, self.info.vocab_size, dtype=torch.float32, device=dev)
-        rows = logit_rows if n_logits >= self._min_rows else logit_rows * 2
+        rows = logit_rows + logit_rows[-1:] * (-n_logits % self._row_multiple)
         h = F.rms_norm(x[rows], (hidden,), self._output_norm, eps)
         return self._head(h)[:n_logits].float()
 
@@ -362,13 +368,19 @@ class LlamaModel:
     ) -> None:
         hp = self.hp
         n_kv, head_dim, group = hp.n_kv_heads, hp.head_dim, self._group
-        keys_t = k_pool.index_select(0, plan.blocks).permute(2, 3, 0, 1).reshape(n_kv, head_dim, -1)
-        values = v_pool.index_select(0, plan.blocks).permute(2, 0, 1, 3).reshape(n_kv, -1, head_dim)
+        # keys padded with zeros (masked) to whole tiles: every reduction has the same length whatever
+        # the chunk sees, so a query's sums run over the same operands in the same shapes
+        padded = -(-plan.n_keys // KEY_TILE_TOKENS) * KEY_TILE_TOKENS
+        keys_t = q.new_zeros(n_kv, head_dim, padded)
+        values = q.new_zeros(n_kv, padded, head_dim)
+        keys_t[:, :, : plan.n_keys] = k_pool.index_select(0, plan.blocks).permute(2, 3, 0, 1).reshape(n_kv, head_dim, -1)
+        values[:, : plan.n_keys] = v_pool.index_select(0, plan.blocks).permute(2, 0, 1, 3).reshape(n_kv, -1, head_dim)
+        mask = F.pad(plan.mask, (0, padded - plan.n_keys), value=True)
         length = q.shape[0]
-        step = max(1, SCORES_BUDGET // (n_kv * group * plan.n_keys))
+        step = max(1, SCORES_BUDGET // (n_kv * group * padded))
         for t0 in range(0, length, step):
             t1 = min(length, t0 + step)
-            self._attend_rows(q[t0:t1], keys_t, values, plan.mask[t0:t1], out[t0:t1])
+            self._attend_rows(q[t0:t1], keys_t, values, mask[t0:t1], out[t0:t1])
 
     def _attend_rows(
         self, q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, out: torch.Tensor
@@ -378,10 +390,11 @@ class LlamaModel:
         n, n_keys = q.shape[0], keys_t.shape[-1]
         rows = group * n
         queries = q.reshape(n, n_kv, group, head_dim).permute(1, 2, 0, 3).reshape(n_kv, rows, head_dim)
-        if rows == 1:  # a lone query row is duplicated to keep the GEMM at M >= 2
-            queries = queries.expand(n_kv, 2, head_dim).contiguous()
+        if rows % ATTENTION_ROW_MULTIPLE:  # padded with copies of the last row (see module docstring)
+            pad = queries[:, -1:].expand(n_kv, -rows % ATTENTION_ROW_MULTIPLE, head_dim)
+            queries = torch.cat([queries, pad], dim=1)
         scores = torch.bmm(queries, keys_t)
-        scores.view(n_kv, -1, n, n_keys).masked_fill_(mask, float("-inf"))
+        scores[:, :rows].view(n_kv, group, n, n_keys).masked_fill_(mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         ctx = torch.bmm(probs[:, :, :KEY_TILE_TOKENS], values[:, :KEY_TILE_TOKENS])
         for tile_start in range(KEY_TILE_TOKENS, n_keys, KEY_TILE_TOKENS):

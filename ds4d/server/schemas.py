@@ -12,6 +12,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
+# the widest integer an OpenAI client's typed fields hold (int64); a larger count or seed is a client
+# error (400 invalid_value), not something to clamp
+INT64_MAX = 2**63 - 1
+UINT64_MAX = 2**64 - 1
+
+
 class _Base(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -26,8 +32,8 @@ class _Sampling(_Base):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
+    seed: int | None = Field(default=None, ge=-(2**63), le=UINT64_MAX)  # what a torch generator takes
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1)
     ignore_eos: bool = False
@@ -59,8 +65,8 @@ class ChatMessage(_Base):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
@@ -75,7 +81,7 @@ class ChatCompletionRequest(_Sampling):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)
+    max_tokens: int | None = Field(default=16, ge=0, le=INT64_MAX)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20)
 

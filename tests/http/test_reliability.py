@@ -77,6 +77,25 @@ def test_request_that_can_never_fit_is_refused_before_any_stream(sdk, model):
         assert "maximum context length is 256 tokens" in err["message"]
 
 
+@pytest.mark.parametrize("field, value", [("max_tokens", 2**70), ("max_tokens", 2**63), ("max_completion_tokens", 2**64),
+                                          ("seed", 2**64), ("seed", -(2**63) - 1), ("top_k", 2**63)])
+def test_integers_no_api_type_holds_are_refused(sdk, model, field, value):
+    """A count or seed beyond int64 (uint64 for seeds) is a 400 naming the field, not clamped; the
+    daemon keeps serving."""
+    calls = [lambda: sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                 extra_body={field: value})]
+    if field != "max_completion_tokens":
+        calls.append(lambda: sdk.completions.create(model=model, prompt="hi", extra_body={field: value}))
+    for call in calls:
+        with pytest.raises(openai.BadRequestError) as info:
+            call()
+        err = info.value.body
+        assert err["code"] == "invalid_value" and err["param"] == field, err
+    resp = sdk.completions.create(model=model, prompt="hi", max_tokens=2**63 - 1 if field == "max_tokens" else 2,
+                                  temperature=0)
+    assert resp.usage.completion_tokens >= 1
+
+
 def test_pool_pressure_preempts_and_every_request_finishes(small, sdk, model):
     before = metric(small, "ds4d_preemptions_total")
     prompts = [f"{i} " + WORDS * 2 for i in range(2)]  # ~55 tokens + 90 generated each: 2 x 10 blocks > 16

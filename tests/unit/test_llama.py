@@ -361,27 +361,64 @@ def test_tiny_model_matches_dense_reference_across_key_tiles(tiny_path: Path) ->
     torch.testing.assert_close(logits.double(), expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_tiny_model_chunking_invariance(tiny_path: Path, dtype: str) -> None:
-    model = LlamaFamily(make_ctx(dtype), {}).load(tiny_path)
-    assert model.info.dtype == dtype
-    tokens = [int(t) for t in np.random.default_rng(2).integers(3, 261, size=280)]
-    results = []
-    # chunkings of the 280 tokens: whole, 37 at a time, and one token at a time across the tile edge
-    for seed, sizes in enumerate(([280], [37] * 7 + [21], [250] + [1] * 30, [256, 24])):
-        driver = SeqDriver(model, num_blocks=64, seed=seed)
-        seq, rows = Seq(), []
-        for start, size in zip(np.cumsum([0, *sizes[:-1]]), sizes):
-            piece = tokens[start : start + size]
-            rows.append(driver.step(driver.chunk(seq, piece, logits_tokens=len(piece))))
-        logits = torch.cat(rows)
+CHUNKINGS = ([280], [37] * 7 + [21], [250] + [1] * 30, [256, 24])  # whole, 37 at a time, one at a time over the tile edge
+
+
+def chunked_run(model: LlamaModel, tokens: list[int], sizes: list[int], seed: int,
+                forced: list[int] | None = None) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Prompt logits of ``tokens`` fed in chunks of ``sizes``, then 3 decode steps: greedy, or fed the
+    ``forced`` tokens (so runs whose greedy picks could differ still decode the same text)."""
+    driver = SeqDriver(model, num_blocks=64, seed=seed)
+    seq, rows = Seq(), []
+    for start, size in zip(np.cumsum([0, *sizes[:-1]]), sizes):
+        piece = tokens[start : start + size]
+        rows.append(driver.step(driver.chunk(seq, piece, logits_tokens=len(piece))))
+    logits = torch.cat(rows)
+    if forced is None:
         generated, decode_logits = driver.greedy(seq, logits[-1], 3)
-        results.append((logits, generated, decode_logits))
-    assert model.kv_cache[0][0].dtype == getattr(torch, dtype)
+    else:
+        generated, decode_logits = forced, torch.cat([driver.step(driver.chunk(seq, [t])) for t in forced])
+    return logits, generated, decode_logits
+
+
+def test_tiny_model_chunking_invariance_float32(tiny_path: Path) -> None:
+    """float32: bitwise, for every chunking (MKL's float32 GEMMs are row-invariant; see llama.py)."""
+    model = LlamaFamily(make_ctx("float32"), {}).load(tiny_path)
+    tokens = [int(t) for t in np.random.default_rng(2).integers(3, 261, size=280)]
+    results = [chunked_run(model, tokens, sizes, seed) for seed, sizes in enumerate(CHUNKINGS)]
+    assert model.kv_cache[0][0].dtype == torch.float32
     for logits, generated, decode_logits in results[1:]:
         assert torch.equal(logits, results[0][0])
         assert generated == results[0][1]
         assert torch.equal(decode_logits, results[0][2])
+
+
+def test_tiny_model_chunking_invariance_bfloat16(tiny_path: Path) -> None:
+    """bfloat16: oneDNN chooses its bf16 GEMM kernel per shape and CPU (AVX512-BF16 or AMX tiles, the
+    row blocking, whether the reduction is split over threads), and kernels sum their float32
+    accumulators in different orders, so a matmul output can differ by a bf16 rounding between
+    chunkings.  That is the size of error bfloat16 itself makes, so the bound is the same prompt's
+    bf16-against-float32 difference: the chunked runs must agree with the whole one at least that
+    closely.  A chunking bug (a wrong position, a stale or missing KV row) moves logits by their own
+    magnitude, far past it.  Greedy picks must agree wherever the top two logits are further apart
+    than twice the bound."""
+    tokens = [int(t) for t in np.random.default_rng(2).integers(3, 261, size=280)]
+    reference, _, _ = chunked_run(LlamaFamily(make_ctx("float32"), {}).load(tiny_path), tokens, CHUNKINGS[0], 0)
+    model = LlamaFamily(make_ctx("bfloat16"), {}).load(tiny_path)
+    assert model.info.dtype == "bfloat16"
+    whole, generated, whole_decode = chunked_run(model, tokens, CHUNKINGS[0], 0)
+    assert model.kv_cache[0][0].dtype == torch.bfloat16
+    bound = float((whole.float() - reference).abs().max())
+    assert 0 < bound < 0.1 * float(reference.abs().max()), bound  # bf16 rounding, not a broken model
+    wanted = torch.cat([whole, whole_decode]).float()
+    top2 = wanted.topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > 2 * bound
+    for seed, sizes in enumerate(CHUNKINGS[1:], start=1):
+        logits, _, decode_logits = chunked_run(model, tokens, sizes, seed, forced=generated)
+        got = torch.cat([logits, decode_logits]).float()
+        assert float((got - wanted).abs().max()) <= bound, (sizes, float((got - wanted).abs().max()), bound)
+        assert torch.equal(got.argmax(-1)[decisive], wanted.argmax(-1)[decisive]), sizes
+    assert int(decisive.sum()) > len(decisive) // 4  # a good share of the picks is checked, not excused
 
 
 def test_tiny_model_long_chunk_attends_in_query_slices(tiny_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -112,7 +112,7 @@ def test_rows_do_not_depend_on_batch_or_threads() -> None:
     parts = [decode_blocks("Q4_1", quantized("Q4_1", 24, 192)[0], 24, 192),
              decode_blocks("Q8_0", quantized("Q8_0", 261, 192, seed=3)[0], 261, 192)]
     linear = Int4Linear(parts)
-    assert linear.out_features == 285 and linear.min_rows == 1
+    assert linear.out_features == 285 and linear.row_multiple == 1
     x = torch.randn(130, 192, generator=torch.Generator().manual_seed(2))
     whole = linear(x)
     threads = torch.get_num_threads()
