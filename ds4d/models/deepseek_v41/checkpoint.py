@@ -90,7 +90,10 @@ class ShardedSafetensors:
         self._maps: dict[Path, np.memmap] = {}
         index = self.directory / INDEX_FILE
         if index.is_file():
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (ValueError, KeyError, TypeError) as error:
+                raise CheckpointError(f"{index}: not a safetensors index ({error})") from error
             headers = {}
             for file in sorted(set(weight_map.values())):
                 shard = self.directory / file
@@ -122,7 +125,10 @@ class ShardedSafetensors:
             (header_len,) = struct.unpack("<Q", prefix)
             if 8 + header_len > size:
                 raise CheckpointError(f"{shard}: truncated inside the safetensors header")
-            header = json.loads(handle.read(header_len))
+            try:
+                header = json.loads(handle.read(header_len))
+            except ValueError as error:
+                raise CheckpointError(f"{shard}: unreadable safetensors header ({error})") from error
         header.pop("__metadata__", None)
         start = 8 + header_len
         self._data_start[shard] = start
@@ -170,6 +176,10 @@ class ShardedSafetensors:
         begin, end = (self._data_start[shard] + offset for offset in info["data_offsets"])
         raw = torch.from_numpy(mapped[begin:end])
         return raw.view(dtype).reshape(info["shape"])
+
+    def close(self) -> None:
+        """Drop the maps (tensors handed out keep theirs alive)."""
+        self._maps.clear()
 
 
 class OfficialCheckpoint:
@@ -230,7 +240,8 @@ class OfficialCheckpoint:
             else:
                 unknown.append(name)
         if unknown:
-            listed = ", ".join(f"{self._stored[n]!r} ({self.shards.file_of(self._stored[n]).name})" for n in unknown[:5])
+            listed = ", ".join(f"{self._stored[n]!r} ({self.shards.file_of(self._stored[n]).name})"
+                               for n in unknown[:5])
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise CheckpointError(f"{self.directory}: tensor {listed}{more} not in the layout of its config.json "
                                   "(config and checkpoint disagree)")
@@ -286,6 +297,8 @@ class OfficialCheckpoint:
 
     def dense(self, name: str) -> torch.Tensor:
         """A quantised weight decoded to float32 ``[out, in]``; any other tensor as stored."""
+        if name not in self.layout:
+            raise CheckpointError(f"tensor {name!r} is not in the layout of {self.directory}")
         spec = self.layout[name]
         if not spec.is_quantized or name in self._dense:
             return self.stored(name)

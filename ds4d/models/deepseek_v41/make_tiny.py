@@ -171,7 +171,8 @@ def tiny_config(layers: Sequence[int] = DEFAULT_LAYERS, tokenizer=None, **text_o
     runs = _runs(ratios)
     kv_sources = [run[0] for run in runs]
     index_sources = sorted(kv_sources + [run[-1] for run in runs if len(run) >= 3])
-    engram_layers = sorted({min(1, len(ratios) - 1), *([kv_sources[0] + 1] if kv_sources else [])} & set(range(len(ratios))))
+    engram_layers = {min(1, len(ratios) - 1), *([kv_sources[0] + 1] if kv_sources else [])}
+    engram_layers = sorted(layer for layer in engram_layers if layer < len(ratios))
     engram = {"engram_max_ngram_size": 3, "engram_n_heads": 2, "engram_head_dim": 64, "engram_vocab_size": 50}
     text = {
         "model_type": "deepseek_v41_text",
