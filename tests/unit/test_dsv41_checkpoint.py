@@ -32,7 +32,27 @@ from ds4d.models.deepseek_v41.make_tiny import (
     write_tiny,
 )
 
-RELEASE_CONFIG = Path("/work/shared/reference/dsv41/official/config.json")
+RELEASE_CONFIG = {  # deepseek-ai/DeepSeek-V4.1-Flash config.json, the keys that shape the checkpoint
+    "model_type": "deepseek_v41",
+    "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32],
+                            "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
+    "text_config": {
+        "model_type": "deepseek_v41_text", "vocab_size": 129280, "hidden_size": 5120, "moe_intermediate_size": 2304,
+        "num_hidden_layers": 40, "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512,
+        "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_lora_rank": 1024, "o_groups": 8, "n_routed_experts": 384,
+        "n_shared_experts": 1, "num_experts_per_tok": 6,
+        "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0] * 3,
+        "kv_source_layer_ids": [2, 8, 14, 20], "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+        "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512, "candidate_source_layer_id": 20,
+        "candidate_topk_blocks": 2048, "candidate_block_size": 8, "hc_mult": 4,
+        "engram_layer_ids": [1, 14], "engram_num_embeddings": [384006168, 384016682], "engram_max_ngram_size": 4,
+        "engram_vocab_size": 16000000, "engram_n_heads": 8, "engram_head_dim": 256,
+        "num_nextn_predict_layers": 3, "dspark_block_size": 5, "dspark_target_layer_ids": [37, 38, 39],
+        "dspark_markov_rank": 256, "dspark_n_routed_experts": 128, "dspark_num_experts_per_tok": 3,
+    },
+    "vision_config": {"model_type": "deepseek_v41_vision", "num_hidden_layers": 32, "hidden_size": 1024,
+                      "num_attention_heads": 16, "intermediate_size": 2816, "patch_size": 14, "downsample_ratio": 3},
+}
 INDEX = "model.safetensors.index.json"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -160,8 +180,7 @@ def test_fp4_experts_decode_element_wise(tiny, name):
 
 
 def test_release_layout_follows_the_official_model():
-    config = json.loads(RELEASE_CONFIG.read_text())
-    layout = CheckpointLayout(config)
+    layout = CheckpointLayout(RELEASE_CONFIG)
     spec = layout["layers.0.attn.wq_a.weight"]
     assert (spec.shape, spec.dtype) == ((1280, 5120), "F8_E4M3")
     assert layout["layers.0.attn.wq_a.scale"].shape == (40, 160)
@@ -263,6 +282,19 @@ def test_vision_and_dspark_are_skipped_with_one_line(tiny, caplog):
     assert not [n for n in tensors if n.startswith(("mtp.", "vision.", "aligner.", "image_")) or "bias_vl" in n]
     stored = json.loads((tiny / INDEX).read_text())["weight_map"]
     assert any(n.startswith("mtp.0.ffn.experts.") for n in stored) and "vision.norm.weight" in stored
+
+
+def test_dspark_aliases_of_embed_and_head_are_skipped(tiny, tmp_path):
+    path = _copy(tiny, tmp_path)
+    shard = _shard_of(path, "mtp.0.norm.weight")
+    tensors = load_file(str(shard))
+    tensors["mtp.0.head.weight"] = torch.zeros(4, 4, dtype=torch.bfloat16)
+    save_file(tensors, str(shard))
+    index = json.loads((path / INDEX).read_text())
+    index["weight_map"]["mtp.0.head.weight"] = shard.name
+    (path / INDEX).write_text(json.dumps(index))
+    ckpt = OfficialCheckpoint(path, groups=GROUPS)
+    assert ckpt.skipped == {"mtp.0.head.weight": DSPARK} and "mtp.0.norm.weight" in ckpt.names()
 
 
 def test_text_config_reads_a_composite_checkpoint(tiny, tiny_config):

@@ -223,22 +223,23 @@ class OfficialCheckpoint:
                                  " and ".join(parts), ", ".join(sorted(set(self.skipped.values()))))
 
     def _classify(self) -> dict[str, str]:
-        """Stored tensors not read, by official name -> group; raise on any the layout does not know."""
+        """Stored tensors not read, by official name -> group; raise on a text tensor the layout
+        does not know.  A vision or DSpark tensor outside the layout (a config without a
+        vision_config; ``mtp.K.embed`` / ``mtp.K.head``, the reference's aliases of the shared
+        embedding and head) is skipped."""
         skipped, unknown = {}, []
         wanted = set(self.groups)
         for name in self._stored:
-            spec = self.layout[name] if name in self.layout else None
-            if spec is not None:
-                if spec.group not in wanted:
-                    skipped[name] = spec.group
+            if name in self.layout:
+                group = self.layout[name].group
+                if group not in wanted:
+                    skipped[name] = group
                 continue
             group = skippable_group(name)
             if group is None:
                 unknown.append(name)
-            elif group not in wanted or not self._describes(group):
-                skipped[name] = group
             else:
-                unknown.append(name)
+                skipped[name] = group
         if unknown:
             listed = ", ".join(f"{self._stored[n]!r} ({self.shards.file_of(self._stored[n]).name})"
                                for n in unknown[:5])
@@ -246,9 +247,6 @@ class OfficialCheckpoint:
             raise CheckpointError(f"{self.directory}: tensor {listed}{more} not in the layout of its config.json "
                                   "(config and checkpoint disagree)")
         return skipped
-
-    def _describes(self, group: str) -> bool:
-        return any(spec.group == group for spec in self.layout)
 
     def _where(self, name: str) -> str:
         stored = self._stored[name]

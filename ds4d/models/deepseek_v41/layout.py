@@ -29,7 +29,9 @@ Tensors fall in three groups: ``text`` (what a text-only forward reads), ``visio
 (the ViT, the aligner, the image delimiters, and the gates' ``bias_vl`` used on
 image tokens only) and ``dspark`` (the ``mtp.*`` draft stages).  A loader reads
 ``text`` and skips the other two with a note; :func:`skippable_group` also
-recognises such tensors in a checkpoint whose config does not describe them.
+recognises such tensors in a checkpoint whose config does not describe them.  The
+reference's ``mtp.K.embed`` / ``mtp.K.head`` are the shared top-level ``embed`` and
+``head`` modules, not tensors of their own, and are not listed.
 """
 
 from __future__ import annotations
