@@ -80,7 +80,11 @@ SCALE_DTYPES = {"F8_E8M0", "U8", "F32"}
 
 
 class ShardedSafetensors:
-    """Name -> tensor over the safetensors shards of a directory, each shard mapped once."""
+    """Name -> tensor over the safetensors shards of a directory, each shard mapped once.
+
+    The maps are private (copy-on-write): pages are read from the file when touched and a
+    write to a tensor never reaches the file.  Under strict overcommit
+    (``vm.overcommit_memory = 2``) each map counts against the commit limit."""
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
@@ -182,6 +186,9 @@ class ShardedSafetensors:
         self._maps.clear()
 
 
+_GROUP_LABELS = ((VISION, "vision"), (DSPARK, "DSpark"), (TEXT, "text"))
+
+
 class OfficialCheckpoint:
     """A checked V4.1 checkpoint: the tensors of ``groups``, by official name, one at a time."""
 
@@ -216,11 +223,9 @@ class OfficialCheckpoint:
         for spec in self.specs:
             self._check(spec)
         if self.skipped:
-            counts = {group: sum(1 for g in self.skipped.values() if g == group) for group in (VISION, DSPARK, TEXT)}
-            parts = [f"{n} {label}" for label, n in (("vision", counts[VISION]), ("DSpark", counts[DSPARK]),
-                                                     ("text", counts[TEXT])) if n]
-            (log or logger).info("%s: skipped %s tensors (groups not read: %s)", self.directory,
-                                 " and ".join(parts), ", ".join(sorted(set(self.skipped.values()))))
+            groups = list(self.skipped.values())
+            parts = [f"{groups.count(group)} {label}" for group, label in _GROUP_LABELS if group in groups]
+            (log or logger).info("%s: skipped %s tensors (not read)", self.directory, " and ".join(parts))
 
     def _classify(self) -> dict[str, str]:
         """Stored tensors not read, by official name -> group; raise on a text tensor the layout
@@ -255,7 +260,9 @@ class OfficialCheckpoint:
 
     def _require(self, name: str) -> str:
         if name not in self._stored:
-            raise CheckpointError(f"{self.directory}: missing tensor {name!r}")
+            files = len({self.shards.file_of(stored) for stored in self._stored.values()})
+            raise CheckpointError(f"{self.directory}: missing tensor {name!r} (in none of its {files} "
+                                  f"safetensors file{'s' if files > 1 else ''})")
         return self._stored[name]
 
     def _check(self, spec: TensorSpec) -> None:
@@ -327,6 +334,7 @@ def read_checkpoint(
     ``config``: the config.json dict (default: the directory's own).  ``dequantize``: FP8
     and FP4 weights come back decoded to float32 under their ``.weight`` names, without
     their ``.scale`` entries; with False every tensor comes back as stored, scales
-    included.  Plain tensors come back as stored (bf16 or f32) either way.  ``groups``:
+    included (the release's Engram tables, 98 GB each as FP8, want that: they stay
+    memory-mapped).  Plain tensors come back as stored (bf16 or f32) either way.  ``groups``:
     which of ``text``, ``vision``, ``dspark`` to read; the others are skipped."""
     return OfficialCheckpoint(directory, config, groups=groups, log=log).read(dequantize)
