@@ -419,3 +419,15 @@ def test_tiny_tokenizer_matches_config(tiny, tiny_config):
     assert tokenizer.token_to_id("<｜deepseek_image｜>") == tiny_config["image_token_id"]
     ids = tokenizer.encode("<｜User｜>Hello the world").ids
     assert tokenizer.decode(ids, skip_special_tokens=False) == "<｜User｜>Hello the world"
+
+
+@pytest.mark.parametrize("layers", [[2], [1, 1, 1], [0]])
+def test_make_tiny_other_schedules_read_back(tmp_path, layers):
+    path = write_tiny(tmp_path / "other", layers=layers)
+    layout = CheckpointLayout(json.loads((path / "config.json").read_text()))
+    assert list(read_checkpoint(path, dequantize=False, groups=GROUPS)) == [s.name for s in layout]
+
+
+def test_make_tiny_refuses_v4_ratios(tmp_path):
+    with pytest.raises(ValueError, match="ratio 0, 1 or 2"):
+        write_tiny(tmp_path / "v4", layers=[0, 4, 128])

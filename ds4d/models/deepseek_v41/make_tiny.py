@@ -225,7 +225,7 @@ def tiny_config(layers: Sequence[int] = DEFAULT_LAYERS, tokenizer=None, **text_o
         "num_nextn_predict_layers": 1,
         "dspark_block_size": 3,
         "dspark_noise_token_id": SPECIAL_TOKENS.index("<｜System｜>"),
-        "dspark_target_layer_ids": sorted(i for i in range(len(ratios)) if i not in kv_sources)[-3:],
+        "dspark_target_layer_ids": [i for i in range(len(ratios)) if i not in kv_sources][-3:] or [len(ratios) - 1],
         "dspark_markov_rank": 32,
         "dspark_n_routed_experts": 2,
         "dspark_num_experts_per_tok": 1,
