@@ -28,6 +28,7 @@ import argparse
 import json
 import shutil
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -87,7 +88,7 @@ CONFIGS = {
     "tiny_a": dict(
         num_hidden_layers=8, num_attention_heads=2, o_groups=2, sliding_window=8,
         compress_ratios=[0, 0, 2, 2, 2, 1, 1, 1], kv_source_layer_ids=[2, 5], index_source_layer_ids=[2, 4, 5, 7],
-        candidate_source_layer_id=5, candidate_topk_blocks=3, candidate_block_size=2, index_n_heads=4,
+        candidate_source_layer_id=5, candidate_topk_blocks=3, candidate_block_size=2, index_n_heads=8,
         index_topk=4, n_routed_experts=4, num_experts_per_tok=2, hc_mult=4, engram_layer_ids=[1, 3],
         engram_vocab_size=40, engram_max_ngram_size=3, engram_n_heads=2, swiglu_limit=10.0,
         rope_scaling={"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
@@ -99,7 +100,7 @@ CONFIGS = {
     "tiny_b": dict(
         num_hidden_layers=7, num_attention_heads=4, o_groups=4, sliding_window=5,
         compress_ratios=[0, 2, 2, 1, 1, 1, 0], kv_source_layer_ids=[1, 3], index_source_layer_ids=[1, 3, 5],
-        candidate_source_layer_id=3, candidate_topk_blocks=2, candidate_block_size=3, index_n_heads=2,
+        candidate_source_layer_id=3, candidate_topk_blocks=2, candidate_block_size=3, index_n_heads=8,
         index_topk=5, n_routed_experts=6, num_experts_per_tok=3, hc_mult=2, engram_layer_ids=[0, 3],
         engram_vocab_size=30, engram_max_ngram_size=4, engram_n_heads=2, swiglu_limit=0.05,
         scoring_func="sigmoid", routed_scaling_factor=2.0, rope_scaling=None, hc_sinkhorn_iters=7,
@@ -152,7 +153,38 @@ def build(oracle: Path, name: str, spec: dict, tokenizer):
     return hf, cfg, model, prompt_length, seed
 
 
+@contextmanager
+def no_ties_at_the_top_k_boundary():
+    """Fail if an indexer or candidate top-k (3-d scores) has to choose among equal finite scores.
+
+    Which of equal scores ``torch.topk`` keeps is not part of the model (ds4d keeps the lower index),
+    so a golden that depends on it would pin an accident."""
+    plain_topk = torch.Tensor.topk
+    ties = []
+
+    def checked(self, k, dim=-1, largest=True, sorted=True):
+        result = plain_topk(self, k, dim=dim, largest=largest, sorted=sorted)
+        if self.dim() == 3 and self.shape[-1] > k:
+            boundary = result.values.min(dim=-1, keepdim=True).values
+            straddles = (self == boundary).sum(-1) > (result.values == boundary).sum(-1)
+            ties.append(int((straddles & (boundary[..., 0] > float("-inf"))).sum()))
+        return result
+
+    torch.Tensor.topk = checked
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = plain_topk
+    if sum(ties):
+        raise SystemExit(f"{sum(ties)} top-k choices among equal scores: pick another seed")
+
+
 def goldens(hf, cfg, model, prompt_length: int, seed: int) -> dict[str, torch.Tensor]:
+    with no_ties_at_the_top_k_boundary():
+        return _goldens(hf, cfg, model, prompt_length, seed)
+
+
+def _goldens(hf, cfg, model, prompt_length: int, seed: int) -> dict[str, torch.Tensor]:
     from transformers.cache_utils import DynamicCache
 
     gen = torch.Generator().manual_seed(seed + 1)

@@ -88,6 +88,16 @@ def compress(x: torch.Tensor, w: CompressorWeights, ratio: int, group: GroupStat
     return rms_norm(pooled.to(x.dtype), w.norm, eps), first
 
 
+def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the ``k`` largest scores on the last dim; among equal scores the lower index wins.
+
+    The model leaves ties open (they happen: a score is exactly 0 wherever every indexer head is
+    rectified away), and ``torch.topk`` breaks them by the shape of the whole tensor, so a prompt fed in
+    other chunks could pick other entries.  A stable sort makes the pick a function of the row alone."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
 def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, keep: int, block: int) -> torch.Tensor:
     """Bool ``[..., T]``: entries in the ``keep`` best blocks (by their best entry) of each query, the
     block of its newest visible entry always among them; unreachable blocks (all -inf) never."""
@@ -96,8 +106,8 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, keep: int, blo
     count = per_block.shape[-1]
     newest = (visible - 1) // block
     per_block = per_block.masked_fill(torch.arange(count, device=scores.device) == newest, float("inf"))
-    best = per_block.topk(min(keep, count), dim=-1)
-    chosen = torch.zeros_like(per_block, dtype=torch.bool).scatter_(-1, best.indices, best.values > NEG_INF)
+    values, indices = top_k(per_block, min(keep, count))
+    chosen = torch.zeros_like(per_block, dtype=torch.bool).scatter_(-1, indices, values > NEG_INF)
     return chosen.repeat_interleave(block, dim=-1)[..., :width]
 
 
@@ -130,9 +140,9 @@ def index_step(x: torch.Tensor, q_residual: torch.Tensor, latent: torch.Tensor |
         shared.candidates = candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
     elif plan.uses_candidates and shared.candidates is not None:
         scores = scores.masked_fill(~shared.candidates, NEG_INF)
-    best = scores.topk(min(cfg.index_topk, count), dim=-1, sorted=False)
+    values, indices = top_k(scores, min(cfg.index_topk, count))
     # picks with a -inf score (fewer visible entries than index_topk) go to a dropped extra column
-    columns = torch.where(best.values > NEG_INF, best.indices, torch.full_like(best.indices, count))
+    columns = torch.where(values > NEG_INF, indices, torch.full_like(indices, count))
     bias = scores.new_full((1, scores.shape[1], count + 1), NEG_INF).scatter_(-1, columns, 0.0)
     shared.topk_bias = bias[0, :, :count]
 
