@@ -69,6 +69,14 @@ class StepRows:
     def make(cls, positions: torch.Tensor, rope_main: Rope, rope_compress: Rope) -> StepRows:
         return cls(positions, rope_main.cos_sin(positions), rope_compress.cos_sin(positions), rope_compress)
 
+    def tail(self, count: int) -> StepRows:
+        """The last ``count`` rows."""
+        if count == self.positions.shape[0]:
+            return self
+        cut = slice(self.positions.shape[0] - count, None)
+        return StepRows(self.positions[cut], (self.main[0][cut], self.main[1][cut]),
+                        (self.compress[0][cut], self.compress[1][cut]), self.compress_rope)
+
 
 def compress(x: torch.Tensor, w: CompressorWeights, ratio: int, group: GroupState,
              eps: float) -> tuple[torch.Tensor | None, int]:
@@ -114,7 +122,10 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, keep: int, blo
 def index_step(x: torch.Tensor, q_residual: torch.Tensor, latent: torch.Tensor | None, first: int,
                plan: LayerPlan, w: IndexerWeights, cfg: DeepseekV41Config, group: GroupState,
                shared: StepShared, rows: StepRows) -> None:
-    """Publish the group's index keys (at its KV source) and this index source's top-k bias."""
+    """Publish the group's index keys (at its KV source) and this index source's top-k bias.
+
+    ``x``, ``q_residual`` and ``rows`` are the query rows; they are the last rows of the step (the
+    candidate blocks of an earlier layer may cover more rows, and are cut to these)."""
     ratio, eps = plan.ratio, cfg.rms_norm_eps
     if plan.is_kv_source:
         if latent is not None:
@@ -139,7 +150,7 @@ def index_step(x: torch.Tensor, q_residual: torch.Tensor, latent: torch.Tensor |
     if plan.is_candidate_source:
         shared.candidates = candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
     elif plan.uses_candidates and shared.candidates is not None:
-        scores = scores.masked_fill(~shared.candidates, NEG_INF)
+        scores = scores.masked_fill(~shared.candidates[:, -scores.shape[1]:], NEG_INF)
     values, indices = top_k(scores, min(cfg.index_topk, count))
     # picks with a -inf score (fewer visible entries than index_topk) go to a dropped extra column
     columns = torch.where(values > NEG_INF, indices, torch.full_like(indices, count))
@@ -150,20 +161,28 @@ def index_step(x: torch.Tensor, q_residual: torch.Tensor, latent: torch.Tensor |
 def compressed_branch(x: torch.Tensor, q_residual: torch.Tensor, plan: LayerPlan, w: AttentionWeights,
                       cfg: DeepseekV41Config, state: SequenceState, shared: StepShared,
                       rows: StepRows) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(the group's entries ``[T, D]`` or None, this layer's bias over them ``[S, T]``)."""
+    """(the group's entries ``[T, D]`` or None, this layer's bias over them ``[queries, T]``).
+
+    ``x`` holds every row of the step (a KV source compresses them all), ``q_residual`` the query rows,
+    the last of the step."""
     group = state.groups[plan.kv_source]
+    queries = q_residual.shape[0]
     latent, first = None, 0
     if plan.is_kv_source:
+        if x.shape[0] != rows.positions.shape[0]:
+            raise ValueError("a KV source compresses every row of the step")
         latent, first = compress(x, w.compressor, plan.ratio, group, cfg.rms_norm_eps)
     if plan.is_index_source:
-        index_step(x, q_residual, latent, first, plan, w.indexer, cfg, group, shared, rows)
+        index_step(x[x.shape[0] - queries:], q_residual, latent, first, plan, w.indexer, cfg, group, shared,
+                   rows.tail(queries))
     if latent is not None:
         entry_positions = first + plan.ratio * torch.arange(latent.shape[0], device=latent.device)
         rotated = apply_rope(latent, *rows.compress_rope.cos_sin(entry_positions))
         group.entries.append(round_fp4_blocks(rotated, 16, e4m3_scales=True))
     if plan.is_kv_source:
         shared.entries = group.entries.view() if group.entries.count else None
-    return shared.entries, shared.topk_bias
+    bias = shared.topk_bias
+    return shared.entries, None if bias is None else bias[bias.shape[0] - queries:]
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
@@ -180,19 +199,28 @@ def attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.
 
 
 def attention_forward(x: torch.Tensor, plan: LayerPlan, w: AttentionWeights, cfg: DeepseekV41Config,
-                      state: SequenceState, shared: StepShared, rows: StepRows) -> torch.Tensor:
-    """``x [S, hidden]`` (the normed attention input of positions ``state.position ..``) -> ``[S, hidden]``."""
+                      state: SequenceState, shared: StepShared, rows: StepRows,
+                      queries: int | None = None) -> torch.Tensor:
+    """``x [n, hidden]``: the normed attention input of the step's positions ``rows.positions`` (the last
+    ``n`` of the step) -> the output ``[queries, hidden]`` of the last ``queries`` of them (all by default).
+
+    Every row's window KV is computed (and the ring keeps the last ones); only the query rows attend."""
     count, eps, window = x.shape[0], cfg.rms_norm_eps, cfg.sliding_window
+    queries = count if queries is None else queries
+    query_rows = rows.tail(queries)
     cos, sin = rows.compress if plan.ratio else rows.main
-    q_residual = rms_norm(F.linear(x, w.wq_a), w.q_norm, eps)
-    q = apply_rope(F.linear(q_residual, w.wq_b).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim)), cos, sin)
+    cos_q, sin_q = query_rows.compress if plan.ratio else query_rows.main
+    q_residual = rms_norm(F.linear(x[count - queries:], w.wq_a), w.q_norm, eps)
+    q = F.linear(q_residual, w.wq_b).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim))
+    q = apply_rope(q, cos_q, sin_q)
     kv = round_fp8_blocks(apply_rope(rms_norm(F.linear(x, w.wkv), w.kv_norm, eps), cos, sin))
 
     past = min(state.position, window - 1)
     keys = torch.cat([state.window_history(plan.layer, past), kv])
-    state.write_window(plan.layer, kv)
-    key_positions = torch.arange(state.position - past, state.position + count, device=x.device)
-    distance = rows.positions.view(-1, 1) - key_positions.view(1, -1)
+    key_positions = torch.cat([torch.arange(state.position - past, state.position, device=x.device),
+                               rows.positions])
+    state.write_window(plan.layer, kv, int(rows.positions[0]))
+    distance = query_rows.positions.view(-1, 1) - key_positions.view(1, -1)
     mask = torch.zeros(distance.shape, dtype=torch.float32, device=x.device)
     mask = mask.masked_fill((distance < 0) | (distance >= window), NEG_INF)
 
@@ -200,13 +228,13 @@ def attention_forward(x: torch.Tensor, plan: LayerPlan, w: AttentionWeights, cfg
         entries, bias = compressed_branch(x, q_residual, plan, w, cfg, state, shared, rows)
         if entries is not None:
             keys = torch.cat([keys, entries.to(keys.dtype)])
-            extra = bias if bias is not None else mask.new_full((count, entries.shape[0]), NEG_INF)
+            extra = bias if bias is not None else mask.new_full((queries, entries.shape[0]), NEG_INF)
             mask = torch.cat([mask, extra.to(mask.dtype)], dim=-1)
 
     out = attend(q, keys, mask, w.sink, cfg.head_dim**-0.5)
-    out = apply_rope(out, cos, -sin)
+    out = apply_rope(out, cos_q, -sin_q)
     groups = cfg.o_groups
-    per_group = out.reshape(count, groups, -1).transpose(0, 1)  # [G, S, heads * D / G]
+    per_group = out.reshape(queries, groups, -1).transpose(0, 1)  # [G, queries, heads * D / G]
     wo_a = w.wo_a.view(groups, -1, per_group.shape[-1]).transpose(1, 2)  # [G, in, o_lora]
-    low_rank = torch.bmm(per_group, wo_a).transpose(0, 1).flatten(1)  # [S, G * o_lora]
+    low_rank = torch.bmm(per_group, wo_a).transpose(0, 1).flatten(1)  # [queries, G * o_lora]
     return F.linear(low_rank, w.wo_b)

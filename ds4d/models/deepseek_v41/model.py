@@ -98,19 +98,32 @@ class DeepseekV41Model:
 
     # ------------------------------------------------------------ running
 
-    def forward(self, state: SequenceState, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Logits ``[S, vocab]`` (float32) of the ``S`` tokens following ``state``; advances ``state``."""
+    def forward(self, state: SequenceState, token_ids: Sequence[int] | torch.Tensor, *,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits ``[S, vocab]`` (float32) of the ``S`` tokens following ``state``; advances ``state``.
+
+        ``last_only``: the logits of the last token only (``[1, vocab]``), computed on the triangle of
+        rows they and the state depend on (:func:`row_plan`); the state comes out the same."""
         streams, pre_mix, rows, engram_rows = self._start(state, token_ids)
+        count = streams.shape[0]
+        plan = row_plan(self.cfg, count) if last_only else [(count, count)] * self.cfg.num_hidden_layers
         shared = StepShared()
-        for layer in range(self.cfg.num_hidden_layers):
-            streams, pre_mix = self.layer_forward(layer, streams, pre_mix, engram_rows, state, shared, rows)
+        for layer, (inputs, outputs) in enumerate(plan):
+            if inputs < streams.shape[0]:
+                streams, pre_mix = streams[-inputs:], pre_mix[-inputs:]
+            engram = None if engram_rows is None else engram_rows[-inputs:]
+            streams, pre_mix = self.layer_forward(layer, streams, pre_mix, engram, state, shared,
+                                                  rows.tail(inputs), outputs)
         return self._finish(state, token_ids, streams, pre_mix)
 
-    def prefill(self, state: SequenceState, token_ids: Sequence[int], chunk_size: int | None = None) -> torch.Tensor:
-        """:meth:`forward` over ``token_ids`` in chunks of ``chunk_size`` (all at once: None)."""
+    def prefill(self, state: SequenceState, token_ids: Sequence[int], chunk_size: int | None = None, *,
+                last_only: bool = False) -> torch.Tensor:
+        """:meth:`forward` over ``token_ids`` in chunks of ``chunk_size`` (all at once: None); with
+        ``last_only`` every chunk runs on its triangle and the prompt's last logits ``[1, vocab]`` come back."""
         ids = torch.as_tensor(list(token_ids), dtype=torch.long)
         step = chunk_size or max(1, ids.shape[0])
-        return torch.cat([self.forward(state, ids[i: i + step]) for i in range(0, ids.shape[0], step)])
+        logits = [self.forward(state, ids[i: i + step], last_only=last_only) for i in range(0, ids.shape[0], step)]
+        return logits[-1] if last_only else torch.cat(logits)
 
     def decode(self, state: SequenceState, token_id: int) -> torch.Tensor:
         """Logits ``[vocab]`` after one more token."""
@@ -156,15 +169,36 @@ class DeepseekV41Model:
 
     def layer_forward(self, layer: int, streams: torch.Tensor, pre_mix: torch.Tensor,
                       engram_rows: torch.Tensor | None, state: SequenceState, shared: StepShared,
-                      rows: StepRows) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer on the step's rows: (new copies ``[S, m, D]``, the ``pre`` mix for the next site)."""
+                      rows: StepRows, outputs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on the rows ``rows`` (the last of the step): (new copies of the last ``outputs`` rows
+        ``[outputs, m, D]``, their ``pre`` mix for the next site).  Every row's window KV is made."""
         cfg, plan, w = self.cfg, self.plans[layer], self.weights.layers[layer]
         eps, iters, hc_eps = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps
+        outputs = streams.shape[0] if outputs is None else outputs
         if w.engram is not None:
             streams = engram_forward(streams, engram_rows[:, plan.engram_slot], w.engram, eps)
-        attn_pre, post, comb = site_weights(streams, w.hc_attn, iters, hc_eps, eps)
         x = rms_norm(collapse(streams, pre_mix), w.attn_norm, eps)
-        streams = expand(attention_forward(x, plan, w.attn, cfg, state, shared, rows), streams, post, comb)
+        streams = streams[streams.shape[0] - outputs:]
+        attn_pre, post, comb = site_weights(streams, w.hc_attn, iters, hc_eps, eps)
+        attended = attention_forward(x, plan, w.attn, cfg, state, shared, rows, outputs)
+        streams = expand(attended, streams, post, comb)
         ffn_pre, post, comb = site_weights(streams, w.hc_ffn, iters, hc_eps, eps)
         x = rms_norm(collapse(streams, attn_pre), w.ffn_norm, eps)
         return expand(moe_forward(x, w.ffn, cfg), streams, post, comb), ffn_pre
+
+
+def row_plan(cfg: DeepseekV41Config, count: int) -> list[tuple[int, int]]:
+    """(input rows, output rows) per layer for a step of ``count`` rows whose last logits are wanted.
+
+    Every layer up to the last KV source takes all rows (that source compresses every position).  After
+    it a layer's output rows need their inputs up to ``sliding_window - 1`` rows back (the window),
+    and its ring keeps its inputs' last ``sliding_window - 1`` window KV rows: from the single row of
+    the logits at the top, each layer further down takes ``sliding_window - 1`` more rows (at most
+    ``count``).  Every other row's result is not used by anything."""
+    last_source = max(cfg.kv_source_layer_ids, default=-1)
+    plan, outputs = [], 1
+    for layer in reversed(range(cfg.num_hidden_layers)):
+        inputs = count if layer <= last_source else min(count, outputs + cfg.sliding_window - 1)
+        plan.append((inputs, outputs))
+        outputs = inputs
+    return plan[::-1]

@@ -103,11 +103,11 @@ class SequenceState:
         slots = torch.arange(self.position - count, self.position, device=ring.device) % ring.shape[0]
         return ring[slots]
 
-    def write_window(self, layer: int, kv: torch.Tensor) -> None:
-        """Store the window KV ``[S, D]`` of positions ``position .. position + S - 1`` (the last ring-full)."""
+    def write_window(self, layer: int, kv: torch.Tensor, first_position: int) -> None:
+        """Store the window KV ``[n, D]`` of positions ``first_position ..`` (the last ring-full of them)."""
         ring = self.windows[layer]
         size = ring.shape[0]
         keep = min(kv.shape[0], size)
-        first = self.position + kv.shape[0] - keep
+        first = first_position + kv.shape[0] - keep
         slots = torch.arange(first, first + keep, device=ring.device) % size
         ring[slots] = kv[-keep:].to(ring.dtype)
