@@ -54,6 +54,20 @@ def test_greedy_tokens_and_decode_logits_match_the_oracle(case):
     assert relative_error(torch.stack(decode_logits), golden["decode_logits"]) < 1e-4
 
 
+def test_the_fixtures_cover_what_they_claim(case):
+    """Windows shorter than the prompt, both top-k levels selecting, decode steps inside a ratio-2 pair
+    (where the official code's decode path scores against stale index keys; see the model's docstring)."""
+    model, golden = case
+    cfg, length = model.cfg, golden["prompt_ids"].numel()
+    assert length > 3 * cfg.sliding_window
+    assert {1, 2} <= set(cfg.compress_ratios) and 0 in cfg.compress_ratios and len(cfg.engram_layer_ids) == 2
+    assert length // 2 > cfg.index_topk and length > cfg.candidate_topk_blocks * cfg.candidate_block_size
+    assert any(p.is_index_source and not p.is_kv_source for p in model.plans)  # reindex
+    assert any(p.ratio and not p.is_index_source for p in model.plans)  # reuse
+    assert any(p.uses_candidates for p in model.plans)
+    assert length % 2 == 1 or golden["greedy_ids"].numel() > 1  # some decode step leaves a pair open
+
+
 def test_engram_row_ids_match_the_oracle(case):
     model, golden = case
     assert torch.equal(model.hasher.token_map, golden["token_map"])

@@ -91,3 +91,16 @@ def test_the_v4_tokenizer_compresses_to_99092_ids():
 
     lookup, size = compressed_vocabulary(Tokenizer.from_file(str(deepseek_v4_tokenizer_path())))
     assert len(lookup) == 129280 and size == 99092
+
+
+def test_an_fp8_table_is_decoded_per_gathered_row():
+    from ds4d.models.deepseek_v41.engram import EngramWeights, gather_rows
+
+    gen = torch.Generator().manual_seed(2)
+    values = (torch.randn(7, 64, generator=gen) * 40).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scales = torch.exp2(torch.randint(-4, 4, (7, 2), generator=gen).float())
+    weights = EngramWeights(table=values, table_scale=scales.to(torch.float8_e8m0fnu), wkv=torch.zeros(1, 1),
+                            gate_weight=torch.zeros(1, 1))
+    rows = torch.tensor([[3, 0], [6, 3]])
+    decoded = values.float() * scales.repeat_interleave(32, dim=1)
+    assert torch.equal(gather_rows(weights, rows), decoded[rows])

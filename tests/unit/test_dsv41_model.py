@@ -94,3 +94,21 @@ def test_engram_layers_need_the_hasher():
     cfg = DeepseekV41Config.from_file(directory)
     with pytest.raises(ValueError, match="EngramHasher"):
         DeepseekV41Model.from_tensors(cfg, read_safetensors(directory))
+
+
+def test_an_fp8_engram_table_gives_what_its_decoded_values_give():
+    directory = FIXTURES / "tiny_b"
+    reference = DeepseekV41Model.from_pretrained(directory)
+    quantized, decoded = read_safetensors(directory), read_safetensors(directory)
+    for layer in reference.cfg.engram_layer_ids:
+        name = f"layers.{layer}.engram.embed"
+        table = quantized[f"{name}.weight"]
+        scale = torch.exp2(torch.ceil(torch.log2(table.abs().unflatten(-1, (-1, 32)).amax(-1) / 448)))
+        codes = (table / scale.repeat_interleave(32, dim=1)).to(torch.float8_e4m3fn)
+        quantized[f"{name}.weight"], quantized[f"{name}.scale"] = codes, scale.to(torch.float8_e8m0fnu)
+        decoded[f"{name}.weight"] = codes.float() * scale.repeat_interleave(32, dim=1)
+    fp8 = DeepseekV41Model.from_tensors(reference.cfg, quantized, hasher=reference.hasher)
+    assert fp8.weights.layers[0].engram.table.dtype == torch.float8_e4m3fn
+    widened = DeepseekV41Model.from_tensors(reference.cfg, decoded, hasher=reference.hasher)
+    ids = prompt(reference, 15)
+    assert torch.equal(fp8.prefill(fp8.new_state(), ids), widened.prefill(widened.new_state(), ids))
