@@ -169,7 +169,7 @@ def compressed_branch(x: torch.Tensor, q_residual: torch.Tensor, plan: LayerPlan
     queries = q_residual.shape[0]
     latent, first = None, 0
     if plan.is_kv_source:
-        if x.shape[0] != rows.positions.shape[0]:
+        if int(rows.positions[0]) != state.position:
             raise ValueError("a KV source compresses every row of the step")
         latent, first = compress(x, w.compressor, plan.ratio, group, cfg.rms_norm_eps)
     if plan.is_index_source:
