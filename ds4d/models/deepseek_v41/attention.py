@@ -44,15 +44,18 @@ NEG_INF = float("-inf")
 
 @dataclass
 class StepShared:
-    """What a source layer hands to the later layers of its group within one step."""
+    """What a source layer hands to the later layers of its group within one step.
+
+    The per-query tensors have a row per query of the layer that made them, the last rows of the step;
+    a later layer with fewer query rows (the triangular prefill) takes their last rows."""
 
     entries: torch.Tensor | None = None
     """The current group's compressed KV ``[T, head_dim]`` (None: no entry yet)."""
     index_keys: torch.Tensor | None = None
     topk_bias: torch.Tensor | None = None
-    """``[S, T]``: 0 on the entries each query attends to, -inf elsewhere."""
+    """``[queries, T]``: 0 on the entries each query attends to, -inf elsewhere."""
     candidates: torch.Tensor | None = None
-    """``[S, T]`` bool: the candidate source's blocks, per query."""
+    """``[1, queries, T]`` bool: the candidate source's blocks, per query."""
 
 
 @dataclass(frozen=True)
