@@ -63,6 +63,14 @@ def test_compressed_vocabulary_merges_pieces_that_normalise_alike(tiny):
     assert hasher.token_map.tolist() == lookup
 
 
+def test_ds4d_tokenizer_gives_the_same_compressed_vocabulary(tiny):
+    from ds4d.models.hf_tokenizer import HFTokenizer
+
+    _, tokenizer, _ = tiny
+    wrapped = HFTokenizer(FIXTURES / "tiny_b" / "tokenizer.json")
+    assert compressed_vocabulary(wrapped) == compressed_vocabulary(tokenizer)
+
+
 def test_row_ids_do_not_depend_on_how_the_stream_is_cut(tiny):
     cfg, _, hasher = tiny
     stream = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(4))

@@ -61,11 +61,16 @@ def _piece_normalizer():
 
 
 def compressed_vocabulary(tokenizer) -> tuple[list[int], int]:
-    """(compressed id of every token id, number of compressed ids) for a ``tokenizers.Tokenizer``."""
+    """(compressed id of every token id, number of compressed ids) for a ``tokenizers.Tokenizer`` or a
+    ds4d :class:`~ds4d.models.hf_tokenizer.HFTokenizer` (anything with ``decode`` and ``id_to_token``)."""
     normalizer = _piece_normalizer()
     ids: dict[str, int] = {}
     lookup = []
-    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+    if hasattr(tokenizer, "get_vocab_size"):
+        size = tokenizer.get_vocab_size(with_added_tokens=True)
+    else:
+        size = tokenizer.vocab_size
+    for token_id in range(size):
         text = tokenizer.decode([token_id], skip_special_tokens=False)
         if "\ufffd" in text:
             key = tokenizer.id_to_token(token_id)
