@@ -1,0 +1,243 @@
+"""V4.1 attention of one sequence chunk: a sliding window plus, by layer mode, the group's compressed KV.
+
+Every layer attends over its own window of the last ``sliding_window``
+positions (one shared K=V latent head, FP8-rounded after RoPE) with a per-head
+sink that only enlarges the softmax denominator; the output's RoPE channels
+are rotated back before the grouped low-rank output projection.
+
+Layers with a compress ratio also attend to the compressed KV of their group:
+
+* the group's KV source runs the compressor on its attention input: at ratio 1
+  one normed latent per token, at ratio 2 pairs of tokens pooled with a
+  softmax gate (float32; an odd token waits in the state's tail).  Entry ``j``
+  stands at position ``j * ratio``: its index key (``wk``, ``k_norm``) is taken
+  from the latent before RoPE, then the latent is rotated and FP4-rounded into
+  the group's entries;
+* an index source scores the entries visible to each query (entry ``j`` once
+  the query is at position ``>= (j + 1) * ratio - 1``) with its own FP4 queries
+  and head weights and keeps the best ``index_topk``; the candidate source
+  first keeps its best ``candidate_topk_blocks`` blocks of entries (the block
+  of the query's newest entry always), and the index sources after it choose
+  only inside those blocks;
+* the other compressed layers of the group attend to the entries picked by the
+  last index source before them.
+
+The per-step hand-over between layers (:class:`StepShared`) is reset every
+step; what outlives a step is in :class:`~ds4d.models.deepseek_v41.state.SequenceState`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ds4d.models.deepseek_v4.ops import Rope, apply_rope, rms_norm
+from ds4d.models.deepseek_v41.config import DeepseekV41Config, LayerPlan
+from ds4d.models.deepseek_v41.qat import round_fp4_blocks, round_fp8_blocks
+from ds4d.models.deepseek_v41.state import GroupState, SequenceState
+from ds4d.models.deepseek_v41.weights import AttentionWeights, CompressorWeights, IndexerWeights
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class StepShared:
+    """What a source layer hands to the later layers of its group within one step.
+
+    The per-query tensors have a row per query of the layer that made them, the last rows of the step;
+    a later layer with fewer query rows (the triangular prefill) takes their last rows."""
+
+    entries: torch.Tensor | None = None
+    """The current group's compressed KV ``[T, head_dim]`` (None: no entry yet)."""
+    index_keys: torch.Tensor | None = None
+    topk_bias: torch.Tensor | None = None
+    """``[queries, T]``: 0 on the entries each query attends to, -inf elsewhere."""
+    candidates: torch.Tensor | None = None
+    """``[1, queries, T]`` bool: the candidate source's blocks, per query."""
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The chunk's positions and their rotary tables."""
+
+    positions: torch.Tensor
+    main: tuple[torch.Tensor, torch.Tensor]
+    compress: tuple[torch.Tensor, torch.Tensor]
+    compress_rope: Rope
+    """For the compressed entries and index keys, which sit at multiples of the ratio."""
+
+    @classmethod
+    def make(cls, positions: torch.Tensor, rope_main: Rope, rope_compress: Rope) -> StepRows:
+        return cls(positions, rope_main.cos_sin(positions), rope_compress.cos_sin(positions), rope_compress)
+
+    def tail(self, count: int) -> StepRows:
+        """The last ``count`` rows."""
+        if count == self.positions.shape[0]:
+            return self
+        cut = slice(self.positions.shape[0] - count, None)
+        return StepRows(self.positions[cut], (self.main[0][cut], self.main[1][cut]),
+                        (self.compress[0][cut], self.compress[1][cut]), self.compress_rope)
+
+
+def compress(x: torch.Tensor, w: CompressorWeights, ratio: int, group: GroupState,
+             eps: float) -> tuple[torch.Tensor | None, int]:
+    """(latents of the groups this chunk completes, before RoPE, or None; position of the first one)."""
+    first = group.entries.count * ratio
+    if ratio == 1:
+        return rms_norm(F.linear(x, w.wkv), w.norm, eps), first
+    kv = torch.cat([group.tail_kv, F.linear(x.float(), w.wkv)])
+    gate = torch.cat([group.tail_gate, F.linear(x.float(), w.wgate)])
+    whole = kv.shape[0] // ratio * ratio
+    group.tail_kv, group.tail_gate = kv[whole:].clone(), gate[whole:].clone()
+    if whole == 0:
+        return None, first
+    kv = kv[:whole].unflatten(0, (-1, ratio))
+    gate = gate[:whole].unflatten(0, (-1, ratio))
+    pooled = (kv * gate.softmax(dim=1)).sum(dim=1)
+    return rms_norm(pooled.to(x.dtype), w.norm, eps), first
+
+
+def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, indices) of the ``k`` largest scores on the last dim; among equal scores the lower index wins.
+
+    The model leaves ties open (they happen: a score is exactly 0 wherever every indexer head is
+    rectified away), and ``torch.topk`` breaks them by the shape of the whole tensor, so a prompt fed in
+    other chunks could pick other entries.  A stable sort makes the pick a function of the row alone."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, keep: int, block: int) -> torch.Tensor:
+    """Bool ``[..., T]``: entries in the ``keep`` best blocks (by their best entry) of each query, the
+    block of its newest visible entry always among them; unreachable blocks (all -inf) never."""
+    width = scores.shape[-1]
+    per_block = F.pad(scores, (0, -width % block), value=NEG_INF).unflatten(-1, (-1, block)).amax(-1)
+    count = per_block.shape[-1]
+    newest = (visible - 1) // block
+    per_block = per_block.masked_fill(torch.arange(count, device=scores.device) == newest, float("inf"))
+    values, indices = top_k(per_block, min(keep, count))
+    chosen = torch.zeros_like(per_block, dtype=torch.bool).scatter_(-1, indices, values > NEG_INF)
+    return chosen.repeat_interleave(block, dim=-1)[..., :width]
+
+
+def index_step(x: torch.Tensor, q_residual: torch.Tensor, latent: torch.Tensor | None, first: int,
+               plan: LayerPlan, w: IndexerWeights, cfg: DeepseekV41Config, group: GroupState,
+               shared: StepShared, rows: StepRows) -> None:
+    """Publish the group's index keys (at its KV source) and this index source's top-k bias.
+
+    ``x``, ``q_residual`` and ``rows`` are the query rows; they are the last rows of the step (the
+    candidate blocks of an earlier layer may cover more rows, and are cut to these)."""
+    ratio, eps = plan.ratio, cfg.rms_norm_eps
+    if plan.is_kv_source:
+        if latent is not None:
+            keys = rms_norm(F.linear(latent, w.wk), w.k_norm, eps)
+            key_positions = first + ratio * torch.arange(latent.shape[0], device=latent.device)
+            keys = apply_rope(keys, *rows.compress_rope.cos_sin(key_positions))
+            group.index_keys.append(round_fp4_blocks(keys, 32))
+        shared.index_keys = group.index_keys.view() if group.index_keys.count else None
+    keys = shared.index_keys
+    if keys is None:
+        return
+    count, heads, width = keys.shape[0], cfg.index_n_heads, cfg.index_head_dim
+    q = F.linear(q_residual, w.wq_b).unflatten(-1, (heads, width))
+    q = round_fp4_blocks(apply_rope(q, *rows.compress), 32)
+    # [1, S, H, T] like a batch of one, so the reductions group the same way as the reference's
+    scores = torch.einsum("bshd,btd->bsht", q.unsqueeze(0).float(), keys.unsqueeze(0).float())
+    scores = scores.relu_() * width**-0.5
+    head_weights = F.linear(x, w.weights_proj).float() * heads**-0.5
+    scores = (scores * head_weights.unsqueeze(0).unsqueeze(-1)).sum(dim=2)  # [1, S, T]
+    visible = (rows.positions.long() + 1).div(ratio, rounding_mode="floor").view(1, -1, 1)
+    scores = scores.masked_fill(torch.arange(count, device=scores.device).view(1, 1, -1) >= visible, NEG_INF)
+    if plan.is_candidate_source:
+        shared.candidates = candidate_blocks(scores, visible, cfg.candidate_topk_blocks, cfg.candidate_block_size)
+    elif plan.uses_candidates and shared.candidates is not None:
+        scores = scores.masked_fill(~shared.candidates[:, -scores.shape[1]:], NEG_INF)
+    values, indices = top_k(scores, min(cfg.index_topk, count))
+    # picks with a -inf score (fewer visible entries than index_topk) go to a dropped extra column
+    columns = torch.where(values > NEG_INF, indices, torch.full_like(indices, count))
+    bias = scores.new_full((1, scores.shape[1], count + 1), NEG_INF).scatter_(-1, columns, 0.0)
+    shared.topk_bias = bias[0, :, :count]
+
+
+def compressed_branch(x: torch.Tensor, q_residual: torch.Tensor, plan: LayerPlan, w: AttentionWeights,
+                      cfg: DeepseekV41Config, state: SequenceState, shared: StepShared,
+                      rows: StepRows) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the group's entries ``[T, D]`` or None, this layer's bias over them ``[queries, T]``).
+
+    ``x`` holds every row of the step (a KV source compresses them all), ``q_residual`` the query rows,
+    the last of the step."""
+    group = state.groups[plan.kv_source]
+    queries = q_residual.shape[0]
+    latent, first = None, 0
+    if plan.is_kv_source:
+        if int(rows.positions[0]) != state.position:
+            raise ValueError("a KV source compresses every row of the step")
+        latent, first = compress(x, w.compressor, plan.ratio, group, cfg.rms_norm_eps)
+    if plan.is_index_source:
+        index_step(x[x.shape[0] - queries:], q_residual, latent, first, plan, w.indexer, cfg, group, shared,
+                   rows.tail(queries))
+    if latent is not None:
+        entry_positions = first + plan.ratio * torch.arange(latent.shape[0], device=latent.device)
+        rotated = apply_rope(latent, *rows.compress_rope.cos_sin(entry_positions))
+        group.entries.append(round_fp4_blocks(rotated, 16, e4m3_scales=True))
+    if plan.is_kv_source:
+        shared.entries = group.entries.view() if group.entries.count else None
+    bias = shared.topk_bias
+    return shared.entries, None if bias is None else bias[bias.shape[0] - queries:]
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [S, H, D]`` over the shared K=V rows ``keys [T, D]`` with ``mask [S, T]`` and a sink logit per head."""
+    heads, rows = q.shape[1], q.shape[0]
+    q4 = q.transpose(0, 1).unsqueeze(0)  # [1, H, S, D]
+    kv4 = keys.view(1, 1, *keys.shape)
+    logits = torch.matmul(q4, kv4.transpose(2, 3)) * scale + mask.view(1, 1, *mask.shape)
+    sinks = sink.view(1, heads, 1, 1).expand(1, heads, rows, 1)
+    logits = torch.cat([logits, sinks], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.matmul(probs.to(keys.dtype), kv4).transpose(1, 2)[0]  # [S, H, D]
+
+
+def attention_forward(x: torch.Tensor, plan: LayerPlan, w: AttentionWeights, cfg: DeepseekV41Config,
+                      state: SequenceState, shared: StepShared, rows: StepRows,
+                      queries: int | None = None) -> torch.Tensor:
+    """``x [n, hidden]``: the normed attention input of the step's positions ``rows.positions`` (the last
+    ``n`` of the step) -> the output ``[queries, hidden]`` of the last ``queries`` of them (all by default).
+
+    Every row's window KV is computed (and the ring keeps the last ones); only the query rows attend."""
+    count, eps, window = x.shape[0], cfg.rms_norm_eps, cfg.sliding_window
+    queries = count if queries is None else queries
+    query_rows = rows.tail(queries)
+    cos, sin = rows.compress if plan.ratio else rows.main
+    cos_q, sin_q = query_rows.compress if plan.ratio else query_rows.main
+    q_residual = rms_norm(F.linear(x[count - queries:], w.wq_a), w.q_norm, eps)
+    q = F.linear(q_residual, w.wq_b).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim))
+    q = apply_rope(q, cos_q, sin_q)
+    kv = round_fp8_blocks(apply_rope(rms_norm(F.linear(x, w.wkv), w.kv_norm, eps), cos, sin))
+
+    past = min(state.position, window - 1)
+    keys = torch.cat([state.window_history(plan.layer, past), kv])
+    key_positions = torch.cat([torch.arange(state.position - past, state.position, device=x.device),
+                               rows.positions])
+    state.write_window(plan.layer, kv, int(rows.positions[0]))
+    distance = query_rows.positions.view(-1, 1) - key_positions.view(1, -1)
+    mask = torch.zeros(distance.shape, dtype=torch.float32, device=x.device)
+    mask = mask.masked_fill((distance < 0) | (distance >= window), NEG_INF)
+
+    if plan.ratio:
+        entries, bias = compressed_branch(x, q_residual, plan, w, cfg, state, shared, rows)
+        if entries is not None:
+            keys = torch.cat([keys, entries.to(keys.dtype)])
+            extra = bias if bias is not None else mask.new_full((queries, entries.shape[0]), NEG_INF)
+            mask = torch.cat([mask, extra.to(mask.dtype)], dim=-1)
+
+    out = attend(q, keys, mask, w.sink, cfg.head_dim**-0.5)
+    out = apply_rope(out, cos_q, -sin_q)
+    groups = cfg.o_groups
+    per_group = out.reshape(queries, groups, -1).transpose(0, 1)  # [G, queries, heads * D / G]
+    wo_a = w.wo_a.view(groups, -1, per_group.shape[-1]).transpose(1, 2)  # [G, in, o_lora]
+    low_rank = torch.bmm(per_group, wo_a).transpose(0, 1).flatten(1)  # [queries, G * o_lora]
+    return F.linear(low_rank, w.wo_b)

@@ -1,0 +1,204 @@
+"""The DeepSeek-V4.1 forward pass of one sequence, chunk by chunk, with an explicit state.
+
+Build a model from ``{official tensor name: float tensor}`` with
+:meth:`DeepseekV41Model.from_tensors` (or from a directory holding
+``config.json``, safetensors files and ``tokenizer.json`` with
+:meth:`DeepseekV41Model.from_pretrained`), take a fresh
+:class:`~ds4d.models.deepseek_v41.state.SequenceState` from
+:meth:`~DeepseekV41Model.new_state`, then :meth:`~DeepseekV41Model.forward`
+any number of tokens at a time: a prefill chunk of any length or one decode
+token go through the same code, and a prompt split into chunks gives the
+logits of the whole prompt at once (up to float rounding).
+
+One step, per layer: the Engram lookup joins the residual copies (at its
+layers), the attention input is collapsed from the copies with the previous
+site's ``pre`` (``hyper.py``), the attention (``attention.py``) and the
+feed-forward (``moe.py``) each spread their output back over the copies.
+
+The official ``model.py`` publishes a KV source's index keys only on steps in
+which its group completes an entry: on a decode step inside a ratio-2 pair,
+that source's indexer and its reindex layers score against whatever the
+previous layer left in the shared slot (another group's keys).  ds4d follows
+the Hugging Face model (and the two-line fix of the official code), which is
+the model's intended behaviour: every step scores against the group's running
+index keys, complete entries only.  The two differ only when the top-k really
+selects (more visible entries than ``index_topk``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ds4d.models.deepseek_v4.ops import Rope, plain_inv_freq, rms_norm, yarn_inv_freq
+from ds4d.models.deepseek_v41.attention import StepRows, StepShared, attention_forward
+from ds4d.models.deepseek_v41.config import DeepseekV41Config
+from ds4d.models.deepseek_v41.engram import EngramHasher, engram_forward
+from ds4d.models.deepseek_v41.hyper import collapse, expand, site_weights
+from ds4d.models.deepseek_v41.moe import moe_forward
+from ds4d.models.deepseek_v41.state import SequenceState
+from ds4d.models.deepseek_v41.weights import ModelWeights, build_weights, read_safetensors
+
+
+def _inv_freqs(cfg: DeepseekV41Config) -> tuple[torch.Tensor, torch.Tensor]:
+    main = plain_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta)
+    if cfg.yarn is not None:
+        compress = yarn_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, cfg.yarn)
+    else:
+        compress = plain_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta)
+    return main, compress
+
+
+class DeepseekV41Model:
+    """A V4.1 text model: weights, the per-layer plan and the Engram hasher; no per-sequence state."""
+
+    def __init__(self, cfg: DeepseekV41Config, weights: ModelWeights, hasher: EngramHasher | None,
+                 *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        if cfg.engram_layer_ids and hasher is None:
+            raise ValueError("this config has Engram layers: the model needs the tokenizer's EngramHasher")
+        self.cfg = cfg
+        self.weights = weights
+        self.hasher = hasher
+        self.plans = cfg.plan()
+        self.device = torch.device(device)
+        self.dtype = dtype
+        main, compress = _inv_freqs(cfg)
+        self.rope_main = Rope(main, self.device)
+        self.rope_compress = Rope(compress, self.device)
+
+    # ------------------------------------------------------------ building
+
+    @classmethod
+    def from_tensors(cls, cfg: DeepseekV41Config, tensors: Mapping[str, torch.Tensor], tokenizer=None, *,
+                     hasher: EngramHasher | None = None, dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu") -> DeepseekV41Model:
+        """From official (or HF ``save_pretrained``) names; ``tokenizer`` (a ``tokenizers.Tokenizer``)
+        builds the Engram hasher when ``hasher`` is not given."""
+        if hasher is None and cfg.engram_layer_ids and tokenizer is not None:
+            hasher = EngramHasher.from_tokenizer(cfg, tokenizer)
+        weights = build_weights(cfg, tensors, dtype=dtype, device=device)
+        return cls(cfg, weights, hasher, device=device, dtype=dtype)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, tokenizer=None, **kwargs) -> DeepseekV41Model:
+        """``config.json`` and the safetensors files of a directory, ``tokenizer.json`` there by default."""
+        path = Path(path)
+        cfg = DeepseekV41Config.from_file(path)
+        if tokenizer is None and cfg.engram_layer_ids:
+            from tokenizers import Tokenizer
+
+            tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
+        return cls.from_tensors(cfg, read_safetensors(path), tokenizer, **kwargs)
+
+    def new_state(self) -> SequenceState:
+        return SequenceState.empty(self.cfg, self.device, self.dtype)
+
+    # ------------------------------------------------------------ running
+
+    def forward(self, state: SequenceState, token_ids: Sequence[int] | torch.Tensor, *,
+                last_only: bool = False) -> torch.Tensor:
+        """Logits ``[S, vocab]`` (float32) of the ``S`` tokens following ``state``; advances ``state``.
+
+        ``last_only``: the logits of the last token only (``[1, vocab]``), computed on the triangle of
+        rows they and the state depend on (:func:`row_plan`); the state comes out the same."""
+        streams, pre_mix, rows, engram_rows = self._start(state, token_ids)
+        count = streams.shape[0]
+        plan = row_plan(self.cfg, count) if last_only else [(count, count)] * self.cfg.num_hidden_layers
+        shared = StepShared()
+        for layer, (inputs, outputs) in enumerate(plan):
+            if inputs < streams.shape[0]:
+                streams, pre_mix = streams[-inputs:], pre_mix[-inputs:]
+            engram = None if engram_rows is None else engram_rows[-inputs:]
+            streams, pre_mix = self.layer_forward(layer, streams, pre_mix, engram, state, shared,
+                                                  rows.tail(inputs), outputs)
+        return self._finish(state, token_ids, streams, pre_mix)
+
+    def prefill(self, state: SequenceState, token_ids: Sequence[int], chunk_size: int | None = None, *,
+                last_only: bool = False) -> torch.Tensor:
+        """:meth:`forward` over ``token_ids`` in chunks of ``chunk_size`` (all at once: None); with
+        ``last_only`` every chunk runs on its triangle and the prompt's last logits ``[1, vocab]`` come back."""
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+        step = chunk_size or max(1, ids.shape[0])
+        logits = [self.forward(state, ids[i: i + step], last_only=last_only) for i in range(0, ids.shape[0], step)]
+        return logits[-1] if last_only else torch.cat(logits)
+
+    def decode(self, state: SequenceState, token_id: int) -> torch.Tensor:
+        """Logits ``[vocab]`` after one more token."""
+        return self.forward(state, [token_id])[0]
+
+    def greedy(self, prompt: Sequence[int], new_tokens: int, chunk_size: int | None = None) -> list[int]:
+        """``new_tokens`` argmax tokens after ``prompt``, from a fresh state."""
+        state = self.new_state()
+        logits = self.prefill(state, prompt, chunk_size)[-1]
+        out: list[int] = []
+        for _ in range(new_tokens):
+            out.append(int(logits.argmax()))
+            if len(out) < new_tokens:
+                logits = self.decode(state, out[-1])
+        return out
+
+    # ------------------------------------------------------------ pieces
+
+    def _start(self, state: SequenceState, token_ids):
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        if ids.numel() == 0:
+            raise ValueError("a step needs at least one token")
+        positions = torch.arange(state.position, state.position + ids.numel(), device=self.device)
+        rows = StepRows.make(positions, self.rope_main, self.rope_compress)
+        hidden = F.embedding(ids.to(self.device), self.weights.embed)
+        streams = hidden.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        pre_mix = torch.zeros(ids.numel(), self.cfg.hc_mult, dtype=torch.float32, device=self.device)
+        pre_mix[:, 0] = 1.0
+        engram_rows = self.hasher.row_ids(state.engram_ids, ids) if self.hasher is not None else None
+        return streams, pre_mix, rows, engram_rows
+
+    def _finish(self, state: SequenceState, token_ids, streams: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        state.position += ids.numel()
+        if self.hasher is not None and self.hasher.history:
+            seen = torch.cat([state.engram_ids, self.hasher.compress(ids)])
+            state.engram_ids = seen[-self.hasher.history:].clone()
+        return self.logits(streams, pre_mix)
+
+    def logits(self, streams: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+        hidden = rms_norm(collapse(streams, pre_mix), self.weights.norm, self.cfg.rms_norm_eps)
+        return F.linear(hidden.float(), self.weights.head)
+
+    def layer_forward(self, layer: int, streams: torch.Tensor, pre_mix: torch.Tensor,
+                      engram_rows: torch.Tensor | None, state: SequenceState, shared: StepShared,
+                      rows: StepRows, outputs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on the rows ``rows`` (the last of the step): (new copies of the last ``outputs`` rows
+        ``[outputs, m, D]``, their ``pre`` mix for the next site).  Every row's window KV is made."""
+        cfg, plan, w = self.cfg, self.plans[layer], self.weights.layers[layer]
+        eps, iters, hc_eps = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps
+        outputs = streams.shape[0] if outputs is None else outputs
+        if w.engram is not None:
+            streams = engram_forward(streams, engram_rows[:, plan.engram_slot], w.engram, eps)
+        x = rms_norm(collapse(streams, pre_mix), w.attn_norm, eps)
+        streams = streams[streams.shape[0] - outputs:]
+        attn_pre, post, comb = site_weights(streams, w.hc_attn, iters, hc_eps, eps)
+        attended = attention_forward(x, plan, w.attn, cfg, state, shared, rows, outputs)
+        streams = expand(attended, streams, post, comb)
+        ffn_pre, post, comb = site_weights(streams, w.hc_ffn, iters, hc_eps, eps)
+        x = rms_norm(collapse(streams, attn_pre), w.ffn_norm, eps)
+        return expand(moe_forward(x, w.ffn, cfg), streams, post, comb), ffn_pre
+
+
+def row_plan(cfg: DeepseekV41Config, count: int) -> list[tuple[int, int]]:
+    """(input rows, output rows) per layer for a step of ``count`` rows whose last logits are wanted.
+
+    Every layer up to the last KV source takes all rows (that source compresses every position).  After
+    it a layer's output rows need their inputs up to ``sliding_window - 1`` rows back (the window),
+    and its ring keeps its inputs' last ``sliding_window - 1`` window KV rows: from the single row of
+    the logits at the top, each layer further down takes ``sliding_window - 1`` more rows (at most
+    ``count``).  Every other row's result is not used by anything."""
+    last_source = max(cfg.kv_source_layer_ids, default=-1)
+    plan, outputs = [], 1
+    for layer in reversed(range(cfg.num_hidden_layers)):
+        inputs = count if layer <= last_source else min(count, outputs + cfg.sliding_window - 1)
+        plan.append((inputs, outputs))
+        outputs = inputs
+    return plan[::-1]

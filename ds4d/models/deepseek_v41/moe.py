@@ -1,0 +1,56 @@
+"""The V4.1 feed-forward: a learned router over the routed experts plus one shared expert.
+
+The router scores every expert with ``sqrt(softplus(logit / gate_temp))`` (or
+sigmoid / softmax, as configured); the selection bias is added only to choose
+the top ``num_experts_per_tok`` experts, their weights are the unbiased scores,
+normalised to sum to one and scaled by ``routed_scaling_factor``.  No layer
+routes by a token table (V4's hash layers are gone).  Each expert is a SwiGLU
+whose up branch is clamped to ``[-limit, limit]`` and gate branch to
+``<= limit``; the routing weight multiplies the activation before ``w2``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ds4d.models.deepseek_v41.config import DeepseekV41Config
+from ds4d.models.deepseek_v41.weights import ExpertWeights, MoEWeights
+
+
+def expert_forward(x: torch.Tensor, w: ExpertWeights, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    gate = F.linear(x, w.w1).float()
+    up = F.linear(x, w.w3).float()
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    hidden = F.silu(gate) * up
+    if weight is not None:
+        hidden = weight * hidden
+    return F.linear(hidden.to(x.dtype), w.w2)
+
+
+def route(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights ``[N, k]``, expert ids ``[N, k]``) for the rows ``x [N, D]``."""
+    logits = F.linear(x.float(), w.gate) / cfg.gate_temp
+    if cfg.scoring_func == "sqrtsoftplus":
+        scores = F.softplus(logits).sqrt()
+    elif cfg.scoring_func == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        scores = logits.softmax(dim=-1)
+    experts = (scores + w.bias).topk(cfg.num_experts_per_tok, dim=-1)[1]
+    weights = scores.gather(1, experts)
+    if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, experts
+
+
+def moe_forward(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config) -> torch.Tensor:
+    weights, experts = route(x, w, cfg)
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for expert in torch.unique(experts).tolist():
+        rows, slot = torch.where(experts == expert)
+        out[rows] += expert_forward(x[rows], w.experts[expert], cfg.swiglu_limit, weights[rows, slot, None]).float()
+    out += expert_forward(x, w.shared, cfg.swiglu_limit).float()
+    return out.to(x.dtype)
