@@ -38,7 +38,8 @@ BENCH_KINDS = ["embedded", "model", "parallel", "serve", "agent"]
 PRINTED = ("ds4d listening on ", "ds4d ready on ")  # lines the daemon prints, shown in README.md as such
 START_S = 180.0
 # CSI sequences (cursor moves, styles), OSC and DCS strings, charset and keypad selections
-ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1bP[^\x1b]*\x1b\\|\x1b[()][0-9A-Za-z]|\x1b[=>]")
+ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1bP[^\x1b]*\x1b\\"
+                     r"|\x1b[()][0-9A-Za-z]|\x1b[=>]")
 
 
 def environment(**extra: str) -> dict[str, str]:
