@@ -10,8 +10,11 @@ import sys
 from pathlib import Path
 
 from ds4d import __version__
+from ds4d.bench import add_parsers as add_bench_parsers
 from ds4d.config import ConfigError, add_cli_flags, describe, load_config
 from ds4d.registry import KINDS, PluginError, available
+from tui.cli import DESCRIPTION as CONSOLE_DESCRIPTION
+from tui.cli import add_arguments as add_console_arguments
 
 
 def _loaded(args: argparse.Namespace):
@@ -88,9 +91,9 @@ def cmd_plugins(args: argparse.Namespace) -> int:
 
 
 def cmd_console(args: argparse.Namespace) -> int:
-    from tui.app import main as console_main
+    from tui.app import run
 
-    return console_main(args.console_args)
+    return run(args)
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -104,9 +107,7 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ds4d.bench import main as bench_main
-
-    return bench_main(args.bench_args)
+    return args.run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,12 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     plugins = sub.add_parser("plugins", help="list installed plugins")
     plugins.set_defaults(func=cmd_plugins)
 
-    console = sub.add_parser("console", help="operator console (Textual)", add_help=False)
-    console.add_argument("console_args", nargs=argparse.REMAINDER)
+    console = sub.add_parser("console", help="operator console (Textual)", description=CONSOLE_DESCRIPTION)
+    add_console_arguments(console)
     console.set_defaults(func=cmd_console)
 
-    bench = sub.add_parser("bench", help="benchmarks (ds4d bench --help)", add_help=False)
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench = sub.add_parser("bench", help="benchmarks (ds4d bench --help)",
+                           description="benchmarks whose results go into docs/BENCHMARKS.md")
+    add_bench_parsers(bench)
     bench.set_defaults(func=cmd_bench)
 
     tiny = sub.add_parser("make-tiny", help="write a random checkpoint in the official format")

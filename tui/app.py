@@ -1,7 +1,7 @@
 """The operator console: a Textual app that polls a stats source on a timer and redraws its panels.
 
-`main()` is what `ds4d console` and `python -m tui` run. The app only talks to a StatsSource (HTTP or
-replay); it never imports the daemon.
+`main()` is what `python -m tui` runs and `run()` what `ds4d console` runs, both with the options of
+tui/cli.py. The app only talks to a StatsSource (HTTP or replay); it never imports the daemon.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from textual.screen import ModalScreen
 from textual.widgets import Footer, Static
 
 from tui import fields
+from tui.cli import DESCRIPTION, add_arguments
 from tui.format import count_text
 from tui.panels import CachePanel, ExpertsPanel, GpuPanel, HostPanel, Panel, ThroughputPanel
-from tui.source import DEFAULT_URL, HttpStatsSource, ReplayStatsSource, SourceError, StatsSource
+from tui.source import HttpStatsSource, ReplayStatsSource, SourceError, StatsSource
 from tui.state import HISTORY_LENGTH, ConsoleState
 from tui.widgets import ConfigBanner, RequestsTable, StatusLine
 
@@ -186,29 +187,9 @@ def requests_title(snapshot: object) -> str:
     return "requests  " + " · ".join(counts)
 
 
-def positive_seconds(value: str) -> float:
-    seconds = float(value)
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError("must be a positive number of seconds")
-    return seconds
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ds4d console",
-        description="Operator console for a ds4d daemon: GPU memory, host RAM against its "
-        "watermarks, tok/s, requests, prefix cache, experts and non-default config.",
-    )
-    parser.add_argument("--url", default=DEFAULT_URL, help="daemon base URL (default: %(default)s)")
-    parser.add_argument("--api-key", metavar="KEY", help="sent as 'Authorization: Bearer KEY'")
-    parser.add_argument(
-        "--replay", metavar="FILE",
-        help="play back a stats log (JSON Lines, as written by --stats-log) instead of polling",
-    )
-    parser.add_argument(
-        "--interval", metavar="SECONDS", type=positive_seconds, default=1.0,
-        help="seconds between polls, or between replayed snapshots (default: %(default)s)",
-    )
+    parser = argparse.ArgumentParser(prog="ds4d console", description=DESCRIPTION)
+    add_arguments(parser)
     return parser
 
 
@@ -223,11 +204,16 @@ def build_app(args: argparse.Namespace) -> ConsoleApp:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the console; returns the process exit status."""
+    """`python -m tui`: parse the command line and run the console; returns the process exit status."""
     try:
         args = build_parser().parse_args(argv)
     except SystemExit as exit_request:  # --help, or a usage error already printed
         return exit_request.code if isinstance(exit_request.code, int) else 2
+    return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the console for parsed arguments (`ds4d console` parses them itself)."""
     try:
         app = build_app(args)
     except OSError as error:

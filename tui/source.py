@@ -15,7 +15,6 @@ from typing import Any, Protocol
 import aiohttp
 
 STATS_PATH = "/v1/ds4d/stats"
-DEFAULT_URL = "http://127.0.0.1:8000"
 
 
 class SourceError(Exception):
@@ -33,7 +32,7 @@ class StatsSource(Protocol):
 class HttpStatsSource:
     """Polls GET {url}/v1/ds4d/stats, with a Bearer token when an API key is given."""
 
-    def __init__(self, url: str = DEFAULT_URL, api_key: str | None = None, timeout_s: float = 5.0):
+    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 5.0):
         self.base_url = url.rstrip("/")
         self.stats_url = self.base_url + STATS_PATH
         self.description = f"live {self.base_url}"

@@ -12,15 +12,12 @@ from __future__ import annotations
 import argparse
 
 
-def main(argv: list[str] | None = None) -> int:
+def add_parsers(parser: argparse.ArgumentParser) -> None:
+    """One subcommand per kind under `parser` (ds4d bench's), each declaring its own options and
+    setting ``run``, the function that runs it.  The kinds' modules import no torch at the top, so
+    building ds4d's parser stays cheap."""
     from ds4d.bench import agent, embedded, model, parallel, serve
 
-    parser = argparse.ArgumentParser(prog="ds4d bench")
-    sub = parser.add_subparsers(dest="which", required=True)
-    embedded.add_parser(sub)
-    model.add_parser(sub)
-    parallel.add_parser(sub)
-    serve.add_parser(sub)
-    agent.add_parser(sub)
-    args = parser.parse_args(argv)
-    return args.run(args)
+    kinds = parser.add_subparsers(dest="kind", metavar="KIND", required=True)
+    for kind in (embedded, model, parallel, serve, agent):
+        kind.add_parser(kinds)

@@ -28,23 +28,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds4d.models.deepseek_v4.config import FLASH_WIDTHS
-
-FLASH = {  # V4-Flash (reference/dsv4/config.flash.json); depth and pattern come from --layers
-    "model_type": "deepseek_v4", "vocab_size": 129280, **FLASH_WIDTHS, "sliding_window": 128,
-    "n_shared_experts": 1, "num_hash_layers": 3, "routed_scaling_factor": 1.5,
-    "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "swiglu_limit": 10.0, "hc_mult": 4,
-    "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "rope_theta": 10000,
-    "compress_rope_theta": 160000,
-    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                     "beta_fast": 32, "beta_slow": 1},
-    "max_position_embeddings": 1048576, "bos_token_id": 0, "eos_token_id": 1,
-}
-TINY = {**FLASH, "hidden_size": 256, "num_attention_heads": 8, "head_dim": 128, "q_lora_rank": 128,
-        "o_groups": 2, "o_lora_rank": 64, "n_routed_experts": 16, "moe_intermediate_size": 128,
-        "index_n_heads": 8, "index_head_dim": 64, "index_topk": 32, "qk_rope_head_dim": 64}
-
-
 def add_parser(sub) -> None:
     p = sub.add_parser("model", help="random DeepSeek-V4 model on a GPU vs HF transformers")
     p.add_argument("--config", default="", help="a V4 config.json for the widths (default: V4-Flash)")
@@ -251,11 +234,33 @@ def _guarded(torch, label, fn):
 # ------------------------------------------------------------------ run
 
 
+def base_config(tiny: bool) -> dict:
+    """V4-Flash's config (reference/dsv4/config.flash.json), or small widths with ``tiny``; depth and pattern
+    come from --layers.  (Built on demand: the V4 package imports torch, and ds4d's parser imports this module.)"""
+    from ds4d.models.deepseek_v4.config import FLASH_WIDTHS
+
+    flash = {
+        "model_type": "deepseek_v4", "vocab_size": 129280, **FLASH_WIDTHS, "sliding_window": 128,
+        "n_shared_experts": 1, "num_hash_layers": 3, "routed_scaling_factor": 1.5,
+        "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "swiglu_limit": 10.0, "hc_mult": 4,
+        "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "rope_theta": 10000,
+        "compress_rope_theta": 160000,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                         "beta_fast": 32, "beta_slow": 1},
+        "max_position_embeddings": 1048576, "bos_token_id": 0, "eos_token_id": 1,
+    }
+    if not tiny:
+        return flash
+    return {**flash, "hidden_size": 256, "num_attention_heads": 8, "head_dim": 128, "q_lora_rank": 128,
+            "o_groups": 2, "o_lora_rank": 64, "n_routed_experts": 16, "moe_intermediate_size": 128,
+            "index_n_heads": 8, "index_head_dim": 64, "index_topk": 32, "qk_rope_head_dim": 64}
+
+
 def bench_config(args):
     """The random model's config: widths from ``--config`` / ``--tiny`` / V4-Flash, layers from ``--layers``."""
     from ds4d.models.deepseek_v4.config import DeepseekV4Config
 
-    base = json.loads(Path(args.config).read_text()) if args.config else (TINY if args.tiny else FLASH)
+    base = json.loads(Path(args.config).read_text()) if args.config else base_config(args.tiny)
     layers = [int(x) for x in args.layers.split(",")]
     data = {**base, "num_hidden_layers": len(layers), "compress_ratios": layers}
     data.pop("quantization_config", None)

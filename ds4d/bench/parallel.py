@@ -72,7 +72,7 @@ def _gpu_used(gpus) -> list[float]:
 def run(args) -> int:
     import torch
 
-    from ds4d.bench.model import FLASH, TINY, Floors, _ds4d, _fmt, _guarded, _ratio, _say, build, measure_ceilings
+    from ds4d.bench.model import Floors, _ds4d, _fmt, _guarded, _ratio, _say, base_config, build, measure_ceilings
     from ds4d.models.deepseek_v4.parallel import RandomWeights, build_parallel_model
 
     on_cpu = args.gpus.startswith("cpu:")
@@ -90,7 +90,7 @@ def run(args) -> int:
     sync = torch.cuda.synchronize if not on_cpu else (lambda: None)
     sync_all = (lambda: [torch.cuda.synchronize(g) for g in gpus]) if not on_cpu else (lambda: None)
 
-    base = json.loads(Path(args.config).read_text()) if args.config else (TINY if args.tiny else FLASH)
+    base = json.loads(Path(args.config).read_text()) if args.config else base_config(args.tiny)
     ratios = [int(x) for x in args.layers.split(",")]
     config = {**base, "num_hidden_layers": len(ratios), "compress_ratios": ratios}
     config.pop("quantization_config", None)

@@ -256,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     summary = summarize(results, wall_s)
     if args.json:
-        config = {k: v for k, v in vars(args).items() if k not in ("run", "api_key", "json")}
+        config = {k: v for k, v in vars(args).items() if k not in ("api_key", "json") and not callable(v)}
         Path(args.json).write_text(json.dumps({"config": {**config, "model": model}, "summary": summary,
                                                "results": [asdict(r) for r in results]}, indent=2))
     print()

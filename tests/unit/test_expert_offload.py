@@ -175,13 +175,13 @@ RANDOM_LAYERS = [0, 0, 4, 128]
 def _random_model(options: OffloadOptions | None = None):
     """A random model of small widths with float experts (the bank kind whose device form is the stored
     form), its experts adopted layer by layer as they are drawn when ``options`` is given."""
-    from ds4d.bench.model import TINY
+    from ds4d.bench.model import base_config
     from ds4d.models.deepseek_v4.config import DeepseekV4Config
     from ds4d.models.deepseek_v4.model import DeepseekV4Model
     from ds4d.models.deepseek_v4.random_init import RandomReader
     from ds4d.models.deepseek_v4.weights import read_weights
 
-    cfg = DeepseekV4Config.from_dict({**TINY, "num_hidden_layers": len(RANDOM_LAYERS),
+    cfg = DeepseekV4Config.from_dict({**base_config(tiny=True), "num_hidden_layers": len(RANDOM_LAYERS),
                                       "compress_ratios": RANDOM_LAYERS}, name="random-v4")
     reader = RandomReader(cfg, dtype=torch.float32, device="cpu", seed=5)
     offload = ExpertOffload(None, cfg, device="cpu", dtype=torch.float32, options=options) if options else None
