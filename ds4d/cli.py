@@ -97,8 +97,14 @@ def cmd_console(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
+    if args.family == "deepseek_v41":
+        if args.widths != "tiny":
+            raise PluginError("make-tiny --family deepseek_v41 writes tiny widths only")
+        from ds4d.models.deepseek_v41.make_tiny import main as make_tiny_v41
+
+        return make_tiny_v41(args)
     if args.family != "deepseek_v4":
-        raise PluginError(f"make-tiny knows only --family deepseek_v4, not {args.family!r}")
+        raise PluginError(f"make-tiny knows --family deepseek_v4 and deepseek_v41, not {args.family!r}")
     from ds4d.models.deepseek_v4.make_tiny import main_make_tiny
 
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
@@ -149,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
 
     tiny = sub.add_parser("make-tiny", help="write a random checkpoint in the official format")
-    tiny.add_argument("--family", default="deepseek_v4")
+    tiny.add_argument("--family", default="deepseek_v4", choices=["deepseek_v4", "deepseek_v41"])
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--layers", default="", help="comma-separated compress ratios, e.g. 0,4,128")

@@ -301,9 +301,21 @@ def test_make_tiny_writes_an_official_format_checkpoint(tiny_checkpoint):
     assert shards and {shard.name for shard in shards} == set(index["weight_map"].values())
 
 
-def test_make_tiny_knows_only_deepseek_v4(tmp_path):
+def test_make_tiny_writes_a_deepseek_v41_checkpoint(tmp_path):
+    out = tmp_path / "v41"
+    result = ds4d("make-tiny", "--family", "deepseek_v41", "--out", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"DeepSeek-V4.1 checkpoint to {out}" in result.stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v41" and config["text_config"]["engram_layer_ids"]
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert {shard.name for shard in out.glob("*.safetensors")} == set(index["weight_map"].values())
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_make_tiny_knows_only_the_deepseek_families(tmp_path):
     result = ds4d("make-tiny", "--family", "llama", "--out", str(tmp_path / "x"))
-    assert result.returncode == 2 and "--family deepseek_v4" in result.stderr
+    assert result.returncode == 2 and "deepseek_v41" in result.stderr
 
 
 def test_calibrate_writes_routing_counts(tiny_checkpoint, tmp_path):
