@@ -1,4 +1,4 @@
-"""Constrained decoding that forces one DeepSeek-V4 DSML tool call (``tool_choice``).
+"""Constrained decoding that forces one DeepSeek-V4 / V4.1 DSML tool call (``tool_choice``).
 
 ``tool_choice: "required"`` or ``{"type": "function", "function": {"name": ...}}``
 promises the client a tool call.  :func:`build_tool_constraint` returns a
@@ -12,8 +12,10 @@ weights included -- writes exactly one call the ``dsml`` parser accepts::
     </｜DSML｜invoke>
     </｜DSML｜tool_calls><｜end▁of▁sentence｜>
 
-The markup is byte-for-byte what the V4 encoder renders for an assistant call,
-so the next turn re-renders the same text.  The tool is the named one, or any of
+(V4.1 spells the tags with a leading space, ``<｜DSML｜ calls>``; the constraint
+takes the model's :class:`~ds4d.plugins.dsml_format.DsmlSpelling`.)  The markup is
+byte-for-byte what the encoder renders for an assistant call, so the next turn
+re-renders the same text.  The tool is the named one, or any of
 ``tools`` for ``"required"``.  The parameters are the tool's ``required`` ones,
 in schema order; optional parameters are left out.  Values by JSON-schema type:
 
@@ -53,18 +55,9 @@ import numpy as np
 import torch
 
 from ds4d.contracts import Tokenizer
-from ds4d.plugins.dsv4_encoder import (
-    DSML,
-    INVOKE_CLOSE,
-    PARAMETER_CLOSE,
-    THINK_END,
-    TOOL_CALLS_CLOSE,
-    TOOL_CALLS_OPEN,
-    to_json,
-)
+from ds4d.plugins.dsml_format import THINK_END, V4_SPELLING, DsmlSpelling, to_json
 from ds4d.plugins.token_table import DIGITS, TokenTable, partial_match, token_table
 
-CLOSE = PARAMETER_CLOSE.encode()
 _MAX_MERGED_OPTIONS = 64
 """Adjacent literal choices are multiplied out only up to this many alternatives."""
 
@@ -81,7 +74,8 @@ class _Lit:
 
 @dataclass(frozen=True)
 class _Text:
-    """A string value: free text ended by ``CLOSE`` (the next segment's options start with it)."""
+    """A string value: free text ended by the parameter's closing tag (the next segment's options
+    start with it)."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +96,7 @@ def _tool_function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     return function if isinstance(function, Mapping) else tool
 
 
-def _value_segment(schema: Any) -> tuple[bool, _Segment]:
+def _value_segment(schema: Any, close: bytes) -> tuple[bool, _Segment]:
     """(is a string value, segment) for one parameter's JSON schema."""
     if not isinstance(schema, Mapping):
         return True, _Text()
@@ -111,7 +105,7 @@ def _value_segment(schema: Any) -> tuple[bool, _Segment]:
         choices = [schema["const"]]
     if choices:
         if all(isinstance(c, str) for c in choices):
-            options = tuple(c.encode() for c in choices if CLOSE not in c.encode())
+            options = tuple(c.encode() for c in choices if close not in c.encode())
             if options:
                 return True, _Lit(options)
         else:
@@ -147,20 +141,20 @@ def _append(program: list[_Segment], segment: _Segment) -> None:
         program.append(segment)
 
 
-def _call_program(function: Mapping[str, Any], prefix: str) -> tuple[_Segment, ...]:
+def _call_program(function: Mapping[str, Any], prefix: str, spelling: DsmlSpelling) -> tuple[_Segment, ...]:
     name = function["name"]
+    close = spelling.parameter_close.encode()
     program: list[_Segment] = []
-    _append(program, _Lit(((prefix + f'<{DSML}invoke name="{name}">\n').encode(),)))
+    _append(program, _Lit(((prefix + spelling.invoke_open(name) + "\n").encode(),)))
     parameters = _required_parameters(function.get("parameters"))
     for param, schema in parameters:
-        is_string, value = _value_segment(schema)
-        flag = "true" if is_string else "false"
-        _append(program, _Lit((f'<{DSML}parameter name="{param}" string="{flag}">'.encode(),)))
+        is_string, value = _value_segment(schema, close)
+        _append(program, _Lit((spelling.parameter_open(param, is_string).encode(),)))
         _append(program, value)
-        _append(program, _Lit((CLOSE + b"\n",)))
+        _append(program, _Lit((close + b"\n",)))
     if not parameters:
         _append(program, _Lit((b"\n",)))
-    _append(program, _Lit((f"{INVOKE_CLOSE}\n{TOOL_CALLS_CLOSE}".encode(),)))
+    _append(program, _Lit((f"{spelling.invoke_close}\n{spelling.calls_close}".encode(),)))
     program.append(_End())
     return tuple(program)
 
@@ -179,7 +173,7 @@ class _Path:
     program: int
     segment: int
     offset: int = 0
-    """Bytes matched in a literal; CLOSE bytes matched at the end of a text value; digits so far."""
+    """Bytes matched in a literal; closing-tag bytes matched at the end of a text value; digits so far."""
     live: tuple[bytes, ...] = ()
     """A literal's options still consistent with the output."""
     leading_zero: bool = False
@@ -189,9 +183,10 @@ class DsmlCallConstraint:
     """TokenConstraint forcing one DSML call to one of ``functions`` (see the module docstring)."""
 
     def __init__(self, table: TokenTable, functions: Sequence[Mapping[str, Any]], *, prefix: str,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, spelling: DsmlSpelling = V4_SPELLING) -> None:
         self._table = table
-        self._programs = [_call_program(f, prefix) for f in functions]
+        self._close = spelling.parameter_close.encode()
+        self._programs = [_call_program(f, prefix, spelling) for f in functions]
         self._rest = [self._rest_costs(p) for p in self._programs]
         self._upper = [self._rest_upper(p) for p in self._programs]
         self._paths = {p for index in range(len(self._programs)) for p in self._enter(index, 0, b"")}
@@ -273,10 +268,10 @@ class DsmlCallConstraint:
         if isinstance(seg, _Lit):
             return self._in_literal(path.program, path.segment, path.offset, path.live, data)
         if isinstance(seg, _Text):
-            text = CLOSE[: path.offset] + data
-            found = text.find(CLOSE)
+            text = self._close[: path.offset] + data
+            found = text.find(self._close)
             if found < 0:
-                return [_Path(path.program, path.segment, partial_match(text, CLOSE))]
+                return [_Path(path.program, path.segment, partial_match(text, self._close))]
             return self._enter(path.program, path.segment + 1, text[found:])
         if isinstance(seg, _Digits):
             if not set(data) <= DIGITS:
@@ -319,9 +314,9 @@ class DsmlCallConstraint:
             return
         if isinstance(seg, _Text):
             closing = self._programs[path.program][path.segment + 1].options
-            worst = max(self._cost(_Path(path.program, path.segment, k)) for k in range(len(CLOSE)))
+            worst = max(self._cost(_Path(path.program, path.segment, k)) for k in range(len(self._close)))
             if free or worst <= self._left - 1:
-                mask[: table.vocab_size] |= table.free_text_mask(CLOSE, path.offset)
+                mask[: table.vocab_size] |= table.free_text_mask(self._close, path.offset)
             for option in closing:
                 for length, token_ids in table.prefixes(option, path.offset):
                     if free or self._fits(self._advance(path, option[path.offset : path.offset + length])):
@@ -379,19 +374,21 @@ def _forced_functions(tools: Sequence[Mapping[str, Any]], tool_choice: Any) -> l
 
 def build_tool_constraint(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any, *,
                           prompt_ends_in_reasoning: bool, max_tokens: int | None = None,
-                          table: TokenTable | None = None) -> DsmlCallConstraint | None:
+                          table: TokenTable | None = None,
+                          spelling: DsmlSpelling = V4_SPELLING) -> DsmlCallConstraint | None:
     """A constraint forcing one DSML call, or None for ``tool_choice`` "auto", "none" or absent.
 
     Raises ValueError (a client error) for a ``tool_choice`` that names no tool of
     the request, and when ``max_tokens`` is too small for any call to fit.
-    ``table`` defaults to the cached table of ``tokenizer``.
+    ``table`` defaults to the cached table of ``tokenizer``; ``spelling`` is the model's DSML
+    (V4's or V4.1's).
     """
     functions = _forced_functions(tools or (), tool_choice)
     if functions is None:
         return None
-    prefix = (THINK_END if prompt_ends_in_reasoning else "") + "\n\n" + TOOL_CALLS_OPEN + "\n"
+    prefix = (THINK_END if prompt_ends_in_reasoning else "") + "\n\n" + spelling.calls_open + "\n"
     constraint = DsmlCallConstraint(table or token_table(tokenizer), functions, prefix=prefix,
-                                    max_tokens=max_tokens)
+                                    max_tokens=max_tokens, spelling=spelling)
     if max_tokens is not None and constraint.min_tokens > max_tokens:
         raise ValueError(f"max_tokens={max_tokens} is too small for the forced tool call, "
                          f"which needs at least {int(constraint.min_tokens)} tokens")

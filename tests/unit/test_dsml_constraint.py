@@ -11,14 +11,15 @@ import torch
 from ds4d.engine.request import SamplingParams
 from ds4d.engine.sampler import Sampler
 from ds4d.models.hf_tokenizer import deepseek_v4_tokenizer
-from ds4d.plugins.dsml_constraint import CLOSE, build_tool_constraint
+from ds4d.plugins.dsml_constraint import build_tool_constraint
+from ds4d.plugins.dsml_format import V4_SPELLING
 from ds4d.plugins.dsml_tools import parse_completion
 from ds4d.plugins.dsv4_encoder import EOS, render_tool_calls
 from ds4d.plugins.token_table import token_table
 
 SEEDS = range(20)
 MAX_TOKENS = 120
-PARTIAL_CLOSE = CLOSE[:-1].decode()
+PARTIAL_CLOSE = V4_SPELLING.parameter_close[:-1]
 
 TOOLS = [
     {"type": "function", "function": {"name": "read", "description": "Read a file", "parameters": {
