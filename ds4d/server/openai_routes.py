@@ -12,7 +12,7 @@ from aiohttp import web
 from ds4d.contracts import ChatRenderRequest, KnownPrefix, RenderedPrompt, Tokenizer
 from ds4d.engine.client import EngineDead
 from ds4d.engine.request import EngineRequest, SamplingParams, TokenConstraint, TokenLogprob
-from ds4d.plugins.dsml_constraint import build_tool_constraint
+from ds4d.plugins.dsml_constraint import build_block_guard, build_tool_constraint
 from ds4d.plugins.dsml_tools import DsmlToolParser
 from ds4d.server.errors import ApiError, error_body, parse_json
 from ds4d.server.generation import Generation
@@ -129,6 +129,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     top = body.top_logprobs or 0
     params = _sampling(body, max_tokens, logprobs=top if body.logprobs else None, prompt_logprobs=None)
     constraint = await _tool_constraint(state, body, rendered, max_tokens)
+    forced = constraint is not None
+    if not forced:
+        constraint = await _markup_guard(state, body, max_tokens)
     if constraint is not None:
         params = dataclasses.replace(params, constraint=constraint)
     request_id = state.new_id("chatcmpl")
@@ -149,7 +152,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             log.warning("%s: malformed tool-call markup returned as content: %s", request_id, g.tool_error)
 
     gen = Generation(_open(state, request_id, prompt_ids, params, salt, rendered), state.tokenizer,
-                     prompt_tokens=len(prompt_ids), stops=[] if constraint is not None else body.stop_list(),
+                     prompt_tokens=len(prompt_ids), stops=[] if forced else body.stop_list(),
                      reasoning=reasoning_stream, tools=tools_stream, on_finish=finished)
     created = int(time.time())
     base = {"id": request_id, "created": created, "model": state.served_model_name}
@@ -231,6 +234,15 @@ async def _tool_constraint(state: ServingState, body: ChatCompletionRequest, ren
                                        spelling=state.tools.spelling)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="tool_choice", code="invalid_tool_choice") from None
+
+
+async def _markup_guard(state: ServingState, body: ChatCompletionRequest, max_tokens: int) -> TokenConstraint | None:
+    """``tool_markup_guard``: a tool-call block the model opens under tool_choice auto is written
+    as valid markup; under "none" none can open."""
+    if not state.config.tool_markup_guard or not isinstance(state.tools, DsmlToolParser):
+        return None
+    return await asyncio.to_thread(build_block_guard, state.tokenizer, body.tools or (), body.tool_choice,
+                                   spelling=state.tools.spelling, max_tokens=max_tokens)
 
 
 async def _send_error(sse: SseWriter, gen: Generation) -> None:

@@ -32,7 +32,7 @@ def served(tmp_path_factory):
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("tinyv4"), layers=[0, 4], seed=3)
     daemon = Daemon("--model", str(path), "--threads", "1", "--kv-cache-tokens", "4096", "--max-num-seqs", "2",
                     "--chat-encoder", "deepseek_v41", "--reasoning-parser", "deepseek_v41",
-                    "--tool-parser", "dsml_v41")
+                    "--tool-parser", "dsml_v41", "--tool-markup-guard")
     try:
         client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0, timeout=120)
         yield daemon, client, client.models.list().data[0].id, HFTokenizer(path / "tokenizer.json")
@@ -95,3 +95,15 @@ def test_forced_tool_call_is_v41_markup_and_parses(served):
     assert call.function.name == "read"
     assert set(json.loads(call.function.arguments)) == {"filePath"}
     assert "DSML" not in (message.content or "")
+
+
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_guarded_requests_generate_as_usual(served, choice):
+    """With tool_markup_guard the guard rides along auto and none requests; a random model that
+    opens no block is not held back."""
+    _, client, model_id, _ = served
+    reply = client.chat.completions.create(model=model_id, messages=MESSAGES, tools=[TOOL], tool_choice=choice,
+                                           max_tokens=12, temperature=0)
+    choice_out = reply.choices[0]
+    assert choice_out.finish_reason in ("length", "stop") and reply.usage.completion_tokens <= 12
+    assert "DSML" not in (choice_out.message.content or "")
