@@ -185,7 +185,7 @@ def build_tool_constraint(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any
     prefix = (THINK_END if prompt_ends_in_reasoning else "") + "\n\n" + spelling.calls_open + "\n"
     grammars = [Grammar.line(_call_program(f, prefix, spelling)) for f in functions]
     constraint = GrammarConstraint(table or token_table(tokenizer), grammars,
-                                    close=spelling.parameter_close.encode(), max_tokens=max_tokens)
+                                   close=spelling.parameter_close.encode(), max_tokens=max_tokens)
     if max_tokens is not None and constraint.min_tokens > max_tokens:
         raise ValueError(f"max_tokens={max_tokens} is too small for the forced tool call, "
                          f"which needs at least {int(constraint.min_tokens)} tokens")
@@ -287,10 +287,10 @@ class DsmlBlockGuard:
             self._completing[matched] = ids
         return ids
 
-    def _rest_after_opening(self, token_id: int) -> bytes | None:
+    def _rest_after_opening(self, token_id: int) -> bytes:
         text = self._opening[: self._matched] + self._table.token_bytes[token_id]
         found = text.find(self._opening)
-        return None if found < 0 else text[found + len(self._opening):]
+        return text[found + len(self._opening) :]
 
     def allowed_mask(self, vocab_size: int) -> torch.Tensor | None:
         if self._in_block:
@@ -332,7 +332,7 @@ def build_block_guard(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]] |
                       table: TokenTable | None = None) -> DsmlBlockGuard | None:
     """The guard for ``tool_choice`` "auto" (absent counts as auto) with tools, or "none"; None for
     a forced choice (see :func:`build_tool_constraint`) and for auto without tools."""
-    if tool_choice not in (None, "auto", "none"):
+    if tool_choice not in (None, "auto", "none") or (tool_choice != "none" and not tools):
         return None
     table = table or token_table(tokenizer)
     opening = spelling.calls_open.encode()
@@ -343,10 +343,8 @@ def build_block_guard(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]] |
         function = _tool_function(tool)
         if _valid_name(function.get("name")):
             functions.setdefault(function["name"], function)
-    if not tools:
-        return None
     block = None
     if functions:
         block = GrammarConstraint(table, [_block_grammar(list(functions.values()), spelling)],
-                                   close=spelling.parameter_close.encode())
+                                  close=spelling.parameter_close.encode())
     return DsmlBlockGuard(table, opening, block, max_tokens)

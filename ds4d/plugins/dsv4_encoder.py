@@ -134,7 +134,7 @@ def tool_function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     raise ValueError(f"tool without a function definition: {tool!r}")
 
 
-def call_arguments(call: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+def _call_arguments(call: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
     function = call.get("function") if isinstance(call.get("function"), Mapping) else call
     name = function.get("name")
     if not isinstance(name, str) or not name:
@@ -167,7 +167,7 @@ def _normalise(message: Mapping[str, Any]) -> dict[str, Any]:
             reasoning = message.get("reasoning")
         out["reasoning"] = content_text(reasoning, "") if reasoning is not None else None
         out["tool_calls"] = [
-            {"id": call.get("id") or "", "call": call_arguments(call)} for call in (message.get("tool_calls") or ())
+            {"id": call.get("id") or "", "call": _call_arguments(call)} for call in (message.get("tool_calls") or ())
         ]
     if role == "tool":
         out["tool_call_id"] = message.get("tool_call_id") or ""
@@ -209,11 +209,11 @@ def merge_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 merged.append(turn)
         else:
             merged.append(dict(message))
-    sort_tool_results(merged)
+    _sort_tool_results(merged)
     return merged
 
 
-def sort_tool_results(messages: list[dict[str, Any]]) -> None:
+def _sort_tool_results(messages: list[dict[str, Any]]) -> None:
     """Put tool results in the order of the latest assistant's calls (stable for unknown ids)."""
     call_order: dict[str, int] = {}
     for message in messages:
@@ -379,7 +379,7 @@ def render_messages(
 # --------------------------------------------------------------------------- plugin
 
 
-def optional_bool(value: Any) -> bool | None:
+def _optional_bool(value: Any) -> bool | None:
     if value is None:
         return None
     if isinstance(value, str):
@@ -422,7 +422,7 @@ class DeepseekV4ChatEncoder:
             return bool(request.thinking)
         kwargs = request.template_kwargs or {}
         for key in ("thinking", "enable_thinking", "thinking_mode"):
-            value = optional_bool(kwargs.get(key))
+            value = _optional_bool(kwargs.get(key))
             if value is not None:
                 return value
         return self.thinking_default
@@ -430,7 +430,7 @@ class DeepseekV4ChatEncoder:
     def resolve_drop_thinking(self, request: ChatRenderRequest) -> bool:
         drop = request.drop_thinking
         if drop is None:
-            drop = optional_bool((request.template_kwargs or {}).get("drop_thinking"))
+            drop = _optional_bool((request.template_kwargs or {}).get("drop_thinking"))
         return self.drop_thinking_default if drop is None else drop
 
     def render_text(self, request: ChatRenderRequest) -> str:
