@@ -243,6 +243,8 @@ class ChatEncoder(Protocol):
     """
 
     name: str
+    # optional class attributes ``reasoning_parser`` / ``tool_parser``: the parsers that read the
+    # output of the model this format belongs to; ``auto`` parsers follow them (else the family's)
 
     def render(self, request: ChatRenderRequest) -> RenderedPrompt: ...
 

@@ -326,13 +326,16 @@ def render_messages(
 class DeepseekV41ChatEncoder(DeepseekV4ChatEncoder):
     """ChatEncoder plugin ``deepseek_v41``: :func:`render_messages` plus tokenization.
 
-    Options as for ``deepseek_v4``.  Tokenization is the model's own tokenizer's; when
+    Options as for ``deepseek_v4``; parsers ``deepseek_v41`` and ``dsml_v41`` read the output.
+    Tokenization is the model's own tokenizer's; when
     it does not know ``<｜System｜>`` as one token (V4's tokenizer, used with this
     encoder before a V4.1 tokenizer is at hand) the text still renders exactly, the
     ids are not the model's, and a warning says so at start.
     """
 
     name = "deepseek_v41"
+    reasoning_parser = "deepseek_v41"
+    tool_parser = "dsml_v41"
 
     def __init__(
         self,

@@ -400,6 +400,8 @@ class DeepseekV4ChatEncoder:
     """
 
     name = "deepseek_v4"
+    reasoning_parser = "deepseek_v4"
+    tool_parser = "dsml"
 
     def __init__(
         self,

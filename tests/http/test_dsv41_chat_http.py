@@ -1,7 +1,7 @@
 """The DeepSeek-V4.1 chat protocol through a live daemon.
 
 No V4.1 checkpoint exists for ds4d yet, so this serves the tiny DeepSeek-V4 checkpoint with
-``chat_encoder = deepseek_v41`` (and the V4.1 parsers).  Its tokenizer is V4's, which has no
+``chat_encoder = deepseek_v41`` (the parsers, left on auto, follow the encoder: V4.1's).  Its tokenizer is V4's, which has no
 ``<｜System｜>`` token: the rendered text is V4.1's byte for byte, its ids are V4's tokenisation
 of that text.
 """
@@ -9,6 +9,7 @@ of that text.
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import openai
 import pytest
@@ -31,13 +32,20 @@ TOOL = {"type": "function", "function": {"name": "read", "description": "Read a 
 def served(tmp_path_factory):
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("tinyv4"), layers=[0, 4], seed=3)
     daemon = Daemon("--model", str(path), "--threads", "1", "--kv-cache-tokens", "4096", "--max-num-seqs", "2",
-                    "--chat-encoder", "deepseek_v41", "--reasoning-parser", "deepseek_v41",
-                    "--tool-parser", "dsml_v41", "--tool-markup-guard")
+                    "--chat-encoder", "deepseek_v41", "--tool-markup-guard")
     try:
         client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0, timeout=120)
         yield daemon, client, client.models.list().data[0].id, HFTokenizer(path / "tokenizer.json")
     finally:
         daemon.stop()
+
+
+def test_the_parsers_follow_the_encoder(served):
+    daemon = served[0]
+    with urllib.request.urlopen(daemon.url + "/v1/ds4d/stats", timeout=30) as reply:
+        plugins = json.loads(reply.read())["plugins"]
+    assert plugins["chat_encoder"] == plugins["reasoning_parser"] == "deepseek_v41"
+    assert plugins["tool_parser"] == "dsml_v41"
 
 
 def test_tokenize_shows_the_v41_rendering(served):
