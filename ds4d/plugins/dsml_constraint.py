@@ -145,15 +145,28 @@ def _valid_name(name: Any) -> bool:
 # --------------------------------------------------------------------------- entry point
 
 
-def _forced_functions(tools: Sequence[Mapping[str, Any]], tool_choice: Any) -> list[Mapping[str, Any]] | None:
-    """The functions a call may go to, or None when ``tool_choice`` forces nothing."""
-    if tool_choice is None or tool_choice in ("auto", "none"):
-        return None
+def _declared_functions(tools: Sequence[Mapping[str, Any]], spelling: DsmlSpelling) -> dict[str, Mapping[str, Any]]:
+    """The request's functions by the name the model writes (``ns::name`` for a namespaced V4.1 tool)."""
     functions: dict[str, Mapping[str, Any]] = {}
     for tool in tools or ():
         function = _tool_function(tool)
-        if _valid_name(function.get("name")):
-            functions.setdefault(function["name"], function)
+        name = function.get("name")
+        if spelling.namespaces and isinstance(name, str) and "::" not in name:
+            namespace = tool.get("namespace") if tool.get("namespace") is not None else function.get("namespace")
+            namespace = namespace.get("name") if isinstance(namespace, Mapping) else namespace
+            if isinstance(namespace, str) and namespace:
+                name = f"{namespace}::{name}"
+        if _valid_name(name):
+            functions.setdefault(name, {**function, "name": name})
+    return functions
+
+
+def _forced_functions(tools: Sequence[Mapping[str, Any]], tool_choice: Any,
+                      spelling: DsmlSpelling) -> list[Mapping[str, Any]] | None:
+    """The functions a call may go to, or None when ``tool_choice`` forces nothing."""
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return None
+    functions = _declared_functions(tools, spelling)
     if tool_choice == "required":
         if not functions:
             raise ValueError('tool_choice "required" needs at least one tool with a valid name')
@@ -162,9 +175,12 @@ def _forced_functions(tools: Sequence[Mapping[str, Any]], tool_choice: Any) -> l
         chosen = tool_choice.get("function") if isinstance(tool_choice.get("function"), Mapping) else tool_choice
         name = chosen.get("name")
         if tool_choice.get("type", "function") == "function" and isinstance(name, str):
-            if name not in functions:
-                raise ValueError(f"tool_choice names function {name!r}, which is not among the request's tools")
-            return [functions[name]]
+            bare = [f for qualified, f in functions.items() if qualified.rpartition("::")[2] == name]
+            if name in functions:
+                return [functions[name]]
+            if len(bare) == 1:  # a namespaced tool named without its namespace
+                return bare
+            raise ValueError(f"tool_choice names function {name!r}, which is not among the request's tools")
     raise ValueError(f"unsupported tool_choice {tool_choice!r}")
 
 
@@ -179,7 +195,7 @@ def build_tool_constraint(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any
     ``table`` defaults to the cached table of ``tokenizer``; ``spelling`` is the model's DSML
     (V4's or V4.1's).
     """
-    functions = _forced_functions(tools or (), tool_choice)
+    functions = _forced_functions(tools or (), tool_choice, spelling)
     if functions is None:
         return None
     prefix = (THINK_END if prompt_ends_in_reasoning else "") + "\n\n" + spelling.calls_open + "\n"
@@ -338,11 +354,7 @@ def build_block_guard(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]] |
     opening = spelling.calls_open.encode()
     if tool_choice == "none":
         return DsmlBlockGuard(table, opening, None, max_tokens)
-    functions: dict[str, Mapping[str, Any]] = {}
-    for tool in tools or ():
-        function = _tool_function(tool)
-        if _valid_name(function.get("name")):
-            functions.setdefault(function["name"], function)
+    functions = _declared_functions(tools, spelling)
     block = None
     if functions:
         block = GrammarConstraint(table, [_block_grammar(list(functions.values()), spelling)],

@@ -37,11 +37,14 @@ def to_json(value: Any) -> str:
 
 @dataclass(frozen=True)
 class DsmlSpelling:
-    """The tag names of one DSML spelling (``block`` wraps the calls of one turn)."""
+    """The tag names of one DSML spelling (``block`` wraps the calls of one turn), and whether
+    its tool names carry namespaces."""
 
     block: str
     invoke: str
     parameter: str
+    namespaces: bool = False
+    """Tool names may be namespaced, ``ns::name`` (V4.1)."""
 
     @property
     def calls_open(self) -> str:
@@ -127,4 +130,4 @@ class DsmlSpelling:
 
 
 V4_SPELLING = DsmlSpelling(block="tool_calls", invoke="invoke", parameter="parameter")
-V41_SPELLING = DsmlSpelling(block=" calls", invoke=" invoke", parameter=" parameter")
+V41_SPELLING = DsmlSpelling(block=" calls", invoke=" invoke", parameter=" parameter", namespaces=True)

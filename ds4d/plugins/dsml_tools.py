@@ -371,7 +371,7 @@ def parse_completion(text: str, thinking_mode: bool | str, spelling: DsmlSpellin
     calls = []
     for call in result.calls:
         namespace, name = (None, call.name)
-        if spelling is not V4_SPELLING:
+        if spelling.namespaces:
             namespace, separator, bare = call.name.partition("::")
             namespace, name = (namespace, bare) if separator else (None, call.name)
         calls.append({"type": "function", "function": {"name": name, "arguments": call.arguments}}

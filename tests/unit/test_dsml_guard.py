@@ -135,3 +135,22 @@ def test_which_requests_get_a_guard(tokenizer):
     assert build_block_guard(tokenizer, TOOLS, None) is not None
     assert build_block_guard(tokenizer, (), "none") is not None
     assert build_tool_constraint(tokenizer, TOOLS, "auto", prompt_ends_in_reasoning=False) is None
+
+
+def test_namespaced_v41_tools_are_called_by_their_qualified_names(tokenizer):
+    tools = [{"type": "function", "namespace": {"name": "fs", "description": "Files."},
+              "function": {"name": "read", "parameters": {"type": "object", "properties": {
+                  "filePath": {"type": "string"}}, "required": ["filePath"]}}}]
+    text = "\n\n" + V41_SPELLING.render_calls([("fs::read", {"filePath": "/a"})]) + EOS
+    guard = build_block_guard(tokenizer, tools, "auto", spelling=V41_SPELLING, max_tokens=100)
+    feed(guard, tokenizer, text)
+    message = parse_completion(text, False, V41_SPELLING)
+    assert message["tool_calls"][0]["function"]["name"] == "read" and message["tool_calls"][0]["namespace"] == "fs"
+    for choice in ("required", {"type": "function", "function": {"name": "read"}},
+                   {"type": "function", "function": {"name": "fs::read"}}):
+        forced = build_tool_constraint(tokenizer, tools, choice, prompt_ends_in_reasoning=False, max_tokens=60,
+                                       spelling=V41_SPELLING)
+        ids = sample(forced, tokenizer, 0, 60)
+        assert '<｜DSML｜ invoke name="fs::read">' in tokenizer.decode(ids)
+    v4 = build_tool_constraint(tokenizer, tools, "required", prompt_ends_in_reasoning=False, max_tokens=60)
+    assert '<｜DSML｜invoke name="read">' in tokenizer.decode(sample(v4, tokenizer, 0, 60))
