@@ -21,6 +21,7 @@ from ds4d.plugins.dsv41_encoder import (
 )
 
 VECTORS = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "dsv41_encoding.json").read_text("utf-8"))
+GENERATED = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "dsv41_generated.json").read_text("utf-8"))
 PROMPT_CASES = [c for c in VECTORS["extra"] if "expected_prompt" in c]
 COMPLETION_CASES = [c for c in VECTORS["extra"] if "expected_message" in c]
 BOS = "<｜begin▁of▁sentence｜>"
@@ -70,6 +71,13 @@ def test_extra_vectors_byte_exact(case: dict) -> None:
     assert got == case["expected_prompt"]
 
 
+@pytest.mark.parametrize("case", GENERATED["prompts"], ids=lambda c: c["name"])
+def test_generated_conversations_byte_exact(case: dict) -> None:
+    got = render_messages(case["messages"], case["tools"], case["thinking_mode"], case["drop_thinking"],
+                          case["reasoning_effort"])
+    assert got == case["expected_prompt"]
+
+
 @pytest.mark.parametrize("case", PROMPT_CASES, ids=lambda c: c["name"])
 def test_plugin_renders_like_the_function(case: dict) -> None:
     request = ChatRenderRequest(messages=tuple(case["messages"]), tools=tuple(case["tools"] or ()),
@@ -81,7 +89,7 @@ def test_plugin_renders_like_the_function(case: dict) -> None:
     assert prompt.ends_in_reasoning == (case["thinking_mode"] == "thinking")
 
 
-@pytest.mark.parametrize("case", COMPLETION_CASES, ids=lambda c: c["name"])
+@pytest.mark.parametrize("case", COMPLETION_CASES + GENERATED["completions"], ids=lambda c: c["name"])
 def test_completions_parse_as_the_release_does(case: dict) -> None:
     assert parse_completion(case["completion_text"], case["thinking_mode"], V41_SPELLING) == case["expected_message"]
 

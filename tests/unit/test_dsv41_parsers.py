@@ -65,6 +65,22 @@ def test_streamed_completions_equal_the_release_parser(v4: HFTokenizer, case: di
             assert isinstance(json.loads(call["function"]["arguments"]), dict)
 
 
+GENERATED = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "dsv41_generated.json").read_text("utf-8"))
+
+
+@pytest.mark.parametrize("case", GENERATED["completions"], ids=lambda c: c["name"])
+def test_streamed_generated_completions_equal_the_release_parser(case: dict) -> None:
+    """Namespaced calls stream with their qualified names; the release splits off the namespace."""
+    text = case["completion_text"].removesuffix(EOS)
+    expected = case["expected_message"]
+    qualified = [{"type": "function", "function": {**c["function"], "name": f"{c['namespace']}::{c['function']['name']}"
+                                                   if "namespace" in c else c["function"]["name"]}}
+                 for c in expected["tool_calls"]]
+    for seed in range(5):
+        message = parse(random_pieces(text, seed), case["thinking_mode"] == "thinking")
+        assert message == {**expected, "tool_calls": qualified}
+
+
 def test_typed_arguments_and_namespaced_names() -> None:
     text = (f'Plan.</think>\n\n<{P}calls>\n<{P}invoke name="fs::write">\n'
             f'<{P}parameter name="path" string="true">/a "b"</{P}parameter>\n'
