@@ -103,6 +103,8 @@ class ModelInfo:
     default_tool_parser: str = "none"
     chat_template: str | None = None
     """Jinja chat template carried by the checkpoint, if any."""
+    accepts_images: bool = False
+    """The model reads image content parts; a text-only model's server refuses them (HTTP 400)."""
     dtype: str = "float32"
     device: str = "cpu"
     parameter_bytes: int = 0
@@ -209,7 +211,9 @@ class ChatRenderRequest:
     thinking: bool | None = None
     """Thinking mode asked for (``chat_template_kwargs.thinking``); None = encoder default."""
     drop_thinking: bool | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: str | int | None = None
+    """``low``/``medium``/``high``/``max``/``xhigh`` or an integer 1-100 (the server checks the shape;
+    each encoder maps it onto its model's scale)."""
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
     known_prefix: KnownPrefix | None = field(default=None, compare=False)
@@ -239,6 +243,8 @@ class ChatEncoder(Protocol):
     """
 
     name: str
+    # optional class attributes ``reasoning_parser`` / ``tool_parser``: the parsers that read the
+    # output of the model this format belongs to; ``auto`` parsers follow them (else the family's)
 
     def render(self, request: ChatRenderRequest) -> RenderedPrompt: ...
 

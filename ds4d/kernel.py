@@ -231,9 +231,14 @@ class Kernel:
 
         plugins = {"model_family": loaded_model.family}
         encoder_name = info.default_chat_encoder if cfg.chat_encoder == "auto" else cfg.chat_encoder
-        reasoning_name = info.default_reasoning_parser if cfg.reasoning_parser == "auto" else cfg.reasoning_parser
-        tool_name = info.default_tool_parser if cfg.tool_parser == "auto" else cfg.tool_parser
-        encoder = resolve("chat_encoder", encoder_name)(self.ctx, {}, model.tokenizer, info)
+        encoder_factory = resolve("chat_encoder", encoder_name)
+        # auto parsers: those of the chat format (a DeepSeek-V4.1 encoder on a V4 checkpoint reads V4.1
+        # markup), else the family's
+        reasoning_name = getattr(encoder_factory, "reasoning_parser", info.default_reasoning_parser) \
+            if cfg.reasoning_parser == "auto" else cfg.reasoning_parser
+        tool_name = getattr(encoder_factory, "tool_parser", info.default_tool_parser) \
+            if cfg.tool_parser == "auto" else cfg.tool_parser
+        encoder = encoder_factory(self.ctx, {}, model.tokenizer, info)
         reasoning = resolve("reasoning_parser", reasoning_name)(self.ctx, {})
         tools = resolve("tool_parser", tool_name)(self.ctx, {})
         policy = resolve("scheduler_policy", cfg.scheduler_policy)(self.ctx, {})

@@ -24,15 +24,18 @@ BUILTINS: dict[str, dict[str, str]] = {
     "chat_encoder": {
         "jinja": "ds4d.plugins.jinja_encoder:JinjaChatEncoder",
         "deepseek_v4": "ds4d.plugins.dsv4_encoder:DeepseekV4ChatEncoder",
+        "deepseek_v41": "ds4d.plugins.dsv41_encoder:DeepseekV41ChatEncoder",
         "chatml": "ds4d.plugins.chatml_encoder:ChatMLEncoder",
     },
     "reasoning_parser": {
         "none": "ds4d.plugins.passthrough:NoReasoningParser",
         "deepseek_v4": "ds4d.plugins.dsv4_reasoning:DeepseekV4ReasoningParser",
+        "deepseek_v41": "ds4d.plugins.dsv4_reasoning:DeepseekV41ReasoningParser",
     },
     "tool_parser": {
         "none": "ds4d.plugins.passthrough:NoToolParser",
         "dsml": "ds4d.plugins.dsml_tools:DsmlToolParser",
+        "dsml_v41": "ds4d.plugins.dsml_tools:DsmlV41ToolParser",
     },
     "scheduler_policy": {
         "fcfs": "ds4d.plugins.scheduler_fcfs:FcfsPolicy",

@@ -1,4 +1,4 @@
-"""Constrained decoding that forces one DeepSeek-V4 DSML tool call (``tool_choice``).
+"""Constrained decoding of DeepSeek-V4 / V4.1 DSML tool calls (``tool_choice``).
 
 ``tool_choice: "required"`` or ``{"type": "function", "function": {"name": ...}}``
 promises the client a tool call.  :func:`build_tool_constraint` returns a
@@ -12,8 +12,10 @@ weights included -- writes exactly one call the ``dsml`` parser accepts::
     </｜DSML｜invoke>
     </｜DSML｜tool_calls><｜end▁of▁sentence｜>
 
-The markup is byte-for-byte what the V4 encoder renders for an assistant call,
-so the next turn re-renders the same text.  The tool is the named one, or any of
+(V4.1 spells the tags with a leading space, ``<｜DSML｜ calls>``; the constraint
+takes the model's :class:`~ds4d.plugins.dsml_format.DsmlSpelling`.)  The markup is
+byte-for-byte what the encoder renders for an assistant call, so the next turn
+re-renders the same text.  The tool is the named one, or any of
 ``tools`` for ``"required"``.  The parameters are the tool's ``required`` ones,
 in schema order; optional parameters are left out.  Values by JSON-schema type:
 
@@ -28,43 +30,39 @@ If the prompt leaves the model inside a reasoning block, ``</think>`` is forced
 first: the call is what the client asked for, and reasoning of unbounded length
 would make the promise depend on the model choosing to stop thinking.
 
-Matching is on token *bytes*, so any tokenization of the markup is accepted (the
-model's own merges included); literal text and markup never straddle a token,
-except that a value may end with the first bytes of its closing tag.  With
-``max_tokens`` the constraint also keeps the call finishable: once the budget
-left is close to the fewest tokens that can still complete the call, only tokens
-on such a shortest completion stay allowed, so the call always ends with
-end-of-sentence within ``max_tokens``.
+Under ``tool_choice`` "auto" (with ``tool_markup_guard``) :func:`build_block_guard`
+leaves the text free until the model itself completes the block's opening tag; from
+there the block is written as above except that it may hold several calls, each to a
+declared tool, naming declared parameters in any order and each at most once;
+numbers, arrays and objects are free JSON text (the parser keeps a value that is not
+JSON as a string).  So markup the model opens always reaches the client as tool
+calls, never as broken content.  Under "none" no token may complete the opening tag.
+
+Matching is on token *bytes* (:mod:`ds4d.plugins.dsml_grammar`), so any tokenization
+of the markup is accepted (the model's own merges included).  With ``max_tokens`` the
+call (or the block) always ends with end-of-sentence within ``max_tokens``.
 
 Cost: the tokenizer's :class:`~ds4d.plugins.token_table.TokenTable` is built
-once (about a second for the V4 vocabulary) and cached, so call this off the
+once (about a second for the V4 vocabulary) and cached, so call these off the
 event loop.  A step then costs well under a millisecond: a numpy mask copy and a
-few dictionary lookups.
+few dictionary lookups; the guard returns no mask at all while no token can
+complete the opening tag.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from ds4d.contracts import Tokenizer
-from ds4d.plugins.dsv4_encoder import (
-    DSML,
-    INVOKE_CLOSE,
-    PARAMETER_CLOSE,
-    THINK_END,
-    TOOL_CALLS_CLOSE,
-    TOOL_CALLS_OPEN,
-    to_json,
-)
-from ds4d.plugins.token_table import DIGITS, TokenTable, partial_match, token_table
+from ds4d.plugins.dsml_format import THINK_END, V4_SPELLING, DsmlSpelling, to_json
+from ds4d.plugins.dsml_grammar import Digits, End, Grammar, GrammarConstraint, Lit, Segment, Text
+from ds4d.plugins.token_table import TokenTable, partial_match, token_table
 
-CLOSE = PARAMETER_CLOSE.encode()
 _MAX_MERGED_OPTIONS = 64
 """Adjacent literal choices are multiplied out only up to this many alternatives."""
 
@@ -72,59 +70,34 @@ _MAX_MERGED_OPTIONS = 64
 # --------------------------------------------------------------------------- call grammar
 
 
-@dataclass(frozen=True)
-class _Lit:
-    """Literal bytes; several options = one of them (all lead to the same next segment)."""
-
-    options: tuple[bytes, ...]
-
-
-@dataclass(frozen=True)
-class _Text:
-    """A string value: free text ended by ``CLOSE`` (the next segment's options start with it)."""
-
-
-@dataclass(frozen=True)
-class _Digits:
-    """A non-negative JSON integer."""
-
-
-@dataclass(frozen=True)
-class _End:
-    """End-of-sentence."""
-
-
-_Segment = _Lit | _Text | _Digits | _End
-
-
 def _tool_function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     function = tool.get("function")
     return function if isinstance(function, Mapping) else tool
 
 
-def _value_segment(schema: Any) -> tuple[bool, _Segment]:
+def _value_segment(schema: Any, close: bytes) -> tuple[bool, Segment]:
     """(is a string value, segment) for one parameter's JSON schema."""
     if not isinstance(schema, Mapping):
-        return True, _Text()
+        return True, Text()
     choices = schema.get("enum")
     if not choices and "const" in schema:
         choices = [schema["const"]]
     if choices:
         if all(isinstance(c, str) for c in choices):
-            options = tuple(c.encode() for c in choices if CLOSE not in c.encode())
+            options = tuple(c.encode() for c in choices if close not in c.encode())
             if options:
-                return True, _Lit(options)
+                return True, Lit(options)
         else:
-            return False, _Lit(tuple(to_json(c).encode() for c in choices))
+            return False, Lit(tuple(to_json(c).encode() for c in choices))
     kind = schema.get("type")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
     fixed = {"boolean": (b"true", b"false"), "null": (b"null",), "array": (b"[]",), "object": (b"{}",)}
     if kind in ("integer", "number"):
-        return False, _Digits()
+        return False, Digits()
     if kind in fixed:
-        return False, _Lit(fixed[kind])
-    return True, _Text()
+        return False, Lit(fixed[kind])
+    return True, Text()
 
 
 def _required_parameters(parameters: Any) -> list[tuple[str, Any]]:
@@ -137,31 +110,31 @@ def _required_parameters(parameters: Any) -> list[tuple[str, Any]]:
     return [(name, properties.get(name)) for name in dict.fromkeys(ordered)]
 
 
-def _append(program: list[_Segment], segment: _Segment) -> None:
+def _append(program: list[Segment], segment: Segment) -> None:
     """Append, multiplying adjacent literals out while the alternatives stay few."""
     last = program[-1] if program else None
-    if isinstance(segment, _Lit) and isinstance(last, _Lit) and \
+    if isinstance(segment, Lit) and isinstance(last, Lit) and \
             len(last.options) * len(segment.options) <= _MAX_MERGED_OPTIONS:
-        program[-1] = _Lit(tuple(a + b for a in last.options for b in segment.options))
+        program[-1] = Lit(tuple(a + b for a in last.options for b in segment.options))
     else:
         program.append(segment)
 
 
-def _call_program(function: Mapping[str, Any], prefix: str) -> tuple[_Segment, ...]:
+def _call_program(function: Mapping[str, Any], prefix: str, spelling: DsmlSpelling) -> tuple[Segment, ...]:
     name = function["name"]
-    program: list[_Segment] = []
-    _append(program, _Lit(((prefix + f'<{DSML}invoke name="{name}">\n').encode(),)))
+    close = spelling.parameter_close.encode()
+    program: list[Segment] = []
+    _append(program, Lit(((prefix + spelling.invoke_open(name) + "\n").encode(),)))
     parameters = _required_parameters(function.get("parameters"))
     for param, schema in parameters:
-        is_string, value = _value_segment(schema)
-        flag = "true" if is_string else "false"
-        _append(program, _Lit((f'<{DSML}parameter name="{param}" string="{flag}">'.encode(),)))
+        is_string, value = _value_segment(schema, close)
+        _append(program, Lit((spelling.parameter_open(param, is_string).encode(),)))
         _append(program, value)
-        _append(program, _Lit((CLOSE + b"\n",)))
+        _append(program, Lit((close + b"\n",)))
     if not parameters:
-        _append(program, _Lit((b"\n",)))
-    _append(program, _Lit((f"{INVOKE_CLOSE}\n{TOOL_CALLS_CLOSE}".encode(),)))
-    program.append(_End())
+        _append(program, Lit((b"\n",)))
+    _append(program, Lit((f"{spelling.invoke_close}\n{spelling.calls_close}".encode(),)))
+    program.append(End())
     return tuple(program)
 
 
@@ -169,200 +142,31 @@ def _valid_name(name: Any) -> bool:
     return isinstance(name, str) and bool(name) and not any(ch in name for ch in '"<>')
 
 
-# --------------------------------------------------------------------------- the constraint
-
-
-@dataclass(frozen=True)
-class _Path:
-    """One way the output so far can still be read: position inside one program."""
-
-    program: int
-    segment: int
-    offset: int = 0
-    """Bytes matched in a literal; CLOSE bytes matched at the end of a text value; digits so far."""
-    live: tuple[bytes, ...] = ()
-    """A literal's options still consistent with the output."""
-    leading_zero: bool = False
-
-
-class DsmlCallConstraint:
-    """TokenConstraint forcing one DSML call to one of ``functions`` (see the module docstring)."""
-
-    def __init__(self, table: TokenTable, functions: Sequence[Mapping[str, Any]], *, prefix: str,
-                 max_tokens: int | None = None) -> None:
-        self._table = table
-        self._programs = [_call_program(f, prefix) for f in functions]
-        self._rest = [self._rest_costs(p) for p in self._programs]
-        self._upper = [self._rest_upper(p) for p in self._programs]
-        self._paths = {p for index in range(len(self._programs)) for p in self._enter(index, 0, b"")}
-        self._left = math.inf if max_tokens is None else max_tokens
-        self.finished = False
-        self.min_tokens = min(self._cost(p) for p in self._paths)
-        """Fewest tokens that complete the call from the start."""
-
-    # ------------------------------------------------------------------ costs
-
-    def _shortest(self, data: bytes) -> list[float]:
-        return self._table.shortest(data)
-
-    def _rest_costs(self, program: tuple[_Segment, ...]) -> list[float]:
-        """rest[i]: fewest tokens to finish from the start of segment i."""
-        rest = [0.0] * (len(program) + 1)
-        for i in range(len(program) - 1, -1, -1):
-            seg = program[i]
-            own = min(self._shortest(o)[0] for o in seg.options) if isinstance(seg, _Lit) else \
-                0 if isinstance(seg, _Text) else 1
-            rest[i] = own + rest[i + 1]
-        return rest
-
-    def _rest_upper(self, program: tuple[_Segment, ...]) -> list[float]:
-        """Like :meth:`_rest_costs` but counting a token per byte (an upper bound when every byte is a token)."""
-        if not self._table.every_byte_is_a_token:
-            return [math.inf] * (len(program) + 1)
-        upper = [0.0] * (len(program) + 1)
-        for i in range(len(program) - 1, -1, -1):
-            seg = program[i]
-            own = max(len(o) for o in seg.options) if isinstance(seg, _Lit) else 0 if isinstance(seg, _Text) else 1
-            upper[i] = own + upper[i + 1]
-        return upper
-
-    def _cost(self, path: _Path) -> float:
-        seg = self._programs[path.program][path.segment]
-        rest = self._rest[path.program]
-        if isinstance(seg, _Lit):
-            return min(self._shortest(o)[path.offset] for o in path.live) + rest[path.segment + 1]
-        if isinstance(seg, _Text):
-            closing = self._programs[path.program][path.segment + 1].options
-            return min(self._shortest(o)[path.offset] for o in closing) + rest[path.segment + 2]
-        if isinstance(seg, _Digits):
-            return (0 if path.offset else 1) + rest[path.segment + 1]
-        return 1  # _End
-
-    def _upper_cost(self, path: _Path) -> float:
-        seg = self._programs[path.program][path.segment]
-        upper = self._upper[path.program]
-        if isinstance(seg, _Lit):
-            return max(len(o) for o in path.live) - path.offset + upper[path.segment + 1]
-        return upper[path.segment]
-
-    # ------------------------------------------------------------------ moving along a program
-
-    def _enter(self, program: int, segment: int, data: bytes) -> list[_Path]:
-        """Paths after ``data`` was written from the start of ``segment`` (data stays inside it)."""
-        seg = self._programs[program][segment]
-        if isinstance(seg, _Lit):
-            return self._in_literal(program, segment, 0, seg.options, data)
-        if not data:
-            return [_Path(program, segment)]
-        return []  # a token never straddles into a value
-
-    def _in_literal(self, program: int, segment: int, offset: int, live: tuple[bytes, ...],
-                    data: bytes) -> list[_Path]:
-        end = offset + len(data)
-        paths: list[_Path] = []
-        matching = tuple(o for o in live if o[offset:end] == data and len(o) >= end)
-        if any(len(o) == end for o in matching):
-            paths.extend(self._enter(program, segment + 1, b""))
-        longer = tuple(o for o in matching if len(o) > end)
-        if longer:
-            paths.append(_Path(program, segment, end, longer))
-        return paths
-
-    def _advance(self, path: _Path, data: bytes) -> list[_Path]:
-        seg = self._programs[path.program][path.segment]
-        if isinstance(seg, _Lit):
-            return self._in_literal(path.program, path.segment, path.offset, path.live, data)
-        if isinstance(seg, _Text):
-            text = CLOSE[: path.offset] + data
-            found = text.find(CLOSE)
-            if found < 0:
-                return [_Path(path.program, path.segment, partial_match(text, CLOSE))]
-            return self._enter(path.program, path.segment + 1, text[found:])
-        if isinstance(seg, _Digits):
-            if not set(data) <= DIGITS:
-                return self._enter(path.program, path.segment + 1, data) if path.offset else []
-            if path.leading_zero or (not path.offset and data[0] == ord("0") and data != b"0"):
-                return []  # JSON numbers have no leading zeros
-            return [_Path(path.program, path.segment, path.offset + len(data),
-                          leading_zero=path.leading_zero or (not path.offset and data == b"0"))]
-        return []
-
-    # ------------------------------------------------------------------ TokenConstraint
-
-    def allowed_mask(self, vocab_size: int) -> torch.Tensor:
-        table = self._table
-        mask = np.zeros(max(vocab_size, table.vocab_size), dtype=bool)
-        ids: list[int] = []
-        if self.finished or not self._paths:
-            ids.extend(table.eos_ids)
-        for path in self._paths:
-            free = self._upper_cost(path) <= self._left - 1
-            self._collect(path, free, mask, ids)
-        mask[np.asarray(ids, dtype=np.int64)] = True
-        return torch.from_numpy(mask[:vocab_size])
-
-    def _fits(self, paths: list[_Path]) -> bool:
-        return any(self._cost(p) <= self._left - 1 for p in paths)
-
-    def _collect(self, path: _Path, free: bool, mask: np.ndarray, ids: list[int]) -> None:
-        """Add the tokens ``path`` allows (only budget-safe ones unless ``free``)."""
-        table = self._table
-        seg = self._programs[path.program][path.segment]
-        if isinstance(seg, _End):
-            ids.extend(table.eos_ids)
-            return
-        if isinstance(seg, _Lit):
-            for option in path.live:
-                for length, token_ids in table.prefixes(option, path.offset):
-                    if free or self._fits(self._advance(path, option[path.offset : path.offset + length])):
-                        ids.extend(token_ids)
-            return
-        if isinstance(seg, _Text):
-            closing = self._programs[path.program][path.segment + 1].options
-            worst = max(self._cost(_Path(path.program, path.segment, k)) for k in range(len(CLOSE)))
-            if free or worst <= self._left - 1:
-                mask[: table.vocab_size] |= table.free_text_mask(CLOSE, path.offset)
-            for option in closing:
-                for length, token_ids in table.prefixes(option, path.offset):
-                    if free or self._fits(self._advance(path, option[path.offset : path.offset + length])):
-                        ids.extend(token_ids)
-            return
-        # _Digits
-        rest = self._rest[path.program][path.segment + 1]
-        if not path.offset:
-            mask[: table.vocab_size] |= table.first_digit_mask
-            return
-        if not path.leading_zero and (free or rest <= self._left - 1):
-            mask[: table.vocab_size] |= table.digit_mask
-        for option in self._programs[path.program][path.segment + 1].options:
-            for length, token_ids in table.prefixes(option):
-                if free or self._fits(self._advance(path, option[:length])):
-                    ids.extend(token_ids)
-
-    def accept(self, token_id: int) -> None:
-        self._left -= 1
-        if self.finished:
-            return
-        if token_id in self._table.eos_ids:
-            self.finished = True
-            self._paths = set()
-            return
-        data = self._table.token_bytes[token_id] if 0 <= token_id < self._table.vocab_size else b""
-        self._paths = {n for p in self._paths for n in self._advance(p, data)} if data else set()
-
-
 # --------------------------------------------------------------------------- entry point
 
 
-def _forced_functions(tools: Sequence[Mapping[str, Any]], tool_choice: Any) -> list[Mapping[str, Any]] | None:
-    """The functions a call may go to, or None when ``tool_choice`` forces nothing."""
-    if tool_choice is None or tool_choice in ("auto", "none"):
-        return None
+def _declared_functions(tools: Sequence[Mapping[str, Any]], spelling: DsmlSpelling) -> dict[str, Mapping[str, Any]]:
+    """The request's functions by the name the model writes (``ns::name`` for a namespaced V4.1 tool)."""
     functions: dict[str, Mapping[str, Any]] = {}
     for tool in tools or ():
         function = _tool_function(tool)
-        if _valid_name(function.get("name")):
-            functions.setdefault(function["name"], function)
+        name = function.get("name")
+        if spelling.namespaces and isinstance(name, str) and "::" not in name:
+            namespace = tool.get("namespace") if tool.get("namespace") is not None else function.get("namespace")
+            namespace = namespace.get("name") if isinstance(namespace, Mapping) else namespace
+            if isinstance(namespace, str) and namespace:
+                name = f"{namespace}::{name}"
+        if _valid_name(name):
+            functions.setdefault(name, {**function, "name": name})
+    return functions
+
+
+def _forced_functions(tools: Sequence[Mapping[str, Any]], tool_choice: Any,
+                      spelling: DsmlSpelling) -> list[Mapping[str, Any]] | None:
+    """The functions a call may go to, or None when ``tool_choice`` forces nothing."""
+    if tool_choice is None or tool_choice in ("auto", "none"):
+        return None
+    functions = _declared_functions(tools, spelling)
     if tool_choice == "required":
         if not functions:
             raise ValueError('tool_choice "required" needs at least one tool with a valid name')
@@ -371,28 +175,188 @@ def _forced_functions(tools: Sequence[Mapping[str, Any]], tool_choice: Any) -> l
         chosen = tool_choice.get("function") if isinstance(tool_choice.get("function"), Mapping) else tool_choice
         name = chosen.get("name")
         if tool_choice.get("type", "function") == "function" and isinstance(name, str):
-            if name not in functions:
-                raise ValueError(f"tool_choice names function {name!r}, which is not among the request's tools")
-            return [functions[name]]
+            bare = [f for qualified, f in functions.items() if qualified.rpartition("::")[2] == name]
+            if name in functions:
+                return [functions[name]]
+            if len(bare) == 1:  # a namespaced tool named without its namespace
+                return bare
+            raise ValueError(f"tool_choice names function {name!r}, which is not among the request's tools")
     raise ValueError(f"unsupported tool_choice {tool_choice!r}")
 
 
 def build_tool_constraint(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any, *,
                           prompt_ends_in_reasoning: bool, max_tokens: int | None = None,
-                          table: TokenTable | None = None) -> DsmlCallConstraint | None:
+                          table: TokenTable | None = None,
+                          spelling: DsmlSpelling = V4_SPELLING) -> GrammarConstraint | None:
     """A constraint forcing one DSML call, or None for ``tool_choice`` "auto", "none" or absent.
 
     Raises ValueError (a client error) for a ``tool_choice`` that names no tool of
     the request, and when ``max_tokens`` is too small for any call to fit.
-    ``table`` defaults to the cached table of ``tokenizer``.
+    ``table`` defaults to the cached table of ``tokenizer``; ``spelling`` is the model's DSML
+    (V4's or V4.1's).
     """
-    functions = _forced_functions(tools or (), tool_choice)
+    functions = _forced_functions(tools or (), tool_choice, spelling)
     if functions is None:
         return None
-    prefix = (THINK_END if prompt_ends_in_reasoning else "") + "\n\n" + TOOL_CALLS_OPEN + "\n"
-    constraint = DsmlCallConstraint(table or token_table(tokenizer), functions, prefix=prefix,
-                                    max_tokens=max_tokens)
+    prefix = (THINK_END if prompt_ends_in_reasoning else "") + "\n\n" + spelling.calls_open + "\n"
+    grammars = [Grammar.line(_call_program(f, prefix, spelling)) for f in functions]
+    constraint = GrammarConstraint(table or token_table(tokenizer), grammars,
+                                   close=spelling.parameter_close.encode(), max_tokens=max_tokens)
     if max_tokens is not None and constraint.min_tokens > max_tokens:
         raise ValueError(f"max_tokens={max_tokens} is too small for the forced tool call, "
                          f"which needs at least {int(constraint.min_tokens)} tokens")
     return constraint
+
+
+# --------------------------------------------------------------------------- tool_choice auto / none
+
+
+def _block_values(schema: Any, close: bytes) -> list[tuple[bool, Segment]]:
+    """The ``(string flag, value)`` forms a parameter may take inside a block the model opened:
+    strings, enums, booleans and null as for a forced call; numbers, arrays and objects as free
+    JSON text (the parser keeps a value that is not JSON as a string); both flags when the schema
+    names no single type."""
+    is_string, value = _value_segment(schema, close)
+    if isinstance(value, Text):
+        typed = isinstance(schema, Mapping) and schema.get("type") == "string"
+        return [(True, value)] if typed else [(True, value), (False, Text())]
+    if isinstance(value, Digits) or (not is_string and value in (Lit((b"[]",)), Lit((b"{}",)))):
+        return [(False, Text())]
+    return [(is_string, value)]
+
+
+def _block_grammar(functions: Sequence[Mapping[str, Any]], spelling: DsmlSpelling) -> Grammar:
+    """A whole tool-call block after its opening tag: one or more calls to ``functions``, each
+    naming declared parameters at most once, then the closing tag and end-of-sentence."""
+    segments: list[Segment] = []
+    nexts: list[list[int]] = []
+    params: list[str | None] = []
+    opens: list[bool] = []
+
+    def add(segment: Segment, param: str | None = None, opens_call: bool = False) -> int:
+        segments.append(segment)
+        nexts.append([])
+        params.append(param)
+        opens.append(opens_call)
+        return len(segments) - 1
+
+    close = spelling.parameter_close.encode()
+    end = add(End())
+    block_close = add(Lit((f"\n{spelling.calls_close}".encode(),)))
+    nexts[block_close].append(end)
+    headers, call_ends = [], []
+    for function in functions:
+        header = add(Lit((f"\n{spelling.invoke_open(function['name'])}\n".encode(),)), opens_call=True)
+        headers.append(header)
+        empty_end = add(Lit((f"\n{spelling.invoke_close}".encode(),)))
+        value_end = add(Lit((close + f"\n{spelling.invoke_close}".encode(),)))
+        nexts[header].append(empty_end)
+        call_ends += [empty_end, value_end]
+        parameters = function.get("parameters")
+        properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
+        values: list[int] = []
+        follow: list[int] = []
+        for name, schema in (properties.items() if isinstance(properties, Mapping) else ()):
+            if not _valid_name(name):
+                continue
+            for is_string, value in _block_values(schema, close):
+                first = add(Lit((spelling.parameter_open(name, is_string).encode(),)), param=name)
+                later = add(Lit((close + b"\n" + spelling.parameter_open(name, is_string).encode(),)), param=name)
+                node = add(value)
+                nexts[header].append(first)
+                nexts[first].append(node)
+                nexts[later].append(node)
+                values.append(node)
+                follow.append(later)
+        for node in values:
+            nexts[node] += [*follow, value_end]
+    for call_end in call_ends:
+        nexts[call_end] += [*headers, block_close]
+    return Grammar(tuple(segments), tuple(tuple(n) for n in nexts), tuple(headers), tuple(params), tuple(opens))
+
+
+class DsmlBlockGuard:
+    """TokenConstraint for ``tool_choice`` "auto" and "none": text is free until the model
+    completes the block's opening tag; with ``block`` (auto) it may, and the rest of the block is
+    then written by ``block`` (declared tools and parameters, valid markup, closed within the
+    token budget); without (none) no token may complete it.  Costs nothing while no token can
+    complete the tag (no mask); the engine decodes a constrained request without look-ahead."""
+
+    def __init__(self, table: TokenTable, opening: bytes, block: GrammarConstraint | None,
+                 max_tokens: int | None = None) -> None:
+        self._table = table
+        self._opening = opening
+        self._block = block
+        self._in_block = False
+        self._matched = 0
+        """Bytes of the opening tag the text ends with."""
+        self._left = math.inf if max_tokens is None else max_tokens
+        self._completing: dict[int, list[int]] = {}
+
+    def _completing_tokens(self, matched: int) -> list[int]:
+        """Tokens that complete the opening tag after ``matched`` of its bytes (or hold all of it)."""
+        ids = self._completing.get(matched)
+        if ids is None:
+            table = self._table
+            free = table.free_text_mask(self._opening, matched)
+            ids = np.flatnonzero(table.text_mask & ~free).tolist()
+            self._completing[matched] = ids
+        return ids
+
+    def _rest_after_opening(self, token_id: int) -> bytes:
+        text = self._opening[: self._matched] + self._table.token_bytes[token_id]
+        found = text.find(self._opening)
+        return text[found + len(self._opening) :]
+
+    def allowed_mask(self, vocab_size: int) -> torch.Tensor | None:
+        if self._in_block:
+            return self._block.allowed_mask(vocab_size)
+        completing = self._completing_tokens(self._matched)
+        if not completing:
+            return None
+        banned = completing
+        if self._block is not None:
+            banned = [t for t in completing if not self._block.fits_after(self._rest_after_opening(t), self._left - 1)]
+            if not banned:
+                return None
+        mask = np.ones(max(vocab_size, self._table.vocab_size), dtype=bool)
+        mask[np.asarray(banned, dtype=np.int64)] = False
+        return torch.from_numpy(mask[:vocab_size])
+
+    def accept(self, token_id: int) -> None:
+        self._left -= 1
+        if self._in_block:
+            self._block.accept(token_id)
+            return
+        data = self._table.token_bytes[token_id] if 0 <= token_id < self._table.vocab_size else b""
+        text = self._opening[: self._matched] + data
+        found = text.find(self._opening) if data else -1
+        if found >= 0 and self._block is not None:
+            self._in_block = True
+            self._block.set_budget(self._left)
+            self._block.feed(text[found + len(self._opening):])
+            return
+        self._matched = partial_match(text, self._opening) if data else 0
+
+    @property
+    def in_block(self) -> bool:
+        return self._in_block
+
+
+def build_block_guard(tokenizer: Tokenizer, tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any, *,
+                      spelling: DsmlSpelling = V4_SPELLING, max_tokens: int | None = None,
+                      table: TokenTable | None = None) -> DsmlBlockGuard | None:
+    """The guard for ``tool_choice`` "auto" (absent counts as auto) with tools, or "none"; None for
+    a forced choice (see :func:`build_tool_constraint`) and for auto without tools."""
+    if tool_choice not in (None, "auto", "none") or (tool_choice != "none" and not tools):
+        return None
+    table = table or token_table(tokenizer)
+    opening = spelling.calls_open.encode()
+    if tool_choice == "none":
+        return DsmlBlockGuard(table, opening, None, max_tokens)
+    functions = _declared_functions(tools, spelling)
+    block = None
+    if functions:
+        block = GrammarConstraint(table, [_block_grammar(list(functions.values()), spelling)],
+                                  close=spelling.parameter_close.encode())
+    return DsmlBlockGuard(table, opening, block, max_tokens)

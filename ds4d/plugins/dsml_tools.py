@@ -1,4 +1,4 @@
-"""Streaming parser for DeepSeek-V4 DSML tool calls -> OpenAI tool-call deltas.
+"""Streaming parser for DeepSeek-V4 / V4.1 DSML tool calls -> OpenAI tool-call deltas.
 
 DeepSeek-V4 writes tool calls as a markup block after its content::
 
@@ -17,6 +17,10 @@ JSON-escaped and streamed as they arrive, other values are buffered until their
 closing tag so a value that turns out not to be JSON can still be sent as a
 string.  The arguments text is ``{"k": v, "k2": v2}`` (``", "`` and ``": "``
 separators), the same text the official parser produces.
+
+V4.1 writes the same tree with a leading space in each tag name
+(``<｜DSML｜ calls>``, ``<｜DSML｜ invoke ...>``); a stream takes the model's
+:class:`~ds4d.plugins.dsml_format.DsmlSpelling` (plugins ``dsml`` and ``dsml_v41``).
 
 The parser is a pure stream: it holds back only text that might be the start of
 a marker it is waiting for (a partial ``<｜DSML｜tool_calls>``, with up to two
@@ -38,7 +42,6 @@ Argument deltas already streamed for the broken block cannot be taken back.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -50,19 +53,9 @@ from ds4d.contracts import (
     ToolParseDelta,
     ToolParseResult,
 )
-from ds4d.plugins.dsv4_encoder import (
-    EOS,
-    INVOKE_CLOSE,
-    INVOKE_OPEN_PREFIX,
-    PARAMETER_CLOSE,
-    PARAMETER_OPEN_PREFIX,
-    TOOL_CALLS_CLOSE,
-    TOOL_CALLS_OPEN,
-    to_json,
-)
+from ds4d.plugins.dsml_format import V4_SPELLING, V41_SPELLING, DsmlSpelling, to_json
 
-_INVOKE_TAG = re.compile(r'<｜DSML｜invoke\s+name="([^"<>]+)"\s*>')
-_PARAMETER_TAG = re.compile(r'<｜DSML｜parameter\s+name="([^"<>]+)"(?:\s+string="(true|false)")?\s*>')
+EOS = "<｜end▁of▁sentence｜>"
 _MAX_TAG_CHARS = 2048
 _BLOCK_NEWLINES = 2
 """Newlines before ``<｜DSML｜tool_calls>`` that belong to the markup, not the content."""
@@ -113,7 +106,9 @@ class _DeltaBuilder:
 class DsmlToolCallStream:
     """One request's DSML tool-call stream (see the module docstring)."""
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]], parallel_tool_calls: bool = True) -> None:
+    def __init__(self, tools: Sequence[Mapping[str, Any]], parallel_tool_calls: bool = True,
+                 spelling: DsmlSpelling = V4_SPELLING) -> None:
+        self._spelling = spelling
         self._parallel = parallel_tool_calls
         self._text = ""
         self._pos = 0
@@ -192,9 +187,10 @@ class DsmlToolCallStream:
 
     def _step_content(self, out: _DeltaBuilder, final: bool) -> bool:
         text, pos = self._text, self._pos
-        found = text.find(TOOL_CALLS_OPEN, pos)
+        calls_open = self._spelling.calls_open
+        found = text.find(calls_open, pos)
         if found < 0:
-            hold = 0 if final else partial_suffix_length(text, (TOOL_CALLS_OPEN,), pos, _BLOCK_NEWLINES)
+            hold = 0 if final else partial_suffix_length(text, (calls_open,), pos, _BLOCK_NEWLINES)
             self._emit_content(out, text[pos : len(text) - hold])
             self._pos = len(text) - hold
             return False
@@ -203,7 +199,7 @@ class DsmlToolCallStream:
             start -= 1
         self._emit_content(out, text[pos:start])
         self._block_start = start
-        self._pos = found + len(TOOL_CALLS_OPEN)
+        self._pos = found + len(calls_open)
         self._state = _BLOCK
         return True
 
@@ -215,8 +211,10 @@ class DsmlToolCallStream:
         self._pos = pos
         if pos == len(text):
             return False
+        spelling = self._spelling
         heads = (
-            (INVOKE_OPEN_PREFIX, TOOL_CALLS_CLOSE) if self._state == _BLOCK else (PARAMETER_OPEN_PREFIX, INVOKE_CLOSE)
+            (spelling.invoke_open_prefix, spelling.calls_close) if self._state == _BLOCK
+            else (spelling.parameter_open_prefix, spelling.invoke_close)
         )
         close = text.find(">", pos, pos + _MAX_TAG_CHARS)
         fragment = text[pos : close + 1] if close >= 0 else text[pos : pos + _MAX_TAG_CHARS]
@@ -234,16 +232,16 @@ class DsmlToolCallStream:
         tag = fragment
         self._pos = close + 1
         if self._state == _BLOCK:
-            match = _INVOKE_TAG.fullmatch(tag)
+            match = spelling.invoke_tag.fullmatch(tag)
             if match:
                 self._open_call(out, match.group(1))
                 self._state = _INVOKE
-            elif tag == TOOL_CALLS_CLOSE:
+            elif tag == spelling.calls_close:
                 self._state = _CONTENT
             else:
                 self._fail(out, f"expected an invoke tag, got {tag[:80]!r}")
             return True
-        match = _PARAMETER_TAG.fullmatch(tag)
+        match = spelling.parameter_tag.fullmatch(tag)
         if match:
             name, string = match.group(1), match.group(2)
             if name in self._param_names:
@@ -256,7 +254,7 @@ class DsmlToolCallStream:
             if self._param_is_string:
                 self._emit_args(out, '"')
             self._state = _PARAM
-        elif tag == INVOKE_CLOSE:
+        elif tag == spelling.invoke_close:
             self._emit_args(out, "}" if self._param_names else "{}")
             self._close_call()
             self._state = _BLOCK
@@ -266,8 +264,9 @@ class DsmlToolCallStream:
 
     def _step_param(self, out: _DeltaBuilder, final: bool) -> bool:
         text, pos = self._text, self._pos
-        found = text.find(PARAMETER_CLOSE, pos)
-        end = found if found >= 0 else len(text) - partial_suffix_length(text, (PARAMETER_CLOSE,), pos)
+        close = self._spelling.parameter_close
+        found = text.find(close, pos)
+        end = found if found >= 0 else len(text) - partial_suffix_length(text, (close,), pos)
         chunk = text[pos:end]
         if self._param_is_string:
             if chunk:
@@ -277,7 +276,7 @@ class DsmlToolCallStream:
         if found < 0:
             self._pos = end
             return False
-        self._pos = found + len(PARAMETER_CLOSE)
+        self._pos = found + len(close)
         if self._param_is_string:
             self._emit_args(out, '"')
         else:
@@ -327,21 +326,36 @@ class DsmlToolParser:
     """ToolCallParser plugin ``dsml`` (DeepSeek-V4 tool-call markup)."""
 
     name = "dsml"
+    spelling = V4_SPELLING
 
     def __init__(self, ctx: PluginContext, options: Mapping[str, Any] | None = None) -> None:
         self._ctx = ctx
 
     def stream(self, *, tools: Sequence[Mapping[str, Any]], parallel_tool_calls: bool = True) -> DsmlToolCallStream:
-        return DsmlToolCallStream(tools, parallel_tool_calls)
+        return DsmlToolCallStream(tools, parallel_tool_calls, self.spelling)
 
 
-def parse_completion(text: str, thinking_mode: bool | str) -> dict[str, Any]:
+class DsmlV41ToolParser(DsmlToolParser):
+    """ToolCallParser plugin ``dsml_v41`` (DeepSeek-V4.1 markup: ``<｜DSML｜ calls>``).
+
+    A namespaced call comes out with its qualified name, ``ns::name``: OpenAI clients
+    have nowhere else to keep the namespace, and the V4.1 encoder splits the name
+    again when the call is replayed, so the next prompt renders the same bytes.
+    """
+
+    name = "dsml_v41"
+    spelling = V41_SPELLING
+
+
+def parse_completion(text: str, thinking_mode: bool | str, spelling: DsmlSpelling = V4_SPELLING) -> dict[str, Any]:
     """Parse one whole completion into an assistant message, as the official parser does.
 
     Returns ``{"role", "content", "reasoning_content", "tool_calls"}`` with
     OpenAI-shaped ``tool_calls`` (``type`` and ``function``; no ids).  Text after
     the first end-of-sentence token is ignored; malformed tool markup comes back
-    as content with no calls.
+    as content with no calls.  With V4.1's spelling a ``ns::name`` call is split
+    as the official V4.1 parser does: bare ``name``, and ``namespace`` beside
+    ``function``.
     """
     from ds4d.plugins.dsv4_reasoning import DeepseekV4ReasoningStream
 
@@ -349,16 +363,22 @@ def parse_completion(text: str, thinking_mode: bool | str) -> dict[str, Any]:
     end = text.find(EOS)
     if end >= 0:
         text = text[:end]
-    reasoning = DeepseekV4ReasoningStream(prompt_ends_in_reasoning=thinking)
+    reasoning = DeepseekV4ReasoningStream(prompt_ends_in_reasoning=thinking, tool_calls_open=spelling.calls_open)
     first, last = reasoning.feed(text), reasoning.finish()
-    tools = DsmlToolCallStream(tools=())
+    tools = DsmlToolCallStream(tools=(), spelling=spelling)
     tools.feed(first.content + last.content)
     _, result = tools.finish()
+    calls = []
+    for call in result.calls:
+        namespace, name = (None, call.name)
+        if spelling.namespaces:
+            namespace, separator, bare = call.name.partition("::")
+            namespace, name = (namespace, bare) if separator else (None, call.name)
+        calls.append({"type": "function", "function": {"name": name, "arguments": call.arguments}}
+                     | ({"namespace": namespace} if namespace is not None else {}))
     return {
         "role": "assistant",
         "content": result.content,
         "reasoning_content": first.reasoning + last.reasoning,
-        "tool_calls": [
-            {"type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in result.calls
-        ],
+        "tool_calls": calls,
     }

@@ -25,7 +25,9 @@ Rules worth knowing (all from the official encoder):
   reasoning is kept, so agent loops re-render byte-stable prompts.
 - Chat mode ends every user turn with ``<｜Assistant｜></think>``.
 - ``reasoning_effort="max"`` (thinking mode) puts a fixed instruction before the
-  first message; every other effort value renders like none.
+  first message; every other effort value renders like none.  ds4d also gives
+  that instruction for ``"xhigh"`` and the integer 100 (the top of the numeric
+  scale V4.1 uses), so one request shape means the same on both models.
 - A user message with ``task`` (quick-instruction classification) ends in that
   task's special token instead of the normal hand-over.
 
@@ -57,21 +59,20 @@ from ds4d.contracts import (
     Tokenizer,
     encode_prompt,
 )
+from ds4d.plugins.dsml_format import THINK_END, THINK_START, V4_SPELLING, DsmlSpelling, to_json
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
-THINK_START = "<think>"
-THINK_END = "</think>"
 USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 LATEST_REMINDER = "<｜latest_reminder｜>"
-DSML = "｜DSML｜"
-TOOL_CALLS_OPEN = f"<{DSML}tool_calls>"
-TOOL_CALLS_CLOSE = f"</{DSML}tool_calls>"
-INVOKE_OPEN_PREFIX = f"<{DSML}invoke"
-INVOKE_CLOSE = f"</{DSML}invoke>"
-PARAMETER_OPEN_PREFIX = f"<{DSML}parameter"
-PARAMETER_CLOSE = f"</{DSML}parameter>"
+SPELLING = V4_SPELLING
+TOOL_CALLS_OPEN = SPELLING.calls_open
+TOOL_CALLS_CLOSE = SPELLING.calls_close
+INVOKE_OPEN_PREFIX = SPELLING.invoke_open_prefix
+INVOKE_CLOSE = SPELLING.invoke_close
+PARAMETER_OPEN_PREFIX = SPELLING.parameter_open_prefix
+PARAMETER_CLOSE = SPELLING.parameter_close
 
 TASK_TOKENS = {
     "action": "<｜action｜>",
@@ -92,43 +93,11 @@ REASONING_EFFORT_MAX_PREFIX = (
     "unchecked.\n\n"
 )
 
-TOOLS_SECTION = f"""## Tools
-
-You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "<{DSML}tool_calls>" block like the following:
-
-<{DSML}tool_calls>
-<{DSML}invoke name="$TOOL_NAME">
-<{DSML}parameter name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{DSML}parameter>
-...
-</{DSML}invoke>
-<{DSML}invoke name="$TOOL_NAME2">
-...
-</{DSML}invoke>
-</{DSML}tool_calls>
-
-String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.
-
-If thinking_mode is enabled (triggered by {THINK_START}), you MUST output your complete reasoning inside {THINK_START}...{THINK_END} BEFORE any tool calls or final response.
-
-Otherwise, output directly after {THINK_END} with tool calls or final response.
-
-### Available Tool Schemas
-
-{{tool_schemas}}
-
-You MUST strictly follow the above defined tool name and parameter schemas to invoke tool calls.
-"""
-
 RESPONSE_FORMAT_SECTION = "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n{schema}"
 
 _ROLES = {"system", "developer", "user", "assistant", "tool", "latest_reminder"}
 # Roles that survive drop_thinking before the last user turn (assistants lose reasoning).
 _KEPT_BEFORE_LAST_USER = {"system", "user", "tool", "latest_reminder"}
-
-
-def to_json(value: Any) -> str:
-    """JSON as the official encoder writes it (``", "``/``": "`` separators, UTF-8 kept)."""
-    return json.dumps(value, ensure_ascii=False)
 
 
 # --------------------------------------------------------------------------- normalising input
@@ -155,7 +124,7 @@ def content_text(content: Any, separator: str = "\n\n") -> str:
     raise ValueError(f"unsupported message content of type {type(content).__name__}")
 
 
-def _tool_function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
+def tool_function(tool: Mapping[str, Any]) -> Mapping[str, Any]:
     """The function schema of an OpenAI tool object (bare function schemas pass through)."""
     function = tool.get("function")
     if isinstance(function, Mapping):
@@ -203,7 +172,7 @@ def _normalise(message: Mapping[str, Any]) -> dict[str, Any]:
     if role == "tool":
         out["tool_call_id"] = message.get("tool_call_id") or ""
     if message.get("tools"):
-        out["tools"] = [_tool_function(tool) for tool in message["tools"]]
+        out["tools"] = [tool_function(tool) for tool in message["tools"]]
     if message.get("response_format"):
         out["response_format"] = message["response_format"]
     task = message.get("task")
@@ -216,7 +185,7 @@ def _normalise(message: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _merge_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def merge_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Fold tool results and consecutive user messages into user turns made of blocks."""
     merged: list[dict[str, Any]] = []
     for message in messages:
@@ -280,28 +249,19 @@ def _drop_history_reasoning(messages: list[dict[str, Any]]) -> list[dict[str, An
 
 
 def render_tools(functions: Sequence[Mapping[str, Any]]) -> str:
-    return TOOLS_SECTION.format(tool_schemas="\n".join(to_json(f) for f in functions))
+    return SPELLING.tools_section(functions)
 
 
 def render_tool_calls(calls: Sequence[tuple[str, Mapping[str, Any]]]) -> str:
     """Assistant tool calls as a DSML block (without the leading blank line)."""
-    invokes = []
-    for name, arguments in calls:
-        params = []
-        for key, value in arguments.items():
-            is_string = isinstance(value, str)
-            params.append(
-                f'<{DSML}parameter name="{key}" string="{"true" if is_string else "false"}">'
-                f"{value if is_string else to_json(value)}{PARAMETER_CLOSE}"
-            )
-        invokes.append(f'<{DSML}invoke name="{name}">\n' + "\n".join(params) + f"\n{INVOKE_CLOSE}")
-    return f"{TOOL_CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{TOOL_CALLS_CLOSE}"
+    return SPELLING.render_calls(calls)
 
 
-def _system_extras(message: Mapping[str, Any]) -> str:
+def system_extras(message: Mapping[str, Any], spelling: DsmlSpelling = SPELLING) -> str:
+    """What a system message adds after its text: the tools section, the response format."""
     text = ""
     if message.get("tools"):
-        text += "\n\n" + render_tools(message["tools"])
+        text += "\n\n" + spelling.tools_section(message["tools"])
     if message.get("response_format"):
         text += "\n\n" + RESPONSE_FORMAT_SECTION.format(schema=to_json(message["response_format"]))
     return text
@@ -318,9 +278,9 @@ def _render_one(
     message = messages[index]
     role = message["role"]
     if role == "system":
-        text = message["content"] + _system_extras(message)
+        text = message["content"] + system_extras(message)
     elif role == "developer":
-        text = USER + message["content"] + _system_extras(message)
+        text = USER + message["content"] + system_extras(message)
     elif role == "user":
         text = USER + "\n\n".join(
             block[2] if block[0] == "text" else f"<tool_result>{block[2]}</tool_result>" for block in message["blocks"]
@@ -361,12 +321,20 @@ def drops_history_reasoning(messages: Sequence[Mapping[str, Any]], drop_thinking
     return drop_thinking and not any(m.get("tools") for m in messages)
 
 
+MAX_EFFORTS = ("max", "xhigh", 100)
+"""Efforts that get the V4 maximum-effort instruction; V4 knows no other level."""
+
+
+def effort_is_max(reasoning_effort: str | int | None) -> bool:
+    return reasoning_effort in MAX_EFFORTS and not isinstance(reasoning_effort, bool)
+
+
 def render_messages(
     messages: Sequence[Mapping[str, Any]],
     tools: Sequence[Mapping[str, Any]] | None = None,
     thinking_mode: bool | str = True,
     drop_thinking: bool = True,
-    reasoning_effort: str | None = None,
+    reasoning_effort: str | int | None = None,
     *,
     add_generation_prompt: bool = True,
     add_bos: bool = True,
@@ -387,20 +355,20 @@ def render_messages(
 
     normalised = [_normalise(m) for m in messages]
     if tools:
-        functions = [_tool_function(t) for t in tools]
+        functions = [tool_function(t) for t in tools]
         if normalised and normalised[0]["role"] == "system":
             normalised[0]["tools"] = list(normalised[0].get("tools") or ()) + functions
         else:
             normalised.insert(0, {"role": "system", "content": "", "tools": functions})
 
-    turns = _merge_tool_results(normalised)
+    turns = merge_tool_results(normalised)
     drop = drops_history_reasoning(turns, drop_thinking)
     if thinking and drop:
         turns = _drop_history_reasoning(turns)
 
     last_user = _last_user_index(turns)
     prompt = BOS if add_bos else ""
-    if turns and thinking and reasoning_effort == "max":
+    if turns and thinking and effort_is_max(reasoning_effort):
         prompt += REASONING_EFFORT_MAX_PREFIX
     for index in range(len(turns)):
         hand_over = add_generation_prompt or index + 1 < len(turns)
@@ -432,6 +400,8 @@ class DeepseekV4ChatEncoder:
     """
 
     name = "deepseek_v4"
+    reasoning_parser = "deepseek_v4"
+    tool_parser = "dsml"
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""Streaming split of DeepSeek-V4 output into reasoning and content.
+"""Streaming split of DeepSeek-V4 / V4.1 output into reasoning and content.
 
 In thinking mode the prompt ends with ``<｜Assistant｜><think>``, so generation
 starts inside the reasoning block and leaves it with ``</think>``; in chat mode
@@ -8,9 +8,9 @@ that opens its own ``<think>`` first.
 
 Rules:
 
-- Reasoning runs until ``</think>``.  A DSML ``<｜DSML｜tool_calls>`` block that
-  starts inside reasoning also ends it (the model sometimes skips ``</think>``
-  before calling a tool); the block, with the newlines right before it, goes to
+- Reasoning runs until ``</think>``.  A DSML ``<｜DSML｜tool_calls>`` block
+  (V4.1: ``<｜DSML｜ calls>``) that starts inside reasoning also ends it (the
+  model sometimes skips ``</think>`` before calling a tool); the block, with the newlines right before it, goes to
   content so the tool-call parser sees it.
 - ``<think>`` / ``</think>`` never reach either side: a stray ``<think>`` inside
   reasoning is dropped, and at the start of content (before any non-blank text)
@@ -31,7 +31,7 @@ from typing import Any
 
 from ds4d.contracts import PluginContext, ReasoningDelta
 from ds4d.plugins.dsml_tools import partial_suffix_length
-from ds4d.plugins.dsv4_encoder import THINK_END, THINK_START, TOOL_CALLS_OPEN
+from ds4d.plugins.dsml_format import THINK_END, THINK_START, V4_SPELLING, V41_SPELLING
 
 _BLOCK_NEWLINES = 2
 _REASONING, _CONTENT_START, _CONTENT = "reasoning", "content_start", "content"
@@ -40,7 +40,8 @@ _REASONING, _CONTENT_START, _CONTENT = "reasoning", "content_start", "content"
 class DeepseekV4ReasoningStream:
     """One request's reasoning/content split (see the module docstring)."""
 
-    def __init__(self, *, prompt_ends_in_reasoning: bool) -> None:
+    def __init__(self, *, prompt_ends_in_reasoning: bool, tool_calls_open: str = V4_SPELLING.calls_open) -> None:
+        self._tool_calls_open = tool_calls_open
         self._state = _REASONING if prompt_ends_in_reasoning else _CONTENT_START
         self._buf = ""
         self._finished = False
@@ -75,20 +76,21 @@ class DeepseekV4ReasoningStream:
 
     def _step_reasoning(self, reasoning: list[str], final: bool) -> bool:
         buf = self._buf
-        hits = [(buf.find(m), m) for m in (THINK_END, THINK_START, TOOL_CALLS_OPEN)]
+        calls_open = self._tool_calls_open
+        hits = [(buf.find(m), m) for m in (THINK_END, THINK_START, calls_open)]
         hits = [(i, m) for i, m in hits if i >= 0]
         if not hits:
             hold = 0
             if not final:
                 hold = max(
                     partial_suffix_length(buf, (THINK_END, THINK_START)),
-                    partial_suffix_length(buf, (TOOL_CALLS_OPEN,), 0, _BLOCK_NEWLINES),
+                    partial_suffix_length(buf, (calls_open,), 0, _BLOCK_NEWLINES),
                 )
             reasoning.append(buf[: len(buf) - hold])
             self._buf = buf[len(buf) - hold :]
             return False
         index, marker = min(hits)
-        if marker == TOOL_CALLS_OPEN:
+        if marker == calls_open:
             start = index
             while start > 0 and index - start < _BLOCK_NEWLINES and buf[start - 1] == "\n":
                 start -= 1
@@ -120,9 +122,18 @@ class DeepseekV4ReasoningParser:
     """ReasoningParser plugin ``deepseek_v4``."""
 
     name = "deepseek_v4"
+    tool_calls_open = V4_SPELLING.calls_open
 
     def __init__(self, ctx: PluginContext, options: Mapping[str, Any] | None = None) -> None:
         self._ctx = ctx
 
     def stream(self, *, prompt_ends_in_reasoning: bool) -> DeepseekV4ReasoningStream:
-        return DeepseekV4ReasoningStream(prompt_ends_in_reasoning=prompt_ends_in_reasoning)
+        return DeepseekV4ReasoningStream(prompt_ends_in_reasoning=prompt_ends_in_reasoning,
+                                         tool_calls_open=self.tool_calls_open)
+
+
+class DeepseekV41ReasoningParser(DeepseekV4ReasoningParser):
+    """ReasoningParser plugin ``deepseek_v41``: V4's rules, V4.1's ``<｜DSML｜ calls>`` block."""
+
+    name = "deepseek_v41"
+    tool_calls_open = V41_SPELLING.calls_open

@@ -12,7 +12,8 @@ from aiohttp import web
 from ds4d.contracts import ChatRenderRequest, KnownPrefix, RenderedPrompt, Tokenizer
 from ds4d.engine.client import EngineDead
 from ds4d.engine.request import EngineRequest, SamplingParams, TokenConstraint, TokenLogprob
-from ds4d.plugins.dsml_constraint import build_tool_constraint
+from ds4d.plugins.dsml_constraint import build_block_guard, build_tool_constraint
+from ds4d.plugins.dsml_tools import DsmlToolParser
 from ds4d.server.errors import ApiError, error_body, parse_json
 from ds4d.server.generation import Generation
 from ds4d.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Sampling
@@ -40,8 +41,24 @@ def _sampling(body: _Sampling, max_tokens: int, *, logprobs: int | None, prompt_
     )
 
 
+IMAGE_PARTS = ("image_url", "image", "input_image")
+
+
+def _refuse_images(state: ServingState, messages: list) -> None:
+    """A text-only model gets no image parts: a clear 400 rather than a prompt without the image."""
+    if state.info.accepts_images:
+        return
+    for i, message in enumerate(messages):
+        for j, part in enumerate(message.content if isinstance(message.content, list) else ()):
+            if isinstance(part, dict) and part.get("type") in IMAGE_PARTS:
+                raise ApiError(400, f"{state.served_model_name} is a text-only model: messages[{i}].content[{j}] "
+                               f"is an {part['type']} part", param=f"messages.{i}.content.{j}",
+                               code="unsupported_content")
+
+
 def _render(state: ServingState, messages: list, tools: list | None, kwargs: dict | None,
-            effort: str | None, known_prefix: KnownPrefix | None = None) -> RenderedPrompt:
+            effort: str | int | None, known_prefix: KnownPrefix | None = None) -> RenderedPrompt:
+    _refuse_images(state, messages)
     kwargs = dict(kwargs or {})
     thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))
     drop = kwargs.get("drop_thinking")
@@ -112,6 +129,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     top = body.top_logprobs or 0
     params = _sampling(body, max_tokens, logprobs=top if body.logprobs else None, prompt_logprobs=None)
     constraint = await _tool_constraint(state, body, rendered, max_tokens)
+    forced = constraint is not None
+    if not forced:
+        constraint = await _markup_guard(state, body, max_tokens)
     if constraint is not None:
         params = dataclasses.replace(params, constraint=constraint)
     request_id = state.new_id("chatcmpl")
@@ -132,7 +152,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             log.warning("%s: malformed tool-call markup returned as content: %s", request_id, g.tool_error)
 
     gen = Generation(_open(state, request_id, prompt_ids, params, salt, rendered), state.tokenizer,
-                     prompt_tokens=len(prompt_ids), stops=[] if constraint is not None else body.stop_list(),
+                     prompt_tokens=len(prompt_ids), stops=[] if forced else body.stop_list(),
                      reasoning=reasoning_stream, tools=tools_stream, on_finish=finished)
     created = int(time.time())
     base = {"id": request_id, "created": created, "model": state.served_model_name}
@@ -205,14 +225,24 @@ async def _tool_constraint(state: ServingState, body: ChatCompletionRequest, ren
     """``tool_choice`` "required" or a named function: constrained decoding forces one valid call."""
     if body.tool_choice in (None, "auto", "none"):
         return None
-    if state.plugins.get("tool_parser") != "dsml":
+    if not isinstance(state.tools, DsmlToolParser):
         raise ApiError(400, f"tool_choice {body.tool_choice!r} needs a model with DSML tool calls (DeepSeek-V4)",
                        param="tool_choice", code="unsupported_tool_choice")
     try:  # the first call builds the tokenizer's byte table (about a second): keep it off the event loop
         return await asyncio.to_thread(build_tool_constraint, state.tokenizer, body.tools or (), body.tool_choice,
-                                       prompt_ends_in_reasoning=rendered.ends_in_reasoning, max_tokens=max_tokens)
+                                       prompt_ends_in_reasoning=rendered.ends_in_reasoning, max_tokens=max_tokens,
+                                       spelling=state.tools.spelling)
     except ValueError as exc:
         raise ApiError(400, str(exc), param="tool_choice", code="invalid_tool_choice") from None
+
+
+async def _markup_guard(state: ServingState, body: ChatCompletionRequest, max_tokens: int) -> TokenConstraint | None:
+    """``tool_markup_guard``: a tool-call block the model opens under tool_choice auto is written
+    as valid markup; under "none" none can open."""
+    if not state.config.tool_markup_guard or not isinstance(state.tools, DsmlToolParser):
+        return None
+    return await asyncio.to_thread(build_block_guard, state.tokenizer, body.tools or (), body.tool_choice,
+                                   spelling=state.tools.spelling, max_tokens=max_tokens)
 
 
 async def _send_error(sse: SseWriter, gen: Generation) -> None:

@@ -7,9 +7,9 @@ rejected with a 400 naming the field.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 
 # the widest integer an OpenAI client's typed fields hold (int64); a larger count or seed is a client
@@ -53,6 +53,28 @@ class _Sampling(_Base):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
 
+REASONING_EFFORT_LEVELS = ("low", "medium", "high", "max", "xhigh")
+
+
+def _reasoning_effort(value: Any) -> str | int | None:
+    """A level name or an integer 1-100 (a decimal string of one is taken as the integer);
+    what each means is the chat encoder's business (README: reasoning effort)."""
+    if value is None or value in REASONING_EFFORT_LEVELS:
+        return value
+    if isinstance(value, str) and value.isascii() and value.isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 100:
+        return value
+    raise ValueError(f"must be one of {', '.join(REASONING_EFFORT_LEVELS)} or an integer from 1 to 100, "
+                     f"not {value!r}"[:200])
+
+
+ReasoningEffort = Annotated[
+    Literal["low", "medium", "high", "max", "xhigh"] | Annotated[int, Field(ge=1, le=100)] | None,
+    BeforeValidator(_reasoning_effort),
+]
+
+
 class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant", "tool", "latest_reminder"]
     content: str | list[dict[str, Any]] | None = None
@@ -73,7 +95,7 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort = None
 
     def output_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -104,7 +126,7 @@ class TokenizeRequest(_Base):
     messages: list[ChatMessage] | None = None
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: ReasoningEffort = None
     add_special_tokens: bool = False
 
 

@@ -36,6 +36,12 @@ MARKED_UP_TEXTS = [
         "</｜DSML｜invoke>\n</｜DSML｜tool_calls>"
     ),
     'Content.\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f"',
+    (  # V4.1 spelling
+        '<think>r</think>\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="ns::f">\n'
+        '<｜DSML｜ parameter name="a" string="true">x < y</｜DSML｜ parameter>\n'
+        "</｜DSML｜ invoke>\n</｜DSML｜ calls>"
+    ),
+    'Content.\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name="f"',
 ]
 
 

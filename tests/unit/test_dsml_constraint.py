@@ -11,14 +11,15 @@ import torch
 from ds4d.engine.request import SamplingParams
 from ds4d.engine.sampler import Sampler
 from ds4d.models.hf_tokenizer import deepseek_v4_tokenizer
-from ds4d.plugins.dsml_constraint import CLOSE, build_tool_constraint
+from ds4d.plugins.dsml_constraint import build_tool_constraint
+from ds4d.plugins.dsml_format import V4_SPELLING, V41_SPELLING
 from ds4d.plugins.dsml_tools import parse_completion
 from ds4d.plugins.dsv4_encoder import EOS, render_tool_calls
 from ds4d.plugins.token_table import token_table
 
 SEEDS = range(20)
 MAX_TOKENS = 120
-PARTIAL_CLOSE = CLOSE[:-1].decode()
+PARTIAL_CLOSE = V4_SPELLING.parameter_close[:-1]
 
 TOOLS = [
     {"type": "function", "function": {"name": "read", "description": "Read a file", "parameters": {
@@ -63,9 +64,9 @@ def drive(tokenizer, constraint, seed: int, max_tokens: int = MAX_TOKENS) -> lis
     return ids
 
 
-def check_call(text: str, thinking: bool, allowed: set[str]) -> dict:
+def check_call(text: str, thinking: bool, allowed: set[str], spelling=V4_SPELLING) -> dict:
     assert text.endswith(EOS)
-    message = parse_completion(text, thinking)
+    message = parse_completion(text, thinking, spelling)
     assert message["content"] == "" and message["reasoning_content"] == ""
     assert len(message["tool_calls"]) == 1, text
     call = message["tool_calls"][0]["function"]
@@ -110,6 +111,17 @@ def test_required_random_logits(tokenizer):
         assert len(ids) <= MAX_TOKENS and constraint.finished
         names.append(check_call(tokenizer.decode(ids), thinking, set(SCHEMAS))["name"])
     assert set(names) == set(SCHEMAS), names  # every tool is reachable
+
+
+def test_required_random_logits_in_v41_spelling(tokenizer):
+    for seed in SEEDS[:6]:
+        thinking = seed % 2 == 1
+        constraint = build_tool_constraint(tokenizer, TOOLS, "required", prompt_ends_in_reasoning=thinking,
+                                           max_tokens=MAX_TOKENS, spelling=V41_SPELLING)
+        ids = drive(tokenizer, constraint, 2000 + seed)
+        text = tokenizer.decode(ids)
+        assert constraint.finished and "\n\n<｜DSML｜ calls>\n<｜DSML｜ invoke name=" in text
+        check_call(text, thinking, set(SCHEMAS), V41_SPELLING)
 
 
 def test_through_the_engine_sampler(tokenizer):

@@ -217,6 +217,13 @@ def test_effort_task_and_generation_prompt_options() -> None:
     assert bare == "<｜begin▁of▁sentence｜>S<｜User｜>U"
 
 
+def test_numeric_and_alias_efforts_on_v4() -> None:
+    messages = [{"role": "user", "content": "U"}]
+    with_max = [e for e in ("low", "medium", "high", "max", "xhigh", 1, 50, 99, 100, None)
+                if REASONING_EFFORT_MAX_PREFIX in render_messages(messages, None, True, True, e)]
+    assert with_max == ["max", "xhigh", 100]
+
+
 def test_invalid_input_is_rejected() -> None:
     with pytest.raises(ValueError, match="role"):
         render_messages([{"role": "robot", "content": "x"}], None, True, True, None)
