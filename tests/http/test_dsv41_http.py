@@ -81,3 +81,15 @@ def test_two_requests_at_once_give_what_each_gives_alone(served, golden):
     with ThreadPoolExecutor(2) as pool:
         together = list(pool.map(complete, prompts))
     assert together == alone
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"DS4D_EXPERT_VRAM_GIB": "1"}, "expert_vram_gib > 0 (no expert offload for V4.1 yet)"),
+    ({"DS4D_GPUS": "cpu:2"}, "the deepseek_v41 model family cannot be split over processes"),
+])
+def test_offload_and_split_are_refused_at_start(tmp_path, env, message):
+    for file in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / file).symlink_to(FIXTURE / file)
+    with pytest.raises(RuntimeError, match="exited during start") as failed:
+        Daemon("--model", str(tmp_path), "--threads", "1", env=env, startup_timeout=60)
+    assert message in str(failed.value)
