@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from ds4d.cache.blocks import BlockPool
+from ds4d.cache.disk import DiskTier
 from ds4d.cache.manager import PrefixCache
 from ds4d.cache.ram import RamTier
 from ds4d.contracts import BlockCopyModel, ForwardBatch, Model, PluginContext, SeqChunk, StatefulModel
@@ -52,10 +53,13 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / want.abs().max())
 
 
-def engine(model, *, num_blocks=24, max_seqs=2, prefill_chunk=512, step_tokens=512, prefix=True, ram_blocks=0):
+def engine(model, *, num_blocks=24, max_seqs=2, prefill_chunk=512, step_tokens=512, prefix=True, ram_blocks=0,
+           disk_dir=None):
     model.allocate_cache(num_blocks, max_seqs)
     pool = BlockPool(num_blocks, BLOCK, prefix_caching=prefix)
     tiers = [RamTier(None, {"budget_bytes": ram_blocks * model.info.cache_bytes_per_block})] if ram_blocks else []
+    if disk_dir is not None:
+        tiers.append(DiskTier(None, {"directory": str(disk_dir), "budget_bytes": 1 << 30, "compat_hash": b"v41"}))
     cache = PrefixCache(pool, tiers=tiers, model=model, block_bytes=model.info.cache_bytes_per_block)
     policy = FcfsPolicy(PluginContext(types.SimpleNamespace(), logging.getLogger("t")), {})
     sched = Scheduler(pool, policy, max_num_seqs=max_seqs, step_tokens=step_tokens, prefill_chunk=prefill_chunk,
@@ -138,6 +142,21 @@ def test_second_turn_reuses_a_state_checkpoint_exactly(case, ram_blocks):
     assert cached2 == len(turn1) + len(gen1) - 1
     if ram_blocks:
         assert core.scheduler.cache.stats()["copies"]["promoted_blocks"] >= 1
+    cold, cold_outputs = engine(model, prefix=False)
+    assert serve(cold, cold_outputs, "cold", turn2, 8)[0] == gen2
+
+
+def test_restart_resumes_from_disk_blocks_and_saved_checkpoints(case, tmp_path):
+    model, golden = case
+    turn1 = golden["prompt_ids"].tolist()
+    core, outputs = engine(model, disk_dir=tmp_path)
+    gen1, _ = serve(core, outputs, "t1", turn1, 8)
+    core.scheduler.cache.flush()  # what a graceful shutdown does once the engine thread stopped
+    assert core.scheduler.cache.checkpoint_file[0].exists()
+    turn2 = turn1 + gen1 + other_prompt(golden)[:11]
+    restarted, restarted_outputs = engine(model, disk_dir=tmp_path)  # a fresh pool: only the disk remembers
+    gen2, cached2 = serve(restarted, restarted_outputs, "t2", turn2, 8)
+    assert cached2 == len(turn1) + len(gen1) - 1
     cold, cold_outputs = engine(model, prefix=False)
     assert serve(cold, cold_outputs, "cold", turn2, 8)[0] == gen2
 
