@@ -93,3 +93,21 @@ def test_offload_and_split_are_refused_at_start(tmp_path, env, message):
     with pytest.raises(RuntimeError, match="exited during start") as failed:
         Daemon("--model", str(tmp_path), "--threads", "1", env=env, startup_timeout=60)
     assert message in str(failed.value)
+
+
+def test_a_second_turn_reuses_the_first_and_continues_as_computed_cold(served, golden):
+    _, client, model_id = served
+    ids = golden["prompt_ids"].tolist()
+    body = {"ignore_eos": True, "cache_salt": "turns"}
+    first = client.completions.create(model=model_id, prompt=ids[:30], max_tokens=6, temperature=0, logprobs=0,
+                                      extra_body=body)
+    tokenizer = HFTokenizer(FIXTURE / "tokenizer.json")
+    generated = [tokenizer.token_to_id(t) for t in first.choices[0].logprobs.tokens]
+    assert None not in generated and tokenizer.decode(generated) == first.choices[0].text
+    turn2 = ids[:30] + generated + ids[30:]
+    warm = client.completions.create(model=model_id, prompt=turn2, max_tokens=6, temperature=0, extra_body=body)
+    assert warm.usage.prompt_tokens_details.cached_tokens == 30 + 6 - 1
+    cold = client.completions.create(model=model_id, prompt=turn2, max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True, "cache_salt": "cold"})
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.choices[0].text == cold.choices[0].text
