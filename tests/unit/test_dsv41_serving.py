@@ -118,11 +118,12 @@ def test_two_sequences_in_one_step_equal_each_alone(case):
     assert solo["a"] == golden["greedy_ids"].tolist()[:12]
 
 
-def test_preemption_then_recompute_equals_uninterrupted(case):
+@pytest.mark.parametrize("prefix", [False, True])
+def test_preemption_then_recompute_equals_uninterrupted(case, prefix):
     model, golden = case
     prompts = {"a": golden["prompt_ids"].tolist(), "b": other_prompt(golden)}
     solo = {rid: serve(*engine(model), rid, p, 24)[0] for rid, p in prompts.items()}
-    core, outputs = engine(model, num_blocks=6, prefix=False)  # 6 x 16 tokens: the two cannot both finish
+    core, outputs = engine(model, num_blocks=6, prefix=prefix)  # 6 x 16 tokens: the two cannot both finish
     tokens, _, _ = run(core, outputs, [req(rid, p, 24) for rid, p in prompts.items()])
     assert core.scheduler.preemptions_total > 0
     assert tokens == solo
