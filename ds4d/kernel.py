@@ -131,6 +131,12 @@ def check_split_family(family: str | None, gpus: str) -> None:
                           f"(only {', '.join(SPLIT_FAMILIES)}); leave gpus empty")
 
 
+def check_offload_family(family: str, expert_vram_gib: float) -> None:
+    if expert_vram_gib > 0 and family not in SPLIT_FAMILIES:
+        raise PluginError(f"expert_vram_gib={expert_vram_gib:g}: the {family} model family cannot offload experts "
+                          f"(only {', '.join(SPLIT_FAMILIES)}); set it to 0")
+
+
 def _model_type(path: Path) -> str | None:
     """``model_type`` of a checkpoint directory's config.json, mapped to its family name (None if unreadable)."""
     try:
@@ -177,6 +183,7 @@ class Kernel:
         name = self.config.model_family
         if name == "auto":
             name = self._detect_family(path)
+        check_offload_family(name, self.config.expert_vram_gib)
         if self.config.gpus:
             return LoadedModel(self._load_parallel(path, name), name, path)
         family = resolve("model_family", name)(self.ctx, {})

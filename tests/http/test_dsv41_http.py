@@ -84,7 +84,7 @@ def test_two_requests_at_once_give_what_each_gives_alone(served, golden):
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"DS4D_EXPERT_VRAM_GIB": "1"}, "expert_vram_gib > 0 (no expert offload for V4.1 yet)"),
+    ({"DS4D_EXPERT_VRAM_GIB": "1"}, "the deepseek_v41 model family cannot offload experts"),
     ({"DS4D_GPUS": "cpu:2"}, "the deepseek_v41 model family cannot be split over processes"),
 ])
 def test_offload_and_split_are_refused_at_start(tmp_path, env, message):
