@@ -108,6 +108,24 @@ def test_greedy_through_the_engine_equals_the_oracle_in_any_chunking(case, chunk
     assert tokens == golden["greedy_ids"].tolist()
 
 
+def test_triangular_prefill_gives_the_tokens_and_logprobs_of_every_row(case):
+    model, golden = case
+    ids = golden["prompt_ids"].tolist()
+    results = {}
+    for triangular in (True, False):
+        model.triangular_prefill = triangular
+        model.allocate_cache(8, 1)
+        blocks = tuple(range(8))
+        last = model.forward(ForwardBatch((SeqChunk(0, tuple(ids), 0, blocks, 1),)))
+        following = model.forward(ForwardBatch((SeqChunk(0, (int(last.argmax()),), len(ids), blocks, 1),)))
+        results[triangular] = last, following
+    model.triangular_prefill = True
+    for got, want in zip(results[True], results[False]):
+        assert got.shape == want.shape == (1, model.cfg.vocab_size)
+        assert relative_error(got, want) < 1e-5
+    assert relative_error(results[True][0][0], golden["prompt_logits"][-1]) < 1e-4
+
+
 def test_two_sequences_in_one_step_equal_each_alone(case):
     model, golden = case
     prompts = {"a": golden["prompt_ids"].tolist(), "b": other_prompt(golden)}

@@ -17,7 +17,8 @@ What a V4.1 sequence leaves behind splits as V4's does (``deepseek_v4/cache.py``
 
 The forward runs the chunks of a step one after the other through
 :meth:`DeepseekV41Model.forward` (a sequence's result cannot depend on the others in the
-batch); a chunk at position 0 starts a fresh state, any other continues its slot's state,
+batch), a prefill chunk that wants at most its last logits on the triangle of rows they and the
+state depend on (``model.row_plan``); a chunk at position 0 starts a fresh state, any other continues its slot's state,
 which must stand exactly at the chunk's ``start_pos``.
 """
 
@@ -132,6 +133,9 @@ class DeepseekV41Serving:
         self.block_tokens = block_tokens
         self.pool: DeepseekV41Pool | None = None
         self.slots: list[SequenceState | None] = []
+        self.triangular_prefill = True
+        """A prefill chunk that wants at most its last logits runs the layers after the last KV source
+        on the rows those logits and the state depend on only (``model.row_plan``)."""
         self.info = ModelInfo(
             family="deepseek_v41",
             name=cfg.name,
@@ -169,9 +173,10 @@ class DeepseekV41Serving:
                 continue
             state = self._state_for(chunk.state_slot, chunk.start_pos)
             self._bind(state, chunk.block_ids)
-            logits = self.model.forward(state, ids)
+            last_only = self.triangular_prefill and chunk.logits_tokens <= 1 and len(ids) > 1
+            logits = self.model.forward(state, ids, last_only=last_only)
             if chunk.logits_tokens:
-                out.append(logits[len(ids) - chunk.logits_tokens:])
+                out.append(logits[logits.shape[0] - chunk.logits_tokens:])
         if not out:
             return torch.zeros(0, self.cfg.vocab_size, dtype=torch.float32, device=self.model.device)
         return torch.cat(out).float()
