@@ -9,6 +9,8 @@ the oracle's greedy tokens with their log-probabilities.
 
 from __future__ import annotations
 
+import json
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -46,6 +48,9 @@ def test_the_family_is_detected_and_the_engram_choice_logged(served):
     daemon, _, _ = served
     assert "loading deepseek_v41 model from" in daemon.log
     assert "Engram tables:" in daemon.log and "read into host memory" in daemon.log
+    with urllib.request.urlopen(daemon.url + "/v1/ds4d/stats", timeout=30) as resp:
+        stats = json.load(resp)
+    assert stats["model"]["family"] == "deepseek_v41"
 
 
 def test_echo_logprobs_and_greedy_tokens_match_the_oracle(served, golden):
