@@ -59,6 +59,7 @@ class Config:
     expert_cpu_threads: int = knob(4, "Host threads that compute cold experts during decode.", section="model")
     expert_calibration: str = knob("", "Routing counts written by `ds4d calibrate` that seed the hot-expert placement; empty = start from no counts.", section="model")
     expert_decode_cold: str = knob("auto", "Decode with cold experts: cpu = compute on the host, copy = stream them in, auto = whichever the bandwidths measured at start favour.", section="model", choices=("auto", "cpu", "copy"))
+    engram_storage: str = knob("auto", "DeepSeek-V4.1 Engram tables: ram = read into host memory (page-locked with CUDA); mmap = kept as read-only memory maps of the checkpoint shards, paged in as rows are gathered; auto = ram when the tables fit in MemAvailable minus mem_watermark_gib, else mmap. The choice is logged at load.", section="model", choices=("auto", "ram", "mmap"))
     # --- engine
     max_context: int = knob(0, "Longest prompt + output in tokens; 0 = the model's own limit.", section="engine")
     prefill_chunk: int = knob(4096, "Most prompt tokens one request feeds in one engine step.", section="engine")

@@ -51,6 +51,10 @@ def embedded_model_path() -> Path:
     return path
 
 
+SPLIT_FAMILIES = ("deepseek_v4",)
+"""Families that can be split over processes (``gpus``) and offload experts (``expert_vram_gib``);
+the others refuse those knobs at start (``deepseek_v41``: not yet)."""
+
 TORCHRUN = "torchrun"
 """``gpus`` value: this process is one rank of a job torchrun started (one or several hosts)."""
 
@@ -113,11 +117,33 @@ def serve_torchrun_rank(config) -> int:
     job = torchrun_job(config)
     if not config.model:
         raise PluginError("gpus = torchrun needs model = a DeepSeek-V4 checkpoint directory")
+    check_split_family(_model_type(Path(config.model).expanduser()), config.gpus)
     log.info("torchrun rank %d of %d: worker (rank 0 serves)", job.rank, job.world_size)
     serve_torchrun_worker(job, Path(config.model).expanduser(), config.parallel_layout,
                           dtype=config.resolved_dtype(), threads=config.threads or None,
                           native=split_native(config, job), offload=offload_options(config, {}))
     return 0
+
+
+def check_split_family(family: str | None, gpus: str) -> None:
+    if family not in SPLIT_FAMILIES:
+        raise PluginError(f"gpus={gpus!r}: the {family or 'unknown'} model family cannot be split over processes "
+                          f"(only {', '.join(SPLIT_FAMILIES)}); leave gpus empty")
+
+
+def check_offload_family(family: str, expert_vram_gib: float) -> None:
+    if expert_vram_gib > 0 and family not in SPLIT_FAMILIES:
+        raise PluginError(f"expert_vram_gib={expert_vram_gib:g}: the {family} model family cannot offload experts "
+                          f"(only {', '.join(SPLIT_FAMILIES)}); set it to 0")
+
+
+def _model_type(path: Path) -> str | None:
+    """``model_type`` of a checkpoint directory's config.json, mapped to its family name (None if unreadable)."""
+    try:
+        model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError):
+        return None
+    return {"deepseek_v41_text": "deepseek_v41"}.get(model_type, model_type)
 
 
 @dataclass(frozen=True)
@@ -157,6 +183,7 @@ class Kernel:
         name = self.config.model_family
         if name == "auto":
             name = self._detect_family(path)
+        check_offload_family(name, self.config.expert_vram_gib)
         if self.config.gpus:
             return LoadedModel(self._load_parallel(path, name), name, path)
         family = resolve("model_family", name)(self.ctx, {})
@@ -168,8 +195,7 @@ class Kernel:
         from ds4d.models.deepseek_v4.family import offload_options
         from ds4d.models.deepseek_v4.parallel import build_parallel_model
 
-        if family != "deepseek_v4":
-            raise PluginError(f"gpus={self.config.gpus!r}: only the deepseek_v4 family can be split over processes")
+        check_split_family(family, self.config.gpus)
         ranks = parse_gpus(self.config.gpus)
         check_split_knobs(self.config)
         if ranks == TORCHRUN:

@@ -20,6 +20,7 @@ BUILTINS: dict[str, dict[str, str]] = {
     "model_family": {
         "llama": "ds4d.models.llama:LlamaFamily",
         "deepseek_v4": "ds4d.models.deepseek_v4:DeepseekV4Family",
+        "deepseek_v41": "ds4d.models.deepseek_v41.family:DeepseekV41Family",
     },
     "chat_encoder": {
         "jinja": "ds4d.plugins.jinja_encoder:JinjaChatEncoder",

@@ -1,0 +1,118 @@
+"""A tiny DeepSeek-V4.1 checkpoint served over HTTP on the CPU, checked against the oracle's goldens.
+
+The daemon picks the ``deepseek_v41`` family from config.json by itself.  For the
+fixture's token-id prompt, /v1/completions with echo + logprobs must give every
+prompt token the log-probability of the HF oracle's logits (tests/fixtures/dsv41,
+written by tests/parity/make_dsv41_goldens.py), and greedy generation must give
+the oracle's greedy tokens with their log-probabilities.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ds4d.models.hf_tokenizer import HFTokenizer
+from tests.daemon import Daemon
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "dsv41" / "tiny_b"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tinyv41")
+    for file in ("config.json", "model.safetensors", "tokenizer.json"):  # not the goldens file beside them
+        (path / file).symlink_to(FIXTURE / file)
+    daemon = Daemon("--model", str(path), "--threads", "1", "--kv-cache-tokens", "1024", "--max-num-seqs", "2",
+                    "--prefill-chunk", "7")
+    try:
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        yield daemon, client, client.models.list().data[0].id
+    finally:
+        daemon.stop()
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return load_file(str(FIXTURE / "goldens.safetensors"))
+
+
+def test_the_family_is_detected_and_the_engram_choice_logged(served):
+    daemon, _, _ = served
+    assert "loading deepseek_v41 model from" in daemon.log
+    assert "Engram tables:" in daemon.log and "read into host memory" in daemon.log
+    with urllib.request.urlopen(daemon.url + "/v1/ds4d/stats", timeout=30) as resp:
+        stats = json.load(resp)
+    assert stats["model"]["family"] == "deepseek_v41"
+
+
+def test_echo_logprobs_and_greedy_tokens_match_the_oracle(served, golden):
+    _, client, model_id = served
+    ids = golden["prompt_ids"].tolist()
+    greedy = golden["greedy_ids"].tolist()[:12]
+    resp = client.completions.create(model=model_id, prompt=ids, max_tokens=len(greedy), echo=True, logprobs=1,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    logprobs = resp.choices[0].logprobs
+    assert len(logprobs.token_logprobs) == len(ids) + len(greedy) and logprobs.token_logprobs[0] is None
+
+    prompt_logp = torch.log_softmax(golden["prompt_logits"].double(), dim=-1)
+    expected = [prompt_logp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert logprobs.token_logprobs[1:len(ids)] == pytest.approx(expected, abs=1e-4)
+
+    tokenizer = HFTokenizer(FIXTURE / "tokenizer.json")
+    assert logprobs.tokens[len(ids):] == [tokenizer.decode([t]) for t in greedy]
+    steps = torch.cat([golden["prompt_logits"][-1:], golden["decode_logits"]]).double().log_softmax(dim=-1)
+    expected = [steps[n, t].item() for n, t in enumerate(greedy)]
+    assert logprobs.token_logprobs[len(ids):] == pytest.approx(expected, abs=1e-4)
+
+
+def test_two_requests_at_once_give_what_each_gives_alone(served, golden):
+    _, client, model_id = served
+    ids = golden["prompt_ids"].tolist()
+    prompts = [ids, ids[3:] + ids[:4]]
+
+    def complete(prompt):
+        return client.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    alone = [complete(p) for p in prompts]
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(complete, prompts))
+    assert together == alone
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"DS4D_EXPERT_VRAM_GIB": "1"}, "the deepseek_v41 model family cannot offload experts"),
+    ({"DS4D_GPUS": "cpu:2"}, "the deepseek_v41 model family cannot be split over processes"),
+])
+def test_offload_and_split_are_refused_at_start(tmp_path, env, message):
+    for file in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / file).symlink_to(FIXTURE / file)
+    with pytest.raises(RuntimeError, match="exited during start") as failed:
+        Daemon("--model", str(tmp_path), "--threads", "1", env=env, startup_timeout=60)
+    assert message in str(failed.value)
+
+
+def test_a_second_turn_reuses_the_first_and_continues_as_computed_cold(served, golden):
+    _, client, model_id = served
+    ids = golden["prompt_ids"].tolist()
+    body = {"ignore_eos": True, "cache_salt": "turns"}
+    first = client.completions.create(model=model_id, prompt=ids[:30], max_tokens=6, temperature=0, logprobs=0,
+                                      extra_body=body)
+    tokenizer = HFTokenizer(FIXTURE / "tokenizer.json")
+    generated = [tokenizer.token_to_id(t) for t in first.choices[0].logprobs.tokens]
+    assert None not in generated and tokenizer.decode(generated) == first.choices[0].text
+    turn2 = ids[:30] + generated + ids[30:]
+    warm = client.completions.create(model=model_id, prompt=turn2, max_tokens=6, temperature=0, extra_body=body)
+    assert warm.usage.prompt_tokens_details.cached_tokens == 30 + 6 - 1
+    cold = client.completions.create(model=model_id, prompt=turn2, max_tokens=6, temperature=0,
+                                     extra_body={"ignore_eos": True, "cache_salt": "cold"})
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert warm.choices[0].text == cold.choices[0].text
