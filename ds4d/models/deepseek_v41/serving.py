@@ -294,12 +294,7 @@ class DeepseekV41Serving:
 
 
 def chat_plugins() -> dict[str, str]:
-    """The chat plugins a V4.1 model asks for by default (``chat_encoder = auto`` etc.).
-
-    The V4.1 chat format (spaced DSML tags, ``<｜System｜>``, numeric reasoning effort) has
-    its own encoder and parsers, registered as ``deepseek_v41`` (chat encoder, reasoning
-    parser) and ``dsml_v41`` (tool parser) once they are in the tree; until then these
-    defaults name the V4 plugins, the closest ones installed.  This is the one place to
-    switch them."""
-    return {"default_chat_encoder": "deepseek_v4", "default_reasoning_parser": "deepseek_v4",
-            "default_tool_parser": "dsml"}
+    """The chat plugins a V4.1 model asks for by default (``chat_encoder = auto`` etc.): the V4.1
+    chat format (spaced DSML tags, ``<｜System｜>``, numeric reasoning effort)."""
+    return {"default_chat_encoder": "deepseek_v41", "default_reasoning_parser": "deepseek_v41",
+            "default_tool_parser": "dsml_v41"}

@@ -1,0 +1,80 @@
+"""Compare `ds4d bench model --json` results with the committed H200 baseline (docs/bench/h200.json).
+
+    python3 tests/gpu/gate.py RESULT.json [RESULT.json ...] [--baseline docs/bench/h200.json]
+                              [--tolerance 0.10] [--update]
+
+Each result file is named ``<depth>.json`` (e.g. ``layers4.json``); its rows' ``ds4d`` figures
+(tok/s, higher is better) are keyed ``<depth>: <row label>``.  A figure more than ``--tolerance``
+below its baseline is a regression: the table marks it and the exit status is 1.  A key without a
+baseline is reported as new.  ``--update`` writes every figure that is new or better into the
+baseline (regressions are never written) and exits 0 unless a regression was found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_BASELINE = Path(__file__).resolve().parents[2] / "docs" / "bench" / "h200.json"
+
+
+def figures(path: Path) -> dict[str, float]:
+    """``{"<depth>: <label>": tok/s}`` for the rows of one bench result that produced a number."""
+    rows = json.loads(path.read_text())["rows"]
+    return {f"{path.stem}: {row['case']}": float(row["ds4d"]) for row in rows if row.get("ds4d")}
+
+
+def compare(got: dict[str, float], baseline: dict[str, float], tolerance: float) -> list[tuple[str, float, float | None, str]]:
+    """One (key, now, before, verdict) per figure measured now; verdicts: ok, better, REGRESSED, new."""
+    table = []
+    for key, now in sorted(got.items()):
+        before = baseline.get(key)
+        if before is None:
+            verdict = "new"
+        elif now < (1 - tolerance) * before:
+            verdict = "REGRESSED"
+        elif now > before:
+            verdict = "better"
+        else:
+            verdict = "ok"
+        table.append((key, now, before, verdict))
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("--baseline", type=Path, default=DEFAULT_BASELINE)
+    parser.add_argument("--tolerance", type=float, default=0.10)
+    parser.add_argument("--update", action="store_true", help="write new and better figures into the baseline")
+    args = parser.parse_args(argv)
+
+    got: dict[str, float] = {}
+    for path in args.results:
+        got.update(figures(path))
+    stored = json.loads(args.baseline.read_text()) if args.baseline.is_file() else {"figures": {}}
+    baseline = stored["figures"]
+    table = compare(got, baseline, args.tolerance)
+    width = max((len(key) for key, *_ in table), default=10)
+    print(f"{'figure (tok/s)':<{width}}  {'now':>10}  {'baseline':>10}  {'ratio':>6}  verdict")
+    for key, now, before, verdict in table:
+        ratio = f"{now / before:6.2f}" if before else "     -"
+        before_text = f"{before:10.1f}" if before else "         -"
+        print(f"{key:<{width}}  {now:10.1f}  {before_text}  {ratio}  {verdict}")
+    regressed = [key for key, *_, verdict in table if verdict == "REGRESSED"]
+    if args.update:
+        for key, now, before, verdict in table:
+            if verdict in ("new", "better"):
+                baseline[key] = round(now, 1)
+        args.baseline.parent.mkdir(parents=True, exist_ok=True)
+        args.baseline.write_text(json.dumps({**stored, "figures": dict(sorted(baseline.items()))}, indent=1) + "\n")
+    if regressed:
+        print(f"{len(regressed)} figure(s) more than {args.tolerance:.0%} below the baseline", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
