@@ -51,6 +51,8 @@ def test_the_family_is_detected_and_the_engram_choice_logged(served):
     with urllib.request.urlopen(daemon.url + "/v1/ds4d/stats", timeout=30) as resp:
         stats = json.load(resp)
     assert stats["model"]["family"] == "deepseek_v41"
+    assert {stats["plugins"][kind] for kind in ("chat_encoder", "reasoning_parser")} == {"deepseek_v41"}
+    assert stats["plugins"]["tool_parser"] == "dsml_v41"
 
 
 def test_echo_logprobs_and_greedy_tokens_match_the_oracle(served, golden):
