@@ -193,7 +193,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.
     heads, rows = q.shape[1], q.shape[0]
     q4 = q.transpose(0, 1).unsqueeze(0)  # [1, H, S, D]
     kv4 = keys.view(1, 1, *keys.shape)
-    logits = torch.matmul(q4, kv4.transpose(2, 3)) * scale + mask.view(1, 1, *mask.shape)
+    # scores, sink and softmax in float32 as in the release's kernel; only the probabilities and the
+    # output take the input dtype (bf16 scores are off by up to 2**-8 of their size: 0.125 at 50)
+    logits = torch.matmul(q4.float(), kv4.float().transpose(2, 3)) * scale + mask.view(1, 1, *mask.shape)
     sinks = sink.view(1, heads, 1, 1).expand(1, heads, rows, 1)
     logits = torch.cat([logits, sinks], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
