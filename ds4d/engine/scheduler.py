@@ -8,9 +8,11 @@ everything that guarantees progress lives here:
   prefill_chunk, remaining budget)`` tokens, so a long prompt with a tiny
   budget still advances every step it is scheduled.
 * When blocks run out the policy's victim is preempted (its blocks released,
-  its progress dropped, recomputed later).  The oldest running sequence is
-  never a victim while a younger one exists, so it always finishes: no
-  preempt/restart loop can starve everyone.
+  its progress dropped, recomputed later; a chunk it already has this step is
+  dropped and its tokens go back to the budget).  The policy chooses among the
+  running sequences other than the oldest: the oldest is never a victim while a
+  younger one exists, whatever the policy would pick, so it always finishes
+  and no preempt/restart loop can starve everyone.
 * A request that could never fit (more tokens than the whole pool) is refused
   by :meth:`Scheduler.check_fits` before it is queued.
 * A waiting request whose cached prefix is being read from disk in the
@@ -139,7 +141,13 @@ class Scheduler:
             if budget == 0:
                 break
             n = self._chunk_tokens(seq, budget)
-            if not self._grow(seq, seq.num_computed_tokens + n, preempted):
+            before = len(preempted)
+            grown = self._grow(seq, seq.num_computed_tokens + n, preempted)
+            if len(preempted) > before:  # a victim may already have its chunk of this step
+                kept = [c for c in chunks if c.seq.status is SeqStatus.RUNNING]
+                budget += sum(c.num_tokens for c in chunks) - sum(c.num_tokens for c in kept)
+                chunks = kept
+            if not grown:
                 continue
             chunks.append(self._chunk(seq, n))
             budget -= n
@@ -264,12 +272,24 @@ class Scheduler:
                 return True
             if preempted is None:
                 return False
-            victim = self.policy.choose_victim(self.running)
+            victim = self._victim()
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is seq:
                 return False
         return True
+
+    def _victim(self) -> Sequence:
+        """The policy's pick among the running sequences but the oldest (the oldest itself when
+        it runs alone)."""
+        oldest = min(self.running, key=lambda s: s.arrival_time)
+        candidates = [s for s in self.running if s is not oldest]
+        if not candidates:
+            return oldest
+        victim = self.policy.choose_victim(candidates)
+        if not any(victim is s for s in candidates):
+            raise RuntimeError(f"scheduler policy {self.policy.name!r} chose a victim it was not offered")
+        return victim
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
