@@ -93,7 +93,8 @@ class Waiting:
 def test_policy_orders_and_picks_among_what_it_is_given(name):
     policy = policy_of(name)
     assert policy.name == name
-    requests = [Waiting(f"r{i}", arrival_time=float(t), num_prompt_tokens=10 * i + 3) for i, t in enumerate([5, 1, 3, 2])]
+    requests = [Waiting(f"r{i}", arrival_time=float(t), num_prompt_tokens=10 * i + 3)
+                for i, t in enumerate([5, 1, 3, 2])]
     given = list(requests)
     ordered = policy.order_waiting(given)
     assert given == requests  # not reordered in place
