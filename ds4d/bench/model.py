@@ -438,13 +438,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _long_context(torch, model, ids, decode_tokens: int, chunk: int, floors, sync) -> list[Row]:
-    """Prefill one long prompt through the engine, decode after it; memory per token and the limit check."""
+    """Prefill one long prompt through the engine, decode after it; memory per token and the pool's capacity."""
     from ds4d.bench.harness import make_engine, run_batch
 
     tokens = len(ids[0])
     engine = make_engine(model, max_num_seqs=1, context_tokens=tokens + decode_tokens, prefill_chunk=chunk)
-    capacity = engine.scheduler.capacity_tokens()
-    refused = not engine.scheduler.check_fits(capacity + 1) and engine.scheduler.check_fits(capacity)
+    pool = engine.scheduler.pool
+    capacity = pool.num_blocks * pool.block_size
     info = model.info
     kv_bytes = -(-(tokens + decode_tokens) // info.block_size_tokens) * info.cache_bytes_per_block
     if torch.cuda.is_available():
@@ -456,8 +456,8 @@ def _long_context(torch, model, ids, decode_tokens: int, chunk: int, floors, syn
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     _say(f"context {tokens:,} tokens: KV blocks {kv_bytes / 2**20:.1f} MiB ({kv_bytes / tokens:.0f} B/token) + "
          f"state {info.state_bytes_per_seq / 2**20:.1f} MiB per sequence; peak GPU memory {peak / 2**30:.1f} GiB; "
-         f"prefill {timing.prefill_s:.1f} s; a request of {capacity + 1:,} tokens (one over the pool's "
-         f"{capacity:,}) refused before any work: {refused}")
+         f"prefill {timing.prefill_s:.1f} s; the pool holds {capacity:,} tokens (the daemon caps max_context "
+         f"there and refuses a longer prompt before any work)")
     label = f"{tokens // 1000}K"
     return [Row(f"prefill {label} tok, b1", timing.prefill_tok_s, None, floors.prefill(tokens)),
             Row(f"decode b1 @{label}", decode, None, floors.decode(1, tokens))]

@@ -13,8 +13,9 @@ everything that guarantees progress lives here:
   running sequences other than the oldest: the oldest is never a victim while a
   younger one exists, whatever the policy would pick, so it always finishes
   and no preempt/restart loop can starve everyone.
-* A request that could never fit (more tokens than the whole pool) is refused
-  by :meth:`Scheduler.check_fits` before it is queued.
+* A request that could never fit is refused before it is queued, not here:
+  the kernel caps the context at what the pool holds, and the server refuses
+  a prompt at that cap (``ServingState.output_budget``) before any stream.
 * A waiting request whose cached prefix is being read from disk in the
   background (:meth:`PrefixCache.prefetch`) is skipped until the reads are
   done; the running requests and the requests behind it go on meanwhile.
@@ -98,12 +99,6 @@ class Scheduler:
         """Block keys of waiting sequences already looked up (their tokens do not change while waiting)."""
 
     # ------------------------------------------------------------------ queue
-
-    def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.pool.block_size
-
-    def check_fits(self, total_tokens: int) -> bool:
-        return total_tokens <= self.capacity_tokens()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
