@@ -244,10 +244,10 @@ class Scheduler:
         if not (self.prefix_reuse and self.cache.stateful) or seq.state_slot is None or not seq.num_computed_tokens:
             return
         tokens = seq.all_token_ids[:seq.num_computed_tokens]
-        keys = self._full_block_keys(seq, len(tokens) // self.pool.block_size)
+        keys = self.full_block_keys(seq, len(tokens) // self.pool.block_size)
         self.cache.save_checkpoint(tokens, keys, self._namespace(seq), seq.block_ids, seq.state_slot)
 
-    def _full_block_keys(self, seq: Sequence, blocks: int) -> list[bytes]:
+    def full_block_keys(self, seq: Sequence, blocks: int) -> list[bytes]:
         """Keys of the sequence's first ``blocks`` full blocks.  The chain is hashed once and extended
         as blocks fill (a sequence's tokens are only ever appended), not rehashed from the start: at
         a 500K-token context that would be some 80 ms every time a block fills."""
@@ -310,7 +310,7 @@ class Scheduler:
         if not self.prefix_reuse:
             return
         bs = self.pool.block_size
-        keys = self._full_block_keys(seq, seq.num_computed_tokens // bs)
+        keys = self.full_block_keys(seq, seq.num_computed_tokens // bs)
         for i, key in enumerate(keys):
             if not self.pool.settled(seq.block_ids[i], key):
                 self.pool.register(seq.block_ids[i], key, seq.tokens_between(i * bs, (i + 1) * bs))

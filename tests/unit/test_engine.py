@@ -297,8 +297,8 @@ def test_block_key_chain_grows_as_hashing_from_the_start_would():
     seq = Sequence(EngineRequest("a", tuple(range(1, 11)), SamplingParams(max_tokens=50), cache_salt="s"))
     for blocks, more in ((1, [20, 21]), (3, [22, 23, 24, 25, 26]), (4, []), (2, [])):
         seq.output_ids += more
-        whole = block_keys(seq.all_token_ids[: blocks * 4], 4, sched._namespace(seq))
-        assert sched._full_block_keys(seq, blocks) == whole
+        whole = block_keys(seq.all_token_ids[: blocks * 4], 4, b"toy" + b"s")  # the namespace, then the salt
+        assert sched.full_block_keys(seq, blocks) == whole
     assert len(seq.block_key_chain) == 4  # hashed once each, kept
 
 
