@@ -339,7 +339,8 @@ class SchedulerPolicy(Protocol):
         """Admission order for waiting requests (first = admitted first)."""
 
     def choose_victim(self, running: Sequence[SchedulableRequest]) -> SchedulableRequest:
-        """The running request to preempt when blocks run out."""
+        """The request to preempt when blocks run out, one of ``running``: the running requests
+        other than the oldest, which the engine never preempts while another runs."""
 
 
 # --------------------------------------------------------------------------- cache tiers

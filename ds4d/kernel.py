@@ -226,10 +226,7 @@ class Kernel:
 
     def build(self, loaded_model: LoadedModel, loop: asyncio.AbstractEventLoop):
         from ds4d.engine.client import EngineClient
-        from ds4d.engine.core import EngineCore
-        from ds4d.engine.runner import ModelRunner
-        from ds4d.engine.sampler import Sampler
-        from ds4d.engine.scheduler import Scheduler
+        from ds4d.engine.offline import build_core
         from ds4d.server.sessions import SessionMemory
         from ds4d.server.state import ServingState
 
@@ -276,13 +273,12 @@ class Kernel:
             [str(loaded_model.path), _checkpoint_identity(loaded_model.path), info.family, info.dtype,
              info.block_size_tokens, info.cache_bytes_per_block]).encode()).digest()
         cache = self._prefix_cache(pool, model, namespace)
-        scheduler = Scheduler(pool, policy, max_num_seqs=cfg.max_num_seqs, step_tokens=cfg.step_tokens,
-                              prefill_chunk=cfg.prefill_chunk, namespace=namespace, cache=cache)
-        if not scheduler.prefix_reuse:
-            log.warning("%s", scheduler.reuse_off_reason)
-        core = EngineCore(scheduler, ModelRunner(model, Sampler(info.device)), model.tokenizer.eos_token_ids,
-                          publish=lambda outputs: None, queue_timeout_s=cfg.queue_timeout_s,
+        core = build_core(model, cache, policy, max_num_seqs=cfg.max_num_seqs, step_tokens=cfg.step_tokens,
+                          prefill_chunk=cfg.prefill_chunk, namespace=namespace, publish=lambda outputs: None,
+                          eos_token_ids=model.tokenizer.eos_token_ids, queue_timeout_s=cfg.queue_timeout_s,
                           request_timeout_s=cfg.request_timeout_s, lookahead=cfg.decode_lookahead)
+        if not core.scheduler.prefix_reuse:
+            log.warning("%s", core.scheduler.reuse_off_reason)
         client = EngineClient(core, loop)
         core.start()
         self.on_shutdown.insert(0, lambda: asyncio.to_thread(core.flush_cache))  # before any model close

@@ -57,11 +57,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = types.SimpleNamespace(dtype=args.dtype, device="cpu", threads=threads, weight_format=args.weight_format)
     model = LlamaFamily(PluginContext(cfg, logging.getLogger("ds4d.bench")), {}).load(path)
     max_batch = max(args.batch)
-    core = make_engine(model, max_num_seqs=max_batch, context_tokens=args.prompt_tokens + args.decode_tokens,
-                       prefill_chunk=args.prompt_tokens)
+    engine = make_engine(model, max_num_seqs=max_batch, context_tokens=args.prompt_tokens + args.decode_tokens,
+                         prefill_chunk=args.prompt_tokens)
     rows = []
     warm = _prompts(model.tokenizer, 1, 32)
-    run_batch(core, warm, 4)
+    run_batch(engine, warm, 4)
     peer = None
     if not args.no_peer:
         from ds4d.bench.llamacpp_peer import LlamaCppPeer, PeerUnavailable
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"llama.cpp peer unavailable: {exc}")
     for batch in args.batch:
         prompts = _prompts(model.tokenizer, batch, args.prompt_tokens)
-        ours = run_batch(core, prompts, args.decode_tokens)
+        ours = run_batch(engine, prompts, args.decode_tokens)
         row = {"batch": batch, "ds4d_prefill_tok_s": ours.prefill_tok_s, "ds4d_decode_tok_s": ours.decode_tok_s}
         if peer is not None:
             theirs = peer.run(prompts, args.decode_tokens)

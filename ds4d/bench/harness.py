@@ -1,25 +1,18 @@
 """Drive an engine in-process, step by step, and time prefill and decode separately.
 
-No HTTP, no thread: the benchmark calls ``EngineCore.step()`` itself and books each
+No HTTP, no thread: the benchmark steps an :class:`OfflineEngine` itself and books each
 step's wall time as prefill (the step computed prompt tokens) or decode (it
 computed only one token per running sequence).  Mixed steps count as prefill.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-import types
 from dataclasses import dataclass
 
-from ds4d.cache.blocks import BlockPool
-from ds4d.contracts import Model, PluginContext
-from ds4d.engine.core import EngineCore
+from ds4d.contracts import Model
+from ds4d.engine.offline import OfflineEngine
 from ds4d.engine.request import EngineRequest, SamplingParams
-from ds4d.engine.runner import ModelRunner
-from ds4d.engine.sampler import Sampler
-from ds4d.engine.scheduler import Scheduler
-from ds4d.plugins.scheduler_fcfs import FcfsPolicy
 
 
 @dataclass(frozen=True)
@@ -39,20 +32,14 @@ class RunTiming:
 
 
 def make_engine(model: Model, *, max_num_seqs: int, context_tokens: int, prefill_chunk: int,
-                lookahead: bool = False) -> EngineCore:
-    info = model.info
-    num_blocks = max_num_seqs * (-(-context_tokens // info.block_size_tokens) + 1)
-    model.allocate_cache(num_blocks, max_num_seqs)
-    ctx = PluginContext(types.SimpleNamespace(), logging.getLogger("ds4d.bench"))
-    pool = BlockPool(num_blocks, info.block_size_tokens, prefix_caching=False)
-    scheduler = Scheduler(pool, FcfsPolicy(ctx, {}), max_num_seqs=max_num_seqs,
-                          step_tokens=max(prefill_chunk * max_num_seqs, max_num_seqs),
-                          prefill_chunk=prefill_chunk, namespace=b"bench", prefix_reuse=False)
-    return EngineCore(scheduler, ModelRunner(model, Sampler(info.device)), frozenset(), publish=lambda _: None,
-                      lookahead=lookahead)
+                lookahead: bool = False) -> OfflineEngine:
+    """An engine for ``max_num_seqs`` sequences of ``context_tokens``, no prefix caching, outputs dropped."""
+    return OfflineEngine(model, max_num_seqs=max_num_seqs, context_tokens=context_tokens,
+                         prefill_chunk=prefill_chunk, prefix_caching=False, namespace=b"bench",
+                         lookahead=lookahead, publish=lambda outputs: None)
 
 
-def run_batch(core: EngineCore, prompts: list[list[int]], max_tokens: int, sync=lambda: None,
+def run_batch(engine: OfflineEngine, prompts: list[list[int]], max_tokens: int, sync=lambda: None,
               after_decode_step=None, sampling: dict | None = None) -> RunTiming:
     """Generate ``max_tokens`` for every prompt at once (greedy, or ``sampling``'s temperature /
     top_p / top_k); time prefill and decode steps.
@@ -60,16 +47,15 @@ def run_batch(core: EngineCore, prompts: list[list[int]], max_tokens: int, sync=
     ``after_decode_step``: called after each decode step (e.g. a profiler's ``step``)."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **(sampling or {"temperature": 0.0}))
     for i, p in enumerate(prompts):
-        core.submit(EngineRequest(f"bench-{time.monotonic_ns()}-{i}", tuple(p), params))
-    core._drain_inbox(block=False)
-    stats = core.stats
+        engine.submit(EngineRequest(f"bench-{time.monotonic_ns()}-{i}", tuple(p), params))
+    stats = engine.stats
     prefill_s = decode_s = 0.0
     prefill_tokens = decode_tokens = 0
-    while core.scheduler.has_work:
+    while engine.has_work:
         p0, d0 = stats.prefill_tokens_total, stats.decode_tokens_total
         t0 = time.perf_counter()
-        core.step()
-        if not core.lookahead:  # looking ahead, the next step is already queued: waiting for it would
+        engine.step()
+        if not engine.lookahead:  # looking ahead, the next step is already queued: waiting for it would
             sync()              # serialise what the engine overlaps (each step() resolves one step anyway)
         dt = time.perf_counter() - t0
         dp, dd = stats.prefill_tokens_total - p0, stats.decode_tokens_total - d0

@@ -178,11 +178,11 @@ def _ds4d(torch, model, prompts, max_tokens, *, chunk, sync, warm_tokens=0, look
     from ds4d.bench.harness import make_engine, run_batch
 
     context = len(prompts[0]) + max_tokens + 8
-    core = make_engine(model, max_num_seqs=len(prompts), context_tokens=context, prefill_chunk=chunk,
-                       lookahead=lookahead)
+    engine = make_engine(model, max_num_seqs=len(prompts), context_tokens=context, prefill_chunk=chunk,
+                         lookahead=lookahead)
     warm = [p[:warm_tokens] for p in prompts] if warm_tokens else prompts
-    run_batch(core, warm, min(max_tokens, 4), sync, sampling=sampling)
-    return run_batch(core, prompts, max_tokens, sync, sampling=sampling)
+    run_batch(engine, warm, min(max_tokens, 4), sync, sampling=sampling)
+    return run_batch(engine, prompts, max_tokens, sync, sampling=sampling)
 
 
 def _hf(torch, hf, prompts, max_tokens, *, device, chunk=0):
@@ -438,26 +438,26 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _long_context(torch, model, ids, decode_tokens: int, chunk: int, floors, sync) -> list[Row]:
-    """Prefill one long prompt through the engine, decode after it; memory per token and the limit check."""
+    """Prefill one long prompt through the engine, decode after it; memory per token and the pool's capacity."""
     from ds4d.bench.harness import make_engine, run_batch
 
     tokens = len(ids[0])
-    core = make_engine(model, max_num_seqs=1, context_tokens=tokens + decode_tokens, prefill_chunk=chunk)
-    capacity = core.scheduler.capacity_tokens()
-    refused = not core.scheduler.check_fits(capacity + 1) and core.scheduler.check_fits(capacity)
+    engine = make_engine(model, max_num_seqs=1, context_tokens=tokens + decode_tokens, prefill_chunk=chunk)
+    pool = engine.scheduler.pool
+    capacity = pool.num_blocks * pool.block_size
     info = model.info
     kv_bytes = -(-(tokens + decode_tokens) // info.block_size_tokens) * info.cache_bytes_per_block
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     stamps: list[float] = []
-    timing = run_batch(core, ids, decode_tokens, sync, after_decode_step=lambda: stamps.append(time.perf_counter()))
+    timing = run_batch(engine, ids, decode_tokens, sync, after_decode_step=lambda: stamps.append(time.perf_counter()))
     steps = sorted(b - a for a, b in itertools.pairwise(stamps[2:]))  # past the first steps (graph capture)
     decode = 1 / steps[len(steps) // 2] if steps else None
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     _say(f"context {tokens:,} tokens: KV blocks {kv_bytes / 2**20:.1f} MiB ({kv_bytes / tokens:.0f} B/token) + "
          f"state {info.state_bytes_per_seq / 2**20:.1f} MiB per sequence; peak GPU memory {peak / 2**30:.1f} GiB; "
-         f"prefill {timing.prefill_s:.1f} s; a request of {capacity + 1:,} tokens (one over the pool's "
-         f"{capacity:,}) refused before any work: {refused}")
+         f"prefill {timing.prefill_s:.1f} s; the pool holds {capacity:,} tokens (the daemon caps max_context "
+         f"there and refuses a longer prompt before any work)")
     label = f"{tokens // 1000}K"
     return [Row(f"prefill {label} tok, b1", timing.prefill_tok_s, None, floors.prefill(tokens)),
             Row(f"decode b1 @{label}", decode, None, floors.decode(1, tokens))]
@@ -469,12 +469,12 @@ def _profile_decode(torch, model, prompt, path: str, sync, steps: int = 8) -> No
 
     from ds4d.bench.harness import make_engine, run_batch
 
-    core = make_engine(model, max_num_seqs=1, context_tokens=len(prompt) + 3 * steps + 8, prefill_chunk=2048)
-    run_batch(core, [prompt[:64]], 4, sync)  # kernels, graph capture
+    engine = make_engine(model, max_num_seqs=1, context_tokens=len(prompt) + 3 * steps + 8, prefill_chunk=2048)
+    run_batch(engine, [prompt[:64]], 4, sync)  # kernels, graph capture
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities, schedule=schedule(wait=1, warmup=2, active=steps, repeat=1),
                  acc_events=True) as prof:
-        timing = run_batch(core, [prompt], 3 + steps + 2, sync, after_decode_step=prof.step)
+        timing = run_batch(engine, [prompt], 3 + steps + 2, sync, after_decode_step=prof.step)
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and not e.key.startswith("ProfilerStep")]
     device_us = sum(e.self_device_time_total for e in events) / steps
     kernels = sum(e.count for e in events) / steps

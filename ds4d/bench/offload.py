@@ -73,17 +73,17 @@ def run_offload(args) -> int:
         """Prefill 2K (and ``--context``) and decode b1 after 1K: tok/s, and the offload's traffic in each."""
         offload = model.expert_offload
         stats = offload.expert_stats if offload else (lambda: None)
-        core = make_engine(model, max_num_seqs=1, context_tokens=max(2048, args.context) + steps + 8,
-                           prefill_chunk=args.prefill_chunk)
-        run_batch(core, prefill_ids, 4, sync)  # warm-up at the timed shapes (kernels compile on first use)
+        engine = make_engine(model, max_num_seqs=1, context_tokens=max(2048, args.context) + steps + 8,
+                             prefill_chunk=args.prefill_chunk)
+        run_batch(engine, prefill_ids, 4, sync)  # warm-up at the timed shapes (kernels compile on first use)
         s0 = stats()
-        prefill = run_batch(core, prefill_ids, 1, sync)
+        prefill = run_batch(engine, prefill_ids, 1, sync)
         s1 = stats()
-        run_batch(core, decode_ids, 4, sync)  # decode warm-up at the timed context (graph capture, compile)
+        run_batch(engine, decode_ids, 4, sync)  # decode warm-up at the timed context (graph capture, compile)
         s2 = stats()
-        run_batch(core, decode_ids, 1, sync)  # the prompt alone, to take its copies out of the decode figures
+        run_batch(engine, decode_ids, 1, sync)  # the prompt alone, to take its copies out of the decode figures
         s3 = stats()
-        decode = run_batch(core, decode_ids, steps, sync)
+        decode = run_batch(engine, decode_ids, steps, sync)
         s4 = stats()
         tokens = max(1, decode.decode_tokens)
         result = {"prefill": prefill.prefill_tok_s, "decode": decode.decode_tok_s}
@@ -93,7 +93,7 @@ def run_offload(args) -> int:
                           cpu=(_cpu_experts(s4) - _cpu_experts(s3)) / tokens)
         if long_ids is not None and long:
             s5 = stats()
-            result["long"] = run_batch(core, long_ids, 1, sync).prefill_tok_s
+            result["long"] = run_batch(engine, long_ids, 1, sync).prefill_tok_s
             if offload:
                 result["moved_long"] = _delta(stats(), s5)
         if device.type == "cuda":

@@ -181,12 +181,6 @@ class BlockPool:
             done += 1
         return done
 
-    def reset_prefix_cache(self) -> None:
-        for block in list(self._cached):
-            del self._cached[block]
-            self._forget(block)
-            self._free.append(block)
-
     def _forget(self, block: int) -> None:
         key = self._key_of.pop(block, None)
         if key is not None:

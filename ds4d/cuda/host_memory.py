@@ -226,21 +226,6 @@ class CopyStream:
             torch.cuda.synchronize(self.device)
 
 
-def measure_copy_bytes_s(src: torch.Tensor, dst: torch.Tensor, repeats: int = 5) -> float:
-    """Bytes per second of ``dst.copy_(src)`` (host -> device, or host -> host on the CPU)."""
-    stream = CopyStream(dst.device)
-    nbytes = src.numel() * src.element_size()
-    stream.copy(dst, src)
-    stream.synchronize()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        stream.copy(dst, src)
-        stream.synchronize()
-        times.append(time.perf_counter() - began)
-    return nbytes / max(sorted(times)[len(times) // 2], 1e-9)
-
-
 def host_pointers_usable(device: torch.device) -> bool:
     """Whether kernels on ``device`` may read page-locked (registered) host memory at its host address
     (``cudaDevAttrCanUseHostPointerForRegisteredMem``); False when that cannot be asked."""

@@ -147,16 +147,27 @@ class EngineCore:
             if isinstance(item, _Stop):
                 return False
             if isinstance(item, _Add):
-                if not self.scheduler.has_work:
-                    self.last_progress = time.monotonic()  # the stall clock starts with the work
-                seq = Sequence(item.request)
-                self._seqs[seq.request_id] = seq
-                self.scheduler.add(seq)
-                self.stats.on_arrival()
+                self.add_request(item.request)
             elif isinstance(item, _Abort):
-                seq = self._seqs.pop(item.request_id, None)
-                if seq is not None:
-                    self._finish(seq, FinishReason.ABORT, publish=False)
+                self.abort_request(item.request_id)
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue ``request`` for scheduling now.  Engine thread only: :meth:`submit` from any
+        other thread (an offline driver, :class:`ds4d.engine.offline.OfflineEngine`, is the
+        engine thread)."""
+        if not self.scheduler.has_work:
+            self.last_progress = time.monotonic()  # the stall clock starts with the work
+        seq = Sequence(request)
+        self._seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        self.stats.on_arrival()
+
+    def abort_request(self, request_id: str) -> None:
+        """End the request now, publishing nothing (unknown ids are ignored).  Engine thread
+        only: :meth:`abort` from any other thread."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self._finish(seq, FinishReason.ABORT, publish=False)
 
     def step(self) -> None:
         self._expire(time.monotonic())

@@ -170,7 +170,3 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose KV is not in the cache yet (the last sampled token included)."""
         return self.num_tokens - self.num_computed_tokens
-
-    @property
-    def max_total_tokens(self) -> int:
-        return self.num_prompt_tokens + self.request.params.max_tokens

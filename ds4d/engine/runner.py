@@ -75,9 +75,6 @@ class ModelRunner:
         self.model = model
         self.sampler = sampler
 
-    def run(self, plan: StepPlan) -> list[ChunkResult]:
-        return self.launch(plan).results()
-
     @torch.inference_mode()
     def launch(self, plan: StepPlan, input_tokens: torch.Tensor | None = None) -> LaunchedStep:
         """Queue the step's forward and sampling; nothing is read back until ``results()``.

@@ -8,11 +8,14 @@ everything that guarantees progress lives here:
   prefill_chunk, remaining budget)`` tokens, so a long prompt with a tiny
   budget still advances every step it is scheduled.
 * When blocks run out the policy's victim is preempted (its blocks released,
-  its progress dropped, recomputed later).  The oldest running sequence is
-  never a victim while a younger one exists, so it always finishes: no
-  preempt/restart loop can starve everyone.
-* A request that could never fit (more tokens than the whole pool) is refused
-  by :meth:`Scheduler.check_fits` before it is queued.
+  its progress dropped, recomputed later; a chunk it already has this step is
+  dropped and its tokens go back to the budget).  The policy chooses among the
+  running sequences other than the oldest: the oldest is never a victim while a
+  younger one exists, whatever the policy would pick, so it always finishes
+  and no preempt/restart loop can starve everyone.
+* A request that could never fit is refused before it is queued, not here:
+  the kernel caps the context at what the pool holds, and the server refuses
+  a prompt at that cap (``ServingState.output_budget``) before any stream.
 * A waiting request whose cached prefix is being read from disk in the
   background (:meth:`PrefixCache.prefetch`) is skipped until the reads are
   done; the running requests and the requests behind it go on meanwhile.
@@ -97,12 +100,6 @@ class Scheduler:
 
     # ------------------------------------------------------------------ queue
 
-    def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.pool.block_size
-
-    def check_fits(self, total_tokens: int) -> bool:
-        return total_tokens <= self.capacity_tokens()
-
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
@@ -139,7 +136,13 @@ class Scheduler:
             if budget == 0:
                 break
             n = self._chunk_tokens(seq, budget)
-            if not self._grow(seq, seq.num_computed_tokens + n, preempted):
+            before = len(preempted)
+            grown = self._grow(seq, seq.num_computed_tokens + n, preempted)
+            if len(preempted) > before:  # a victim may already have its chunk of this step
+                kept = [c for c in chunks if c.seq.status is SeqStatus.RUNNING]
+                budget += sum(c.num_tokens for c in chunks) - sum(c.num_tokens for c in kept)
+                chunks = kept
+            if not grown:
                 continue
             chunks.append(self._chunk(seq, n))
             budget -= n
@@ -241,10 +244,10 @@ class Scheduler:
         if not (self.prefix_reuse and self.cache.stateful) or seq.state_slot is None or not seq.num_computed_tokens:
             return
         tokens = seq.all_token_ids[:seq.num_computed_tokens]
-        keys = self._full_block_keys(seq, len(tokens) // self.pool.block_size)
+        keys = self.full_block_keys(seq, len(tokens) // self.pool.block_size)
         self.cache.save_checkpoint(tokens, keys, self._namespace(seq), seq.block_ids, seq.state_slot)
 
-    def _full_block_keys(self, seq: Sequence, blocks: int) -> list[bytes]:
+    def full_block_keys(self, seq: Sequence, blocks: int) -> list[bytes]:
         """Keys of the sequence's first ``blocks`` full blocks.  The chain is hashed once and extended
         as blocks fill (a sequence's tokens are only ever appended), not rehashed from the start: at
         a 500K-token context that would be some 80 ms every time a block fills."""
@@ -264,12 +267,24 @@ class Scheduler:
                 return True
             if preempted is None:
                 return False
-            victim = self.policy.choose_victim(self.running)
+            victim = self._victim()
             self._preempt(victim)
             preempted.append(victim.request_id)
             if victim is seq:
                 return False
         return True
+
+    def _victim(self) -> Sequence:
+        """The policy's pick among the running sequences but the oldest (the oldest itself when
+        it runs alone)."""
+        oldest = min(self.running, key=lambda s: s.arrival_time)
+        candidates = [s for s in self.running if s is not oldest]
+        if not candidates:
+            return oldest
+        victim = self.policy.choose_victim(candidates)
+        if not any(victim is s for s in candidates):
+            raise RuntimeError(f"scheduler policy {self.policy.name!r} chose a victim it was not offered")
+        return victim
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -295,7 +310,7 @@ class Scheduler:
         if not self.prefix_reuse:
             return
         bs = self.pool.block_size
-        keys = self._full_block_keys(seq, seq.num_computed_tokens // bs)
+        keys = self.full_block_keys(seq, seq.num_computed_tokens // bs)
         for i, key in enumerate(keys):
             if not self.pool.settled(seq.block_ids[i], key):
                 self.pool.register(seq.block_ids[i], key, seq.tokens_between(i * bs, (i + 1) * bs))

@@ -60,10 +60,6 @@ class ParallelGroups:
     def ep_rank(self) -> int:
         return self.rank % self.ep_size
 
-    @property
-    def is_last_stage(self) -> bool:
-        return self.stage == self.stages - 1
-
     def rank_of(self, stage: int, ep_rank: int) -> int:
         return stage * self.ep_size + ep_rank
 

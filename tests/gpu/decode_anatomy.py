@@ -39,13 +39,13 @@ def main() -> int:
     bench._set_path(model, "graphs")
     if args.compile:
         model.compile_decode()
-    core = make_engine(model, max_num_seqs=1, context_tokens=1024 + 2 * args.steps + 64, prefill_chunk=2048,
-                       lookahead=args.lookahead)
+    engine = make_engine(model, max_num_seqs=1, context_tokens=1024 + 2 * args.steps + 64, prefill_chunk=2048,
+                         lookahead=args.lookahead)
     prompt = torch.randint(100, cfg.vocab_size, (1024,), generator=torch.Generator().manual_seed(0)).tolist()
 
     marks: dict[str, list[float]] = {k: [] for k in ("launch", "graph_gpu", "sample", "wall")}
     graphs = model._graphs
-    run_graph, collect = graphs.run, core.runner.sampler.collect
+    run_graph, collect = graphs.run, engine.runner.sampler.collect
     step_began = [0.0]
 
     def timed_run(key, *inputs):
@@ -63,19 +63,18 @@ def main() -> int:
         marks["sample"].append(time.perf_counter() - t0)
         return out
 
-    graphs.run, core.runner.sampler.collect = timed_run, timed_collect
+    graphs.run, engine.runner.sampler.collect = timed_run, timed_collect
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
-    core.submit(EngineRequest("anatomy", tuple(prompt), params))
-    core._drain_inbox(block=False)
+    engine.submit(EngineRequest("anatomy", tuple(prompt), params))
     for values in marks.values():
         values.clear()
     events = []
     step_began[0] = time.perf_counter()
-    while core.scheduler.has_work:
+    while engine.has_work:
         if not args.lookahead:
             torch.cuda.synchronize()
             step_began[0] = time.perf_counter()
-        core.step()
+        engine.step()
         if not args.lookahead:
             torch.cuda.synchronize()
         now = time.perf_counter()

@@ -34,7 +34,6 @@ def test_reading_tokens_does_not_wait_for_work_queued_behind_them(model):
     core, _ = engine(model, prefix=False)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     core.submit(EngineRequest("r", tuple(_tokens(model, 40, 3)), params))
-    core._drain_inbox(block=False)
     core.step()  # the prompt
     core.step()  # a first decode step: graph captured
     launched = core.runner.launch(core.scheduler.plan())

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import types
 
 import pytest
 import torch
@@ -20,12 +19,8 @@ from ds4d.cache.blocks import BlockPool
 from ds4d.cache.disk import DiskTier
 from ds4d.cache.manager import PrefixCache
 from ds4d.cache.ram import RamTier
-from ds4d.contracts import BlockCopyModel, PluginContext, StatefulModel
-from ds4d.engine.core import EngineCore
-from ds4d.engine.runner import ModelRunner
-from ds4d.engine.sampler import Sampler
-from ds4d.engine.scheduler import Scheduler
-from ds4d.plugins.scheduler_fcfs import FcfsPolicy
+from ds4d.contracts import BlockCopyModel, StatefulModel
+from ds4d.engine.offline import OfflineEngine
 from tests.unit.test_dsv4_model import _tokens, checkpoint, model  # noqa: F401 - fixtures
 from tests.unit.test_engine import req, run
 
@@ -54,19 +49,16 @@ def test_v4_block_copy_round_trip(model):  # noqa: F811
         model.import_blocks([0, 1], payloads[:1])
 
 
-def engine(v4, *, num_blocks=12, ram_blocks=0, prefix=True, disk_dir=None):
-    v4.allocate_cache(num_blocks, 2)
+def engine(v4, *, num_blocks=12, ram_blocks=0, prefix=True, disk_dir=None, lookahead=False):
     info = v4.info
     pool = BlockPool(num_blocks, info.block_size_tokens, prefix_caching=prefix)
     tiers = [RamTier(None, {"budget_bytes": ram_blocks * info.cache_bytes_per_block})] if ram_blocks else []
     if disk_dir is not None:
         tiers.append(DiskTier(None, {"directory": str(disk_dir), "budget_bytes": 1 << 30, "compat_hash": b"v4"}))
     cache = PrefixCache(pool, tiers=tiers, model=v4, block_bytes=info.cache_bytes_per_block)
-    policy = FcfsPolicy(PluginContext(types.SimpleNamespace(), logging.getLogger("t")), {})
-    sched = Scheduler(pool, policy, max_num_seqs=2, step_tokens=512, prefill_chunk=512, namespace=b"v4",
-                      cache=cache)
-    outputs = []
-    return EngineCore(sched, ModelRunner(v4, Sampler()), frozenset(), publish=outputs.extend), outputs
+    core = OfflineEngine(v4, max_num_seqs=2, step_tokens=512, prefill_chunk=512, cache=cache, namespace=b"v4",
+                         lookahead=lookahead)
+    return core, core.outputs
 
 
 def serve(core, outputs, rid, prompt, n):
@@ -159,8 +151,7 @@ def test_lookahead_on_v4_and_the_next_turn_reuses_its_checkpoint(model):  # noqa
         return dataclasses.replace(req(rid, prompt, 40), params=dataclasses.replace(
             req(rid, prompt, 40).params, stop_token_ids=frozenset({stop})))
 
-    core, outputs = engine(model)
-    core.lookahead = True
+    core, outputs = engine(model, lookahead=True)
     tokens, _, _ = run(core, outputs, [stopping("t1", turn1)])
     gen1 = tokens["t1"]
     assert gen1 == full[:full.index(stop) + 1] and core.steps_ahead > 0
@@ -176,8 +167,7 @@ def step_by_step_and_ahead(v4, max_tokens: int) -> list[tuple[dict, int]]:
     prompts = {"a": _tokens(v4, 90, 70), "b": _tokens(v4, 130, 71)}
     results = []
     for lookahead in (False, True):
-        core, outputs = engine(v4, prefix=False)
-        core.lookahead = lookahead
+        core, outputs = engine(v4, prefix=False, lookahead=lookahead)
         tokens, _, _ = run(core, outputs, [req(k, p, max_tokens) for k, p in prompts.items()])
         results.append((tokens, core.steps_ahead))
     return results

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-import types
-
 from ds4d.cache.blocks import BlockPool, block_keys
 from ds4d.cache.disk import DiskTier
 from ds4d.cache.manager import PrefixCache
 from ds4d.cache.ram import RamTier
-from ds4d.contracts import PluginContext
-from ds4d.engine.core import EngineCore
+from ds4d.engine.offline import OfflineEngine
 from ds4d.engine.request import EngineRequest, SamplingParams
-from ds4d.engine.runner import ModelRunner
-from ds4d.engine.sampler import Sampler
-from ds4d.engine.scheduler import Scheduler
-from ds4d.plugins.scheduler_fcfs import FcfsPolicy
 from tests.toy_model import reference_tokens
 from tests.toy_state_model import ToyAsyncBlockModel, ToyBlockModel
 from tests.unit.test_engine import req, run
@@ -27,7 +19,6 @@ BLOCK_BYTES = BS * 8
 def make(num_blocks=8, ram_blocks=0, disk_dir=None, disk_blocks=0, model=None, prefix=True, checkpoints=8,
          max_num_seqs=4):
     model = model or ToyBlockModel(BS)
-    model.allocate_cache(num_blocks, max_num_seqs)
     pool = BlockPool(num_blocks, BS, prefix_caching=prefix)
     tiers = []
     if ram_blocks:
@@ -37,17 +28,14 @@ def make(num_blocks=8, ram_blocks=0, disk_dir=None, disk_blocks=0, model=None, p
         tiers.append(DiskTier(None, {"directory": str(disk_dir), "compat_hash": b"toy",
                                      "budget_bytes": disk_blocks * (HEADER.size + BS * 4 + BLOCK_BYTES)}))
     cache = PrefixCache(pool, tiers=tiers, model=model, block_bytes=BLOCK_BYTES, checkpoints=checkpoints)
-    policy = FcfsPolicy(PluginContext(types.SimpleNamespace(), logging.getLogger("t")), {})
-    sched = Scheduler(pool, policy, max_num_seqs=max_num_seqs, step_tokens=64, prefill_chunk=16,
-                      namespace=b"toy", cache=cache)
-    outputs = []
-    core = EngineCore(sched, ModelRunner(model, Sampler()), frozenset({0}), publish=outputs.extend)
-    return core, outputs, model
+    engine = OfflineEngine(model, max_num_seqs=max_num_seqs, step_tokens=64, prefill_chunk=16, cache=cache,
+                           namespace=b"toy", eos_token_ids=frozenset({0}))
+    return engine, engine.outputs, model
 
 
-def serve(core, outputs, rid, prompt, n=2, **kw):
+def serve(engine, outputs, rid, prompt, n=2, **kw):
     outputs.clear()
-    tokens, _, _ = run(core, outputs, [req(rid, prompt, n, **kw)])
+    tokens, _, _ = run(engine, outputs, [req(rid, prompt, n, **kw)])
     final = [o for o in outputs if o.request_id == rid][-1]
     return tokens[rid], final.cached_tokens, dict(final.cached_by_tier)
 
@@ -62,15 +50,15 @@ C = [20 + i for i in range(13)]
 
 
 def test_pool_evictions_are_demoted_to_ram_in_lru_order_and_promoted_back():
-    core, outputs, model = make(num_blocks=5, ram_blocks=16)
-    cache = core.scheduler.cache
+    engine, outputs, model = make(num_blocks=5, ram_blocks=16)
+    cache = engine.scheduler.cache
     ram = cache.tiers[0]
-    assert serve(core, outputs, "a", A)[0] == reference_tokens(A, 2)
+    assert serve(engine, outputs, "a", A)[0] == reference_tokens(A, 2)
     # A finished: its 3 full blocks (keys of A[:12]) are cached in the pool, tail first in the LRU
-    serve(core, outputs, "b", B)
+    serve(engine, outputs, "b", B)
     # B needed 4 blocks from a pool of 5 holding 3 cached ones: the tail block of A went first
     assert [e.key for e in ram.entries()] == keys_of(A)[2:0:-1]
-    tokens, cached, by_tier = serve(core, outputs, "a2", A)
+    tokens, cached, by_tier = serve(engine, outputs, "a2", A)
     assert tokens == reference_tokens(A, 2)
     assert cached == 12 and by_tier == {"gpu": 4, "ram": 8}
     assert model.imported and len(model.imported) == 2
@@ -80,22 +68,21 @@ def test_pool_evictions_are_demoted_to_ram_in_lru_order_and_promoted_back():
 
 
 def test_ram_overflow_goes_to_disk_and_disk_hits_are_exact(tmp_path):
-    core, outputs, _ = make(num_blocks=5, ram_blocks=1, disk_dir=tmp_path, disk_blocks=32)
-    ram, disk = core.scheduler.cache.tiers
-    serve(core, outputs, "a", A)
-    serve(core, outputs, "b", B)
-    serve(core, outputs, "c", C)
+    engine, outputs, _ = make(num_blocks=5, ram_blocks=1, disk_dir=tmp_path, disk_blocks=32)
+    ram, disk = engine.scheduler.cache.tiers
+    serve(engine, outputs, "a", A)
+    serve(engine, outputs, "b", B)
+    serve(engine, outputs, "c", C)
     assert ram.stats()["blocks"] == 1 and disk.stats()["blocks"] >= 3
-    tokens, cached, by_tier = serve(core, outputs, "a2", A)
+    tokens, cached, by_tier = serve(engine, outputs, "a2", A)
     assert tokens == reference_tokens(A, 2)
     assert cached == 12 and by_tier.get("disk", 0) >= 4 and sum(by_tier.values()) == 12
 
 
 def test_flush_then_restart_serves_disk_hits(tmp_path):
-    core, outputs, _ = make(num_blocks=8, ram_blocks=2, disk_dir=tmp_path, disk_blocks=64)
-    serve(core, outputs, "a", A)
-    core.stop()
-    assert core.flush_cache()
+    engine, outputs, _ = make(num_blocks=8, ram_blocks=2, disk_dir=tmp_path, disk_blocks=64)
+    serve(engine, outputs, "a", A)
+    assert engine.flush_cache()
     fresh, outputs2, _ = make(num_blocks=8, ram_blocks=2, disk_dir=tmp_path, disk_blocks=64)
     tokens, cached, by_tier = serve(fresh, outputs2, "a2", A)
     assert tokens == reference_tokens(A, 2)
@@ -104,30 +91,30 @@ def test_flush_then_restart_serves_disk_hits(tmp_path):
 
 
 def test_salt_and_last_miss_explanations(tmp_path):
-    core, outputs, _ = make(num_blocks=5)
-    cache = core.scheduler.cache
-    serve(core, outputs, "a", A)
+    engine, outputs, _ = make(num_blocks=5)
+    cache = engine.scheduler.cache
+    serve(engine, outputs, "a", A)
     assert "never cached" in cache.last_miss
     outputs.clear()
-    run(core, outputs, [EngineRequest("s", tuple(A), SamplingParams(max_tokens=2, temperature=0.0,
+    run(engine, outputs, [EngineRequest("s", tuple(A), SamplingParams(max_tokens=2, temperature=0.0,
                                                                     ignore_eos=True), cache_salt="other")])
     assert [o.cached_tokens for o in outputs][-1] == 0
     assert "salt differs" in cache.last_miss
-    serve(core, outputs, "b", B)          # pushes A's blocks out of a pool with no lower tier
-    serve(core, outputs, "c", C)
-    assert serve(core, outputs, "a2", A)[1] < 12
+    serve(engine, outputs, "b", B)          # pushes A's blocks out of a pool with no lower tier
+    serve(engine, outputs, "c", C)
+    assert serve(engine, outputs, "a2", A)[1] < 12
     assert "evicted from the gpu tier" in cache.last_miss
     partial = A[:8] + [60, 61, 62, 63, 1]
-    serve(core, outputs, "p", A)
-    assert serve(core, outputs, "p2", partial)[1] == 8
+    serve(engine, outputs, "p", A)
+    assert serve(engine, outputs, "p2", partial)[1] == 8
     assert "diverged in block 2" in cache.last_miss
 
 
 def test_prefix_caching_off_is_explained():
-    core, outputs, _ = make(prefix=False)
-    serve(core, outputs, "a", A)
-    assert serve(core, outputs, "a2", A)[1] == 0
-    assert "prefix caching is disabled" in core.scheduler.cache.last_miss
+    engine, outputs, _ = make(prefix=False)
+    serve(engine, outputs, "a", A)
+    assert serve(engine, outputs, "a2", A)[1] == 0
+    assert "prefix caching is disabled" in engine.scheduler.cache.last_miss
 
 
 def test_no_tiers_without_block_copy_model():
@@ -138,31 +125,31 @@ def test_no_tiers_without_block_copy_model():
 
 
 def test_many_requests_with_tiny_pool_and_tiers_stay_exact(tmp_path):
-    core, outputs, _ = make(num_blocks=6, ram_blocks=3, disk_dir=tmp_path, disk_blocks=5, max_num_seqs=2)
+    engine, outputs, _ = make(num_blocks=6, ram_blocks=3, disk_dir=tmp_path, disk_blocks=5, max_num_seqs=2)
     prompts = [[(i * 7 + j) % 50 + 1 for j in range(9 + i % 5)] for i in range(6)]
     for rnd in range(3):
         for i, p in enumerate(prompts):
-            assert serve(core, outputs, f"r{rnd}-{i}", p, n=3)[0] == reference_tokens(p, 3)
-    s = core.scheduler.cache.stats()["tiers"]
+            assert serve(engine, outputs, f"r{rnd}-{i}", p, n=3)[0] == reference_tokens(p, 3)
+    s = engine.scheduler.cache.stats()["tiers"]
     assert s["ram"]["hits"] + s["disk"]["hits"] > 0
-    assert s["disk"]["bytes"] <= core.scheduler.cache.tiers[1].budget_bytes
-    assert core.scheduler.pool.num_free == core.scheduler.pool.num_blocks
+    assert s["disk"]["bytes"] <= engine.scheduler.cache.tiers[1].budget_bytes
+    assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
 
 
 def test_evicted_blocks_copied_out_without_waiting_reach_ram_once_the_copy_lands(tmp_path):
     """``AsyncBlockCopyModel``: a block evicted from the pool goes to the RAM tier only once its
     copy out of the pool is complete (a payload read earlier would be zeros and give wrong tokens
     on the next hit); shutdown waits for the copies still under way."""
-    core, outputs, model = make(num_blocks=5, ram_blocks=16, model=ToyAsyncBlockModel(BS, lag=3))
-    cache, ram = core.scheduler.cache, core.scheduler.cache.tiers[0]
-    serve(core, outputs, "a", A)
-    serve(core, outputs, "b", B)  # evicts two of A's blocks: their copies are started
+    engine, outputs, model = make(num_blocks=5, ram_blocks=16, model=ToyAsyncBlockModel(BS, lag=3))
+    cache, ram = engine.scheduler.cache, engine.scheduler.cache.tiers[0]
+    serve(engine, outputs, "a", A)
+    serve(engine, outputs, "b", B)  # evicts two of A's blocks: their copies are started
     assert model.handles
     assert len(ram.entries()) == sum(len(h.payloads) for h in model.handles if h.landed) < 2
     for _ in range(4):
         cache.after_plan()  # each plan asks once more: the copies land and are stored
     assert all(h.landed for h in model.handles) and len(ram.entries()) == 2
-    tokens, cached, by_tier = serve(core, outputs, "a2", A)
+    tokens, cached, by_tier = serve(engine, outputs, "a2", A)
     assert tokens == reference_tokens(A, 2) and by_tier.get("ram", 0) > 0 and cached == 12
 
     late, late_outputs, late_model = make(num_blocks=5, disk_dir=tmp_path, disk_blocks=16,

@@ -9,7 +9,6 @@ forces preemption.
 
 from __future__ import annotations
 
-import logging
 import types
 from pathlib import Path
 
@@ -21,13 +20,9 @@ from ds4d.cache.blocks import BlockPool
 from ds4d.cache.disk import DiskTier
 from ds4d.cache.manager import PrefixCache
 from ds4d.cache.ram import RamTier
-from ds4d.contracts import BlockCopyModel, ForwardBatch, Model, PluginContext, SeqChunk, StatefulModel
-from ds4d.engine.core import EngineCore
-from ds4d.engine.runner import ModelRunner
-from ds4d.engine.sampler import Sampler
-from ds4d.engine.scheduler import Scheduler
+from ds4d.contracts import BlockCopyModel, ForwardBatch, Model, SeqChunk, StatefulModel
+from ds4d.engine.offline import OfflineEngine
 from ds4d.models.deepseek_v41.family import load_model
-from ds4d.plugins.scheduler_fcfs import FcfsPolicy
 from tests.unit.test_engine import req, run
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "dsv41"
@@ -55,17 +50,14 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def engine(model, *, num_blocks=24, max_seqs=2, prefill_chunk=512, step_tokens=512, prefix=True, ram_blocks=0,
            disk_dir=None):
-    model.allocate_cache(num_blocks, max_seqs)
     pool = BlockPool(num_blocks, BLOCK, prefix_caching=prefix)
     tiers = [RamTier(None, {"budget_bytes": ram_blocks * model.info.cache_bytes_per_block})] if ram_blocks else []
     if disk_dir is not None:
         tiers.append(DiskTier(None, {"directory": str(disk_dir), "budget_bytes": 1 << 30, "compat_hash": b"v41"}))
     cache = PrefixCache(pool, tiers=tiers, model=model, block_bytes=model.info.cache_bytes_per_block)
-    policy = FcfsPolicy(PluginContext(types.SimpleNamespace(), logging.getLogger("t")), {})
-    sched = Scheduler(pool, policy, max_num_seqs=max_seqs, step_tokens=step_tokens, prefill_chunk=prefill_chunk,
-                      namespace=b"v41", cache=cache)
-    outputs = []
-    return EngineCore(sched, ModelRunner(model, Sampler()), frozenset(), publish=outputs.extend), outputs
+    core = OfflineEngine(model, max_num_seqs=max_seqs, step_tokens=step_tokens, prefill_chunk=prefill_chunk,
+                         cache=cache, namespace=b"v41")
+    return core, core.outputs
 
 
 def serve(core, outputs, rid, prompt, n):

@@ -2,45 +2,28 @@
 
 from __future__ import annotations
 
-import logging
-import types
-
 import pytest
 
-from ds4d.cache.blocks import BlockPool
-from ds4d.contracts import PluginContext
-from ds4d.engine.core import EngineCore
+from ds4d.engine.offline import OfflineEngine
 from ds4d.engine.request import EngineRequest, FinishReason, SamplingParams
-from ds4d.engine.runner import ModelRunner
-from ds4d.engine.sampler import Sampler
-from ds4d.engine.scheduler import Scheduler
-from ds4d.plugins.scheduler_fcfs import FcfsPolicy
 from tests.toy_model import ToyModel, reference_tokens
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-def make_engine(num_blocks=64, block_size=4, max_num_seqs=8, step_tokens=64, prefill_chunk=16, prefix=True):
+def make_engine(num_blocks=64, block_size=4, max_num_seqs=8, step_tokens=64, prefill_chunk=16, prefix=True,
+                lookahead=False, policy=None):
     model = ToyModel(block_size)
-    model.allocate_cache(num_blocks, max_num_seqs)
-    pool = BlockPool(num_blocks, block_size, prefix_caching=prefix)
-    policy = FcfsPolicy(PluginContext(types.SimpleNamespace(), logging.getLogger("t")), {})
-    sched = Scheduler(pool, policy, max_num_seqs=max_num_seqs, step_tokens=step_tokens,
-                      prefill_chunk=prefill_chunk, namespace=b"toy")
-    outputs = []
-    core = EngineCore(sched, ModelRunner(model, Sampler()), frozenset({0}), publish=outputs.extend)
-    return core, outputs, model
+    engine = OfflineEngine(model, max_num_seqs=max_num_seqs, num_blocks=num_blocks, step_tokens=step_tokens,
+                           prefill_chunk=prefill_chunk, prefix_caching=prefix, policy=policy, namespace=b"toy",
+                           eos_token_ids=frozenset({0}), lookahead=lookahead)
+    return engine, engine.outputs, model
 
 
-def run(core, outputs, requests, max_steps=10_000):
+def run(engine, outputs, requests, max_steps=10_000):
     for r in requests:
-        core.submit(r)
-    core._drain_inbox(block=False)
-    steps = 0
-    while core.scheduler.has_work:
-        core.step()
-        steps += 1
-        assert steps < max_steps, "no progress"
+        engine.submit(r)
+    steps = engine.run_until_idle(max_steps)
     tokens = {}
     finish = {}
     for o in outputs:
@@ -55,37 +38,37 @@ def req(rid, prompt, n, **kw):
 
 
 def test_single_request_matches_reference():
-    core, outputs, _ = make_engine()
+    engine, outputs, _ = make_engine()
     prompt = list(range(1, 30))
-    tokens, finish, _ = run(core, outputs, [req("a", prompt, 10)])
+    tokens, finish, _ = run(engine, outputs, [req("a", prompt, 10)])
     assert tokens["a"] == reference_tokens(prompt, 10)
     assert finish["a"] is FinishReason.LENGTH
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 4, 16, 1000])
 def test_chunk_size_does_not_change_output(chunk):
-    core, outputs, _ = make_engine(prefill_chunk=chunk)
+    engine, outputs, _ = make_engine(prefill_chunk=chunk)
     prompt = [5, 9, 2, 7] * 9
-    tokens, _, _ = run(core, outputs, [req("a", prompt, 6)])
+    tokens, _, _ = run(engine, outputs, [req("a", prompt, 6)])
     assert tokens["a"] == reference_tokens(prompt, 6)
 
 
 def test_batch_equals_solo_and_all_finish():
-    core, outputs, _ = make_engine()
+    engine, outputs, _ = make_engine()
     prompts = {f"r{i}": [i + 1] * (3 + 5 * i) for i in range(6)}
-    tokens, finish, _ = run(core, outputs, [req(k, p, 8) for k, p in prompts.items()])
+    tokens, finish, _ = run(engine, outputs, [req(k, p, 8) for k, p in prompts.items()])
     for k, p in prompts.items():
         assert tokens[k] == reference_tokens(p, 8)
         assert finish[k] is FinishReason.LENGTH
-    assert core.scheduler.pool.num_free == core.scheduler.pool.num_blocks
+    assert engine.scheduler.pool.num_free == engine.scheduler.pool.num_blocks
 
 
 def test_prefix_reuse_is_counted_and_exact():
-    core, outputs, model = make_engine()
+    engine, outputs, model = make_engine()
     prompt = list(range(1, 23))  # 5 full blocks of 4 + 2
-    run(core, outputs, [req("a", prompt, 3)])
+    run(engine, outputs, [req("a", prompt, 3)])
     outputs.clear()
-    tokens, _, _ = run(core, outputs, [req("b", prompt, 3)])
+    tokens, _, _ = run(engine, outputs, [req("b", prompt, 3)])
     assert tokens["b"] == reference_tokens(prompt, 3)
     cached = max(o.cached_tokens for o in outputs)
     assert cached == 20
@@ -94,59 +77,59 @@ def test_prefix_reuse_is_counted_and_exact():
 
 
 def test_cache_salt_isolates_prefixes():
-    core, outputs, _ = make_engine()
+    engine, outputs, _ = make_engine()
     prompt = list(range(1, 23))
-    run(core, outputs, [EngineRequest("a", tuple(prompt), SamplingParams(max_tokens=2, **GREEDY), cache_salt="x")])
+    run(engine, outputs, [EngineRequest("a", tuple(prompt), SamplingParams(max_tokens=2, **GREEDY), cache_salt="x")])
     outputs.clear()
-    run(core, outputs, [EngineRequest("b", tuple(prompt), SamplingParams(max_tokens=2, **GREEDY), cache_salt="y")])
+    run(engine, outputs, [EngineRequest("b", tuple(prompt), SamplingParams(max_tokens=2, **GREEDY), cache_salt="y")])
     assert max(o.cached_tokens for o in outputs) == 0
 
 
 def test_full_prompt_hit_still_computes_last_token():
-    core, outputs, _ = make_engine()
+    engine, outputs, _ = make_engine()
     prompt = list(range(1, 17))  # exactly 4 blocks
-    run(core, outputs, [req("a", prompt, 2)])
+    run(engine, outputs, [req("a", prompt, 2)])
     outputs.clear()
-    tokens, _, _ = run(core, outputs, [req("b", prompt, 2)])
+    tokens, _, _ = run(engine, outputs, [req("b", prompt, 2)])
     assert tokens["b"] == reference_tokens(prompt, 2)
     assert max(o.cached_tokens for o in outputs) == 12
 
 
 def test_preemption_under_memory_pressure_keeps_outputs_exact():
     # 12 blocks of 4 = 48 tokens; three requests that each end at 8 + 20 = 28 tokens cannot all fit
-    core, outputs, _ = make_engine(num_blocks=12, prefix=False)
+    engine, outputs, _ = make_engine(num_blocks=12, prefix=False)
     prompts = {k: [j + 3] * 8 for j, k in enumerate("abc")}
-    tokens, finish, _ = run(core, outputs, [req(k, p, 20) for k, p in prompts.items()])
-    assert core.scheduler.preemptions_total > 0
+    tokens, finish, _ = run(engine, outputs, [req(k, p, 20) for k, p in prompts.items()])
+    assert engine.scheduler.preemptions_total > 0
     for k, p in prompts.items():
         assert tokens[k] == reference_tokens(p, 20), k
         assert finish[k] is FinishReason.LENGTH
 
 
 def test_long_prompt_with_tiny_budget_finishes():
-    core, outputs, _ = make_engine(step_tokens=8, prefill_chunk=2, max_num_seqs=4)
+    engine, outputs, _ = make_engine(step_tokens=8, prefill_chunk=2, max_num_seqs=4)
     prompt = [3] * 200
     other = [req(f"o{i}", [i + 1] * 5, 30) for i in range(3)]
-    tokens, finish, steps = run(core, outputs, [req("long", prompt, 4), *other])
+    tokens, finish, steps = run(engine, outputs, [req("long", prompt, 4), *other])
     assert tokens["long"] == reference_tokens(prompt, 4)
     assert len(finish) == 4
 
 
 def test_eos_and_stop_token_ids_finish():
-    core, outputs, _ = make_engine()
+    engine, outputs, _ = make_engine()
     prompt = [1, 2, 3]
     first = reference_tokens(prompt, 1)[0]
     r = EngineRequest("a", tuple(prompt), SamplingParams(max_tokens=50, temperature=0.0,
                                                          stop_token_ids=frozenset({first})))
-    tokens, finish, _ = run(core, outputs, [r])
+    tokens, finish, _ = run(engine, outputs, [r])
     assert tokens["a"] == [first] and finish["a"] is FinishReason.STOP
 
 
 def test_prompt_logprobs_one_entry_per_prompt_token_across_chunks():
-    core, outputs, _ = make_engine(prefill_chunk=5)
+    engine, outputs, _ = make_engine(prefill_chunk=5)
     prompt = list(range(1, 18))
     r = EngineRequest("a", tuple(prompt), SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))
-    run(core, outputs, [r])
+    run(engine, outputs, [r])
     entries = [e for o in outputs for e in o.prompt_logprobs]
     assert len(entries) == len(prompt)
     assert entries[0] is None
@@ -155,23 +138,21 @@ def test_prompt_logprobs_one_entry_per_prompt_token_across_chunks():
 
 
 def test_abort_frees_blocks():
-    core, outputs, _ = make_engine()
-    core.submit(req("a", [1] * 30, 1000))
-    core._drain_inbox(block=False)
+    engine, outputs, _ = make_engine()
+    engine.submit(req("a", [1] * 30, 1000))
     for _ in range(5):
-        core.step()
-    assert core.scheduler.pool.num_used > 0
-    core.abort("a")
-    core._drain_inbox(block=False)
-    assert not core.scheduler.has_work
-    assert core.scheduler.pool.num_used == 0
+        engine.step()
+    assert engine.scheduler.pool.num_used > 0
+    engine.abort("a")
+    assert not engine.scheduler.has_work
+    assert engine.scheduler.pool.num_used == 0
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent():
     def sample(extra):
-        core, outputs, _ = make_engine()
+        engine, outputs, _ = make_engine()
         r = EngineRequest("s", (1, 2, 3), SamplingParams(max_tokens=12, temperature=1.5, seed=7, ignore_eos=True))
-        tokens, _, _ = run(core, outputs, [r, *extra])
+        tokens, _, _ = run(engine, outputs, [r, *extra])
         return tokens["s"]
 
     assert sample([]) == sample([req("x", [4, 5], 12)])
@@ -183,10 +164,11 @@ class ExplodingModel(ToyModel):
 
 
 def test_engine_death_fails_requests_and_reports_reason():
-    core, outputs, _ = make_engine()
+    engine, outputs, _ = make_engine()
     model = ExplodingModel()
     model.allocate_cache(64, 8)
-    core.runner.model = model
+    engine.runner.model = model
+    core = engine.core  # the engine thread, as the daemon runs it
     core.start()
     core.submit(req("a", [1, 2, 3], 5))
     core._thread.join(10)
@@ -218,12 +200,12 @@ class OnlyToken:
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_token_constraint_is_applied_then_released(temperature):
-    core, outputs, _ = make_engine()
+    engine, outputs, _ = make_engine()
     constraint = OnlyToken(42)
     prompt = [1, 2, 3]
     r = EngineRequest("c", tuple(prompt), SamplingParams(max_tokens=3, temperature=temperature, ignore_eos=True,
                                                          constraint=constraint, seed=3))
-    tokens, _, _ = run(core, outputs, [r])
+    tokens, _, _ = run(engine, outputs, [r])
     assert tokens["c"][0] == 42
     assert constraint.accepted == tokens["c"]
     if temperature == 0.0:
@@ -231,9 +213,7 @@ def test_token_constraint_is_applied_then_released(temperature):
 
 
 def lookahead_engine(**kw):
-    core, outputs, model = make_engine(**kw)
-    core.lookahead = True
-    return core, outputs, model
+    return make_engine(lookahead=True, **kw)
 
 
 def test_lookahead_gives_the_same_tokens_and_overlaps_decode_steps():
@@ -251,54 +231,50 @@ def test_lookahead_gives_the_same_tokens_and_overlaps_decode_steps():
                                                                             ignore_eos=True)))
         return out
 
-    def serve(core, outputs):
+    def serve(engine, outputs):
         first, *rest = requests()
-        core.submit(first)
-        core._drain_inbox(block=False)
+        engine.submit(first)
         for _ in range(6):  # the first request decodes alone for a while, then the others arrive
-            core.step()
-        return run(core, outputs, rest)
+            engine.step()
+        return run(engine, outputs, rest)
 
     want, want_finish, _ = serve(*make_engine()[:2])
-    core, outputs, _ = lookahead_engine()
-    got, got_finish, _ = serve(core, outputs)
-    assert core.steps_ahead > 10
+    engine, outputs, _ = lookahead_engine()
+    got, got_finish, _ = serve(engine, outputs)
+    assert engine.steps_ahead > 10
     assert got == want and got_finish == want_finish
     assert got["c"][-1] == stop_at and len(got["c"]) == 7 and got_finish["c"] is FinishReason.STOP
-    assert core.scheduler.pool.num_used == 0 and not core.scheduler.running
+    assert engine.scheduler.pool.num_used == 0 and not engine.scheduler.running
 
 
 def test_lookahead_under_memory_pressure_and_aborts():
-    core, outputs, _ = lookahead_engine(num_blocks=12, prefix=False)
+    engine, outputs, _ = lookahead_engine(num_blocks=12, prefix=False)
     prompts = {k: [j + 3] * 8 for j, k in enumerate("abc")}
-    tokens, finish, _ = run(core, outputs, [req(k, p, 20) for k, p in prompts.items()])
+    tokens, finish, _ = run(engine, outputs, [req(k, p, 20) for k, p in prompts.items()])
     for k, p in prompts.items():
         assert tokens[k] == reference_tokens(p, 20), k
-    assert core.steps_ahead > 0
+    assert engine.steps_ahead > 0
     # an abort between two steps, while a step is queued ahead: blocks come back, nothing else moves
-    core, outputs, _ = lookahead_engine()
-    core.submit(req("a", [1] * 30, 1000))
-    core.submit(req("b", [2] * 9, 12))
-    core._drain_inbox(block=False)
+    engine, outputs, _ = lookahead_engine()
+    engine.submit(req("a", [1] * 30, 1000))
+    engine.submit(req("b", [2] * 9, 12))
     for _ in range(8):
-        core.step()
-    assert core._inflight is not None
-    core.abort("a")
-    tokens, finish, _ = run(core, outputs, [])
+        engine.step()
+    assert engine.core._inflight is not None
+    engine.abort("a")
+    tokens, finish, _ = run(engine, outputs, [])
     assert tokens["b"] == reference_tokens([2] * 9, 12) and "a" not in finish
-    assert core.scheduler.pool.num_used == 0
+    assert engine.scheduler.pool.num_used == 0
 
 
 def test_lookahead_stays_off_where_the_host_must_see_each_token():
     """Logprobs, constraints and models that cannot be fed device tokens decode step by step."""
-    core, outputs, _ = lookahead_engine()
-    run(core, outputs, [req("a", [1, 2, 3], 12, logprobs=2)])
-    assert core.steps_ahead == 0
+    engine, outputs, _ = lookahead_engine()
+    run(engine, outputs, [req("a", [1, 2, 3], 12, logprobs=2)])
+    assert engine.steps_ahead == 0
     model = ToyModel(4)
     model.accepts_input_tokens = False
-    core = EngineCore(core.scheduler, ModelRunner(model, Sampler()), frozenset(), publish=outputs.extend,
-                      lookahead=True)
-    assert not core.lookahead
+    assert not OfflineEngine(model, max_num_seqs=1, num_blocks=8, prefill_chunk=4, lookahead=True).lookahead
 
 
 def test_tokens_between_is_a_slice_of_all_tokens():
@@ -316,13 +292,13 @@ def test_block_key_chain_grows_as_hashing_from_the_start_would():
     from ds4d.cache.blocks import block_keys
     from ds4d.engine.request import Sequence
 
-    core, _, _ = make_engine()
-    sched = core.scheduler
+    engine, _, _ = make_engine()
+    sched = engine.scheduler
     seq = Sequence(EngineRequest("a", tuple(range(1, 11)), SamplingParams(max_tokens=50), cache_salt="s"))
     for blocks, more in ((1, [20, 21]), (3, [22, 23, 24, 25, 26]), (4, []), (2, [])):
         seq.output_ids += more
-        whole = block_keys(seq.all_token_ids[: blocks * 4], 4, sched._namespace(seq))
-        assert sched._full_block_keys(seq, blocks) == whole
+        whole = block_keys(seq.all_token_ids[: blocks * 4], 4, b"toy" + b"s")  # the namespace, then the salt
+        assert sched.full_block_keys(seq, blocks) == whole
     assert len(seq.block_key_chain) == 4  # hashed once each, kept
 
 
@@ -331,7 +307,7 @@ def test_lookahead_while_requests_wait_for_a_slot():
     queued ahead, and each waiting request is admitted as a slot frees, with the same tokens."""
     prompts = {f"r{j}": [j + 2] * (4 + j) for j in range(6)}
     want, _, _ = run(*make_engine(max_num_seqs=2)[:2], [req(k, p, 8 + k.count("3")) for k, p in prompts.items()])
-    core, outputs, _ = lookahead_engine(max_num_seqs=2)
-    got, finish, _ = run(core, outputs, [req(k, p, 8 + k.count("3")) for k, p in prompts.items()])
-    assert got == want and len(finish) == 6 and core.steps_ahead > 6
+    engine, outputs, _ = lookahead_engine(max_num_seqs=2)
+    got, finish, _ = run(engine, outputs, [req(k, p, 8 + k.count("3")) for k, p in prompts.items()])
+    assert got == want and len(finish) == 6 and engine.steps_ahead > 6
     assert all(got[k] == reference_tokens(p, len(got[k])) for k, p in prompts.items())

@@ -27,17 +27,21 @@ FORMAT = "ds4d-expert-calibration"
 
 def routing_counts(model: Any, prompts: Sequence[Sequence[int]], *, chunk: int = 2048) -> list[list[float]]:
     """Per layer and expert, the routed (token, expert) pairs of prefilling ``prompts`` one at a time."""
-    from ds4d.bench.harness import make_engine, run_batch
+    from ds4d.engine.offline import OfflineEngine
+    from ds4d.engine.request import EngineRequest, SamplingParams
 
     cfg = model.cfg
     longest = max((len(p) for p in prompts), default=1)
-    core = make_engine(model, max_num_seqs=1, context_tokens=longest + 2, prefill_chunk=chunk)
+    engine = OfflineEngine(model, max_num_seqs=1, context_tokens=longest + 2, prefill_chunk=chunk,
+                           prefix_caching=False, namespace=b"calibrate", publish=lambda outputs: None)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     model.routing_tally = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.float32,
                                       device=model.device)
     try:
-        for ids in prompts:
+        for number, ids in enumerate(prompts):
             if ids:
-                run_batch(core, [list(ids)], 1)
+                engine.submit(EngineRequest(f"calibrate-{number}", tuple(ids), params))
+                engine.run_until_idle()
         return model.routing_tally.cpu().tolist()
     finally:
         model.routing_tally = None

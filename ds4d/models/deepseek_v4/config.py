@@ -121,10 +121,6 @@ class DeepseekV4Config:
     def is_hash_layer(self, layer: int) -> bool:
         return layer < self.num_hash_layers
 
-    @property
-    def hc_mix_size(self) -> int:
-        return (2 + self.hc_mult) * self.hc_mult
-
     # ------------------------------------------------------------------ parsing
 
     @classmethod

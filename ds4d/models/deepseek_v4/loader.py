@@ -119,9 +119,6 @@ class SafetensorsCheckpoint:
     def dtype_of(self, name: str) -> str:
         return self._info(name)["dtype"]
 
-    def shape_of(self, name: str) -> tuple[int, ...]:
-        return tuple(self._info(name)["shape"])
-
     def _info(self, name: str) -> dict:
         if name not in self._files:
             raise CheckpointError(f"{self.directory}: missing tensor {name!r}")
