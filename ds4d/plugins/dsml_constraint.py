@@ -319,6 +319,15 @@ class DsmlBlockGuard:
             self._completing[matched] = ids
         return ids
 
+    def _tokens_to_finish(self, matched: int) -> int:
+        """Tokens that write the opening tag's bytes after ``matched`` (greedy longest pieces: an upper bound)."""
+        count, at = 0, matched
+        while at < len(self._opening):
+            pieces = self._table.prefixes(self._opening, at)
+            at += pieces[-1][0] if pieces else len(self._opening)
+            count += 1
+        return count
+
     def _rest_after_opening(self, token_id: int) -> bytes:
         text = self._opening[: self._matched] + self._table.token_bytes[token_id]
         found = text.find(self._opening)
@@ -361,9 +370,14 @@ class DsmlBlockGuard:
         if self._block is not None:
             late = [t for t in self._completing_tokens(self._matched)
                     if not self._block.fits_after(self._rest_after_opening(t), self._left - 1)]
-            # enter the tag only while the rest of it and a block could still be written
-            late += [t for t, grown in self._entering[(self._matched, self._marker_matched)]
-                     if not self._block.fits_after(b"", self._left - 1 - (len(self._opening) - grown))]
+            # enter the tag, or write more of it, only while its rest and a block can still be written
+            if self._matched >= self._committed:
+                growing = [(ids, self._matched + length) for length, ids in self._table.prefixes(self._opening,
+                                                                                                  self._matched)]
+            else:
+                growing = [([t], grown) for t, grown in self._entering[(self._matched, self._marker_matched)]]
+            late += [t for ids, grown in growing if grown < len(self._opening) and
+                     not self._block.fits_after(b"", self._left - 1 - self._tokens_to_finish(grown)) for t in ids]
         if not late and not static.any():
             return None
         mask = np.ones(max(vocab_size, self._table.vocab_size), dtype=bool)

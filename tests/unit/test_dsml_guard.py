@@ -215,3 +215,27 @@ def test_a_stray_marker_is_refused_and_a_started_tag_must_go_on(tokenizer):
     tight = build_block_guard(tokenizer, TOOLS, "auto", spelling=V41_SPELLING, max_tokens=4)
     feed(tight, tokenizer, "<")
     assert not tight.allowed_mask(tokenizer.vocab_size)[dsml]  # no block fits in what is left
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS, ids=str)
+def test_a_tag_is_started_only_when_it_can_be_finished(tokenizer, spelling):
+    """Near the end of the budget the pushed model still never gets a step where every token is
+    refused (which would leave a half-written tag in the content)."""
+    spelling = SPELLINGS[spelling]
+    favoured = sorted({t for piece in ("<", "｜DSML｜", spelling.block, ">") for t in tokenizer.encode(piece)})
+    for max_tokens in range(12, 48, 3):
+        guard = build_block_guard(tokenizer, TOOLS, "auto", spelling=spelling, max_tokens=max_tokens)
+        ids = []
+        for step in range(max_tokens):
+            mask = guard.allowed_mask(tokenizer.vocab_size)
+            assert mask is None or bool(mask.any()), (max_tokens, step, tokenizer.decode(ids))
+            gen = torch.Generator().manual_seed(step)
+            logits = torch.randn(tokenizer.vocab_size, generator=gen).numpy()
+            logits[favoured] += 30.0 * torch.rand(len(favoured), generator=gen).numpy()
+            token = int(np.argmax(logits if mask is None else np.where(mask.numpy(), logits, -np.inf)))
+            guard.accept(token)
+            ids.append(token)
+            if token in tokenizer.eos_token_ids:
+                break
+        message = parse_completion(tokenizer.decode(ids), False, spelling)
+        assert "｜DSML｜" not in (message["content"] or ""), tokenizer.decode(ids)
