@@ -199,6 +199,17 @@ def test_the_marker_appears_only_in_blocks(tokenizer, spelling):
         none = build_block_guard(tokenizer, TOOLS, "none", spelling=spelling, max_tokens=80)
         assert "｜DSML｜" not in tokenizer.decode(biased_sample(none, tokenizer, seed, 80, favoured))
     assert opened >= 6  # the bias does open blocks
+    unguarded = [parse_completion(tokenizer.decode(biased_sample(_NoGuard(), tokenizer, seed, 80, favoured)), False,
+                                  spelling)["content"] or "" for seed in range(12)]
+    assert any("｜DSML｜" in content for content in unguarded)  # without the guard the same sampling leaks
+
+
+class _NoGuard:
+    def allowed_mask(self, vocab_size: int) -> None:
+        return None
+
+    def accept(self, token_id: int) -> None:
+        pass
 
 
 def test_a_stray_marker_is_refused_and_a_started_tag_must_go_on(tokenizer):
