@@ -105,6 +105,8 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         return make_tiny_v41(args)
     if args.family != "deepseek_v4":
         raise PluginError(f"make-tiny knows --family deepseek_v4 and deepseek_v41, not {args.family!r}")
+    if args.tokenizer != "tiny":
+        raise PluginError("make-tiny --tokenizer is for --family deepseek_v41 (V4 checkpoints carry V4's tokenizer)")
     from ds4d.models.deepseek_v4.make_tiny import main_make_tiny
 
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
@@ -162,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--widths", default="tiny", choices=["tiny", "flash"],
                       help="tiny widths, or V4-Flash's (about 3.3 GB per layer; for benchmarks)")
     tiny.add_argument("--device", default="cpu", help="where to draw and quantise (cuda: far faster at flash widths)")
+    tiny.add_argument("--tokenizer", default="tiny", choices=["tiny", "v4"],
+                      help="deepseek_v41: tiny (a small byte-level tokenizer.json) or v4 (the real 129,280 ids: "
+                           "V4's tokenizer with V4.1's added tokens, derived at load)")
     tiny.set_defaults(func=cmd_make_tiny)
     return parser
 

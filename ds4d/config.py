@@ -89,7 +89,7 @@ class Config:
     tool_parser: str = knob("auto", "ToolCallParser plugin; auto = the model family's default.", section="plugins")
     scheduler_policy: str = knob("fcfs", "SchedulerPolicy plugin: ordering and preemption victims.", section="plugins")
     thinking_default: bool = knob(True, "Thinking mode when a request does not set chat_template_kwargs.thinking.", section="plugins")
-    tool_markup_guard: bool = knob(False, "DSML models: with tool_choice auto, a tool-call block the model opens is constrained to valid markup over the request's tools until it closes; with tool_choice none no block can open. Such requests decode without look-ahead.", section="plugins")
+    tool_markup_guard: bool = knob(False, "DSML models: with tool_choice auto, the DSML marker can only open a tool-call block, which is then constrained to valid markup over the request's tools until it closes; with tool_choice none the marker cannot be sampled. Such requests decode without look-ahead.", section="plugins")
     # --- limits
     max_queued_requests: int = knob(256, "Requests that have produced no output yet (queued or prefilling) beyond this: new ones get 503 with Retry-After.", section="limits")
     max_queued_tokens: int = knob(1048576, "Prompt tokens of requests with no output yet beyond this: new ones get 503 with Retry-After (an empty queue always takes a request); 0 = no cap.", section="limits")

@@ -59,15 +59,26 @@ class HFTokenizer:
 
     def __init__(self, path_to_tokenizer_json: str | Path, tokenizer_config_path: str | Path | None = None) -> None:
         tokenizer_path = Path(path_to_tokenizer_json)
-        self._tokenizer = _RustTokenizer.from_file(str(tokenizer_path))
         config_path = (
             Path(tokenizer_config_path)
             if tokenizer_config_path is not None
             else tokenizer_path.with_name("tokenizer_config.json")
         )
-        config = _read_json(config_path)
-        generation_config = _read_json(tokenizer_path.with_name("generation_config.json"))
+        self._setup(_RustTokenizer.from_file(str(tokenizer_path)), tokenizer_path, _read_json(config_path),
+                    _read_json(tokenizer_path.with_name("generation_config.json")))
 
+    @classmethod
+    def from_json(cls, tokenizer_json: str, tokenizer_config_path: str | Path,
+                  generation_config: str | Path | None = None, *, name: str = "<memory>") -> HFTokenizer:
+        """A tokenizer from ``tokenizer.json`` text (one built in memory); ``name`` stands for its path."""
+        tokenizer = cls.__new__(cls)
+        tokenizer._setup(_RustTokenizer.from_str(tokenizer_json), Path(name), _read_json(Path(tokenizer_config_path)),
+                         _read_json(Path(generation_config)) if generation_config is not None else {})
+        return tokenizer
+
+    def _setup(self, rust_tokenizer: _RustTokenizer, tokenizer_path: Path, config: dict[str, Any],
+               generation_config: dict[str, Any]) -> None:
+        self._tokenizer = rust_tokenizer
         self.path = tokenizer_path
         self.vocab_size: int = self._tokenizer.get_vocab_size(with_added_tokens=True)
         bos_text = _token_text(config.get("bos_token"))

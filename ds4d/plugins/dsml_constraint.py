@@ -31,12 +31,14 @@ first: the call is what the client asked for, and reasoning of unbounded length
 would make the promise depend on the model choosing to stop thinking.
 
 Under ``tool_choice`` "auto" (with ``tool_markup_guard``) :func:`build_block_guard`
-leaves the text free until the model itself completes the block's opening tag; from
-there the block is written as above except that it may hold several calls, each to a
-declared tool, naming declared parameters in any order and each at most once;
-numbers, arrays and objects are free JSON text (the parser keeps a value that is not
-JSON as a string).  So markup the model opens always reaches the client as tool
-calls, never as broken content.  Under "none" no token may complete the opening tag.
+leaves the text free until the model itself writes the block's opening tag: the marker
+``｜DSML｜`` may appear only right after the tag's ``<``, and once it has, only the rest
+of the tag may follow.  From there the block is written as above except that it may
+hold several calls, each to a declared tool, naming declared parameters in any order
+and each at most once; numbers, arrays and objects are free JSON text (the parser
+keeps a value that is not JSON as a string).  So markup the model opens always
+reaches the client as tool calls, never as broken content, and no stray DSML tag
+either.  Under "none" the marker never appears, so no block opens.
 
 Matching is on token *bytes* (:mod:`ds4d.plugins.dsml_grammar`), so any tokenization
 of the markup is accepted (the model's own merges included).  With ``max_tokens`` the
@@ -45,8 +47,8 @@ call (or the block) always ends with end-of-sentence within ``max_tokens``.
 Cost: the tokenizer's :class:`~ds4d.plugins.token_table.TokenTable` is built
 once (about a second for the V4 vocabulary) and cached, so call these off the
 event loop.  A step then costs well under a millisecond: a numpy mask copy and a
-few dictionary lookups; the guard returns no mask at all while no token can
-complete the opening tag.
+few dictionary lookups; outside a block the guard's mask (the tokens that would write
+the marker) is cached per match state.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ import numpy as np
 import torch
 
 from ds4d.contracts import Tokenizer
-from ds4d.plugins.dsml_format import THINK_END, V4_SPELLING, DsmlSpelling, to_json
+from ds4d.plugins.dsml_format import DSML, THINK_END, V4_SPELLING, DsmlSpelling, to_json
 from ds4d.plugins.dsml_grammar import Digits, End, Grammar, GrammarConstraint, Lit, Segment, Text
 from ds4d.plugins.token_table import TokenTable, partial_match, token_table
 
@@ -276,22 +278,36 @@ def _block_grammar(functions: Sequence[Mapping[str, Any]], spelling: DsmlSpellin
 
 
 class DsmlBlockGuard:
-    """TokenConstraint for ``tool_choice`` "auto" and "none": text is free until the model
-    completes the block's opening tag; with ``block`` (auto) it may, and the rest of the block is
-    then written by ``block`` (declared tools and parameters, valid markup, closed within the
-    token budget); without (none) no token may complete it.  Costs nothing while no token can
-    complete the tag (no mask); the engine decodes a constrained request without look-ahead."""
+    """TokenConstraint for ``tool_choice`` "auto" and "none": DSML never reaches the content.
+
+    Outside a block the marker ``｜DSML｜`` may appear only as part of the block's opening tag:
+    with ``block`` (auto) a token may write it right after the tag's ``<`` (while a block could
+    still close within the token budget), and from there only the rest of the tag may follow;
+    the rest of the block is then written by ``block`` (declared tools and parameters, valid
+    markup, closed within the token budget).  Without (none) the marker never appears, so no
+    block opens.  Any other text is free.  The mask is a cached array per match state; the
+    engine decodes a constrained request without look-ahead."""
 
     def __init__(self, table: TokenTable, opening: bytes, block: GrammarConstraint | None,
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, marker: bytes = DSML.encode()) -> None:
+        if marker not in opening:
+            raise ValueError(f"the opening tag {opening!r} does not hold the marker {marker!r}")
         self._table = table
         self._opening = opening
+        self._marker = marker
+        self._committed = opening.index(marker) + len(marker)
+        """Bytes of the opening after which the text is inside the tag (its marker written)."""
         self._block = block
         self._in_block = False
         self._matched = 0
         """Bytes of the opening tag the text ends with."""
+        self._marker_matched = 0
+        """Bytes of the marker the text ends with."""
         self._left = math.inf if max_tokens is None else max_tokens
         self._completing: dict[int, list[int]] = {}
+        self._banned: dict[tuple[int, int], np.ndarray] = {}
+        self._entering: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        """Per match state: the tokens that write the marker as the tag's, with the tag bytes then matched."""
 
     def _completing_tokens(self, matched: int) -> list[int]:
         """Tokens that complete the opening tag after ``matched`` of its bytes (or hold all of it)."""
@@ -303,24 +319,73 @@ class DsmlBlockGuard:
             self._completing[matched] = ids
         return ids
 
+    def _tokens_to_finish(self, matched: int) -> int:
+        """Tokens that write the opening tag's bytes after ``matched`` (greedy longest pieces: an upper bound)."""
+        count, at = 0, matched
+        while at < len(self._opening):
+            pieces = self._table.prefixes(self._opening, at)
+            at += pieces[-1][0] if pieces else len(self._opening)
+            count += 1
+        return count
+
     def _rest_after_opening(self, token_id: int) -> bytes:
         text = self._opening[: self._matched] + self._table.token_bytes[token_id]
         found = text.find(self._opening)
         return text[found + len(self._opening) :]
 
+    def _static_banned(self) -> np.ndarray:
+        """Tokens refused in this match state whatever the budget (a bool mask over the table; cached)."""
+        key = (self._matched, self._marker_matched)
+        banned = self._banned.get(key)
+        if banned is not None:
+            return banned
+        table = self._table
+        text = table.text_mask
+        entering: list[tuple[int, int]] = []
+        if self._block is not None and self._matched >= self._committed:
+            # inside the tag: only its rest may follow (a completing token's tail is the block's)
+            banned = np.ones_like(text)
+            for _, ids in table.prefixes(self._opening, self._matched):
+                banned[ids] = False
+            banned[self._completing_tokens(self._matched)] = False
+        else:
+            banned = text & ~table.free_text_mask(self._marker, self._marker_matched)
+            if self._block is not None:
+                head = self._opening[: self._matched]
+                for token_id in np.flatnonzero(banned).tolist():
+                    grown = partial_match(head + table.token_bytes[token_id], self._opening)
+                    if grown >= self._committed:  # writes the marker as the tag's: allowed (budget permitting)
+                        banned[token_id] = False
+                        entering.append((token_id, grown))
+                banned[self._completing_tokens(self._matched)] = False
+        self._banned[key] = banned
+        self._entering[key] = entering
+        return banned
+
     def allowed_mask(self, vocab_size: int) -> torch.Tensor | None:
         if self._in_block:
             return self._block.allowed_mask(vocab_size)
-        completing = self._completing_tokens(self._matched)
-        if not completing:
-            return None
-        banned = completing
+        static = self._static_banned()
+        late = []
         if self._block is not None:
-            banned = [t for t in completing if not self._block.fits_after(self._rest_after_opening(t), self._left - 1)]
-            if not banned:
-                return None
+            late = [t for t in self._completing_tokens(self._matched)
+                    if not self._block.fits_after(self._rest_after_opening(t), self._left - 1)]
+            # enter the tag, or write more of it, only while its rest and a block can still be written
+            if self._matched >= self._committed:
+                growing = [(ids, self._matched + length) for length, ids in self._table.prefixes(self._opening,
+                                                                                                  self._matched)]
+            else:
+                growing = [([t], grown) for t, grown in self._entering[(self._matched, self._marker_matched)]]
+            late += [t for ids, grown in growing if grown < len(self._opening) and
+                     not self._block.fits_after(b"", self._left - 1 - self._tokens_to_finish(grown)) for t in ids]
+        if not late and not static.any():
+            return None
         mask = np.ones(max(vocab_size, self._table.vocab_size), dtype=bool)
-        mask[np.asarray(banned, dtype=np.int64)] = False
+        mask[: self._table.vocab_size] &= ~static
+        if self._block is not None and self._matched >= self._committed:
+            mask[self._table.vocab_size :] = False
+        if late:
+            mask[np.asarray(late, dtype=np.int64)] = False
         return torch.from_numpy(mask[:vocab_size])
 
     def accept(self, token_id: int) -> None:
@@ -337,6 +402,8 @@ class DsmlBlockGuard:
             self._block.feed(text[found + len(self._opening):])
             return
         self._matched = partial_match(text, self._opening) if data else 0
+        marker_text = self._marker[: self._marker_matched] + data
+        self._marker_matched = partial_match(marker_text, self._marker) if data else 0
 
     @property
     def in_block(self) -> bool:

@@ -93,7 +93,7 @@ def snapshot(state: ServingState) -> dict:
         "model": {"name": state.info.name, "served_name": state.served_model_name, "family": state.info.family,
                   "dtype": state.info.dtype, "device": state.info.device,
                   "max_context_tokens": state.max_context_tokens,
-                  "parallel": state.info.extra.get("parallel")},
+                  "parallel": state.info.extra.get("parallel"), "tokenizer": state.info.extra.get("tokenizer")},
         "requests": {"running": len(sched.running), "waiting": len(sched.waiting),
                      "finished_total": stats.finished_total, "active": core.snapshot_requests()},
         "kv": {"total_blocks": pool.num_blocks, "free_blocks": pool.num_free, "used_blocks": pool.num_used,

@@ -158,6 +158,27 @@ def test_opencode_on_a_tiny_deepseek_v4(tmp_path, opencode_binary):
         assert ANSI.sub("", run["stdout"]).strip(), describe(report)  # the model's answer was printed
 
 
+def test_opencode_on_a_tiny_deepseek_v41(tmp_path, opencode_binary):
+    """The same session on a tiny V4.1 sized for the real vocabulary (no tokenizer.json: the
+    daemon derives V4.1's from V4's), so OpenCode's prompts tokenise as on the release, in
+    V4.1's chat format (``<｜System｜>``, spaced DSML tags)."""
+    from ds4d.models.deepseek_v41.make_tiny import write_tiny
+
+    checkpoint = write_tiny(tmp_path / "tiny-v41", seed=0, tokenizer="v4",
+                            max_position_embeddings=32768)  # OpenCode's first prompt is about 7.5K tokens
+    report = run_scenario(tmp_path, opencode_binary, ["--model", str(checkpoint), "--threads", "1",
+                                                      "--max-num-seqs", "4", "--tool-markup-guard"],
+                          [["--thinking", "Reply", "with", "one", "short", "sentence."],
+                           ["--thinking", "--continue", "Once", "more."]])
+    first_prompt, reused = check_session(report)
+    assert reused > first_prompt // 2, describe(report)
+    assert "tokenizer splits" not in report["daemon_log"], describe(report)  # <｜System｜> is one token
+    assert "ASSUMED ids (unconfirmed): <｜System｜> = 128799" in report["daemon_log"], describe(report)
+    for run in report["runs"]:
+        assert ANSI.sub("", run["stdout"]).strip(), describe(report)  # the model's answer was printed
+    print(f"tiny V4.1 session: first agent prompt {first_prompt} tokens, second turn reused {reused}")
+
+
 # --------------------------------------------------------------------------- driver (inside the namespace)
 
 

@@ -313,6 +313,18 @@ def test_make_tiny_writes_a_deepseek_v41_checkpoint(tmp_path):
     assert (out / "tokenizer.json").is_file()
 
 
+def test_make_tiny_sizes_a_deepseek_v41_checkpoint_for_the_real_vocabulary(tmp_path):
+    out = tmp_path / "v41"
+    result = ds4d("make-tiny", "--family", "deepseek_v41", "--tokenizer", "v4", "--layers", "0,2,1",
+                  "--out", str(out), timeout=300)
+    assert result.returncode == 0, result.stderr
+    text = json.loads((out / "config.json").read_text())["text_config"]
+    assert (text["vocab_size"], text["engram_compressed_vocab_size"]) == (129280, 99092)
+    assert not (out / "tokenizer.json").exists()  # the family derives it at load
+    refused = ds4d("make-tiny", "--family", "deepseek_v4", "--tokenizer", "v4", "--out", str(tmp_path / "v4"))
+    assert refused.returncode != 0 and "--tokenizer is for --family deepseek_v41" in refused.stderr
+
+
 def test_make_tiny_knows_only_the_deepseek_families(tmp_path):
     result = ds4d("make-tiny", "--family", "llama", "--out", str(tmp_path / "x"))
     assert result.returncode == 2 and "deepseek_v41" in result.stderr

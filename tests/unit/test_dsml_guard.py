@@ -72,7 +72,7 @@ def test_an_opened_block_is_written_as_valid_calls(tokenizer, spelling, seed):
     max_tokens = 160
     guard = build_block_guard(tokenizer, TOOLS, "auto", spelling=spelling, max_tokens=max_tokens)
     head = "Let me look.\n\n" + spelling.calls_open
-    assert feed(guard, tokenizer, head) <= 2  # a mask only once a token could complete the opening
+    feed(guard, tokenizer, head)
     assert guard.in_block
     ids = sample(guard, tokenizer, seed, max_tokens - len(tokenizer.encode(head)))
     text = head + tokenizer.decode(ids)
@@ -117,6 +117,10 @@ def test_none_never_opens_a_block(tokenizer, spelling):
     opening = spelling.calls_open
     for seed, cut in enumerate(range(1, len(opening))):
         guard = build_block_guard(tokenizer, TOOLS, "none", spelling=spelling)
+        if "｜DSML｜" in opening[:cut]:
+            with pytest.raises(AssertionError, match="DSML"):
+                feed(guard, tokenizer, "Sure.\n\n" + opening[:cut])  # the marker itself is refused
+            continue
         feed(guard, tokenizer, "Sure.\n\n" + opening[:cut])
         mask = guard.allowed_mask(tokenizer.vocab_size)
         completing = tokenizer.encode(opening[cut:])
@@ -124,7 +128,9 @@ def test_none_never_opens_a_block(tokenizer, spelling):
             assert mask is not None and not mask[completing[0]]
         assert opening not in opening[:cut] + tokenizer.decode(sample(guard, tokenizer, seed, 6))
     plain = build_block_guard(tokenizer, TOOLS, "none", spelling=spelling)
-    assert feed(plain, tokenizer, "Plain text, no markup: a < b.") == 0
+    feed(plain, tokenizer, "Plain text, no markup: a < b.")
+    banned = np.flatnonzero(~plain.allowed_mask(tokenizer.vocab_size).numpy())
+    assert banned.size and all("｜DSML｜" in tokenizer.decode([t]) for t in banned)  # only the marker's tokens
 
 
 def test_which_requests_get_a_guard(tokenizer):
@@ -154,3 +160,93 @@ def test_namespaced_v41_tools_are_called_by_their_qualified_names(tokenizer):
         assert '<｜DSML｜ invoke name="fs::read">' in tokenizer.decode(ids)
     v4 = build_tool_constraint(tokenizer, tools, "required", prompt_ends_in_reasoning=False, max_tokens=60)
     assert '<｜DSML｜invoke name="read">' in tokenizer.decode(sample(v4, tokenizer, 0, 60))
+
+
+def biased_sample(guard, tokenizer, seed: int, steps: int, favoured: list[int]) -> list[int]:
+    """Like :func:`sample`, with the ``favoured`` tokens far more likely than the rest."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = []
+    for _ in range(steps):
+        mask = guard.allowed_mask(tokenizer.vocab_size)
+        logits = torch.randn(tokenizer.vocab_size, generator=gen).numpy()
+        logits[favoured] += 12.0 * torch.rand(len(favoured), generator=gen).numpy()
+        token = int(np.argmax(logits if mask is None else np.where(mask.numpy(), logits, -np.inf)))
+        guard.accept(token)
+        ids.append(token)
+        if token in tokenizer.eos_token_ids:
+            break
+    return ids
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS, ids=str)
+def test_the_marker_appears_only_in_blocks(tokenizer, spelling):
+    """A model that keeps writing DSML pieces (the marker, ``<``, ``</``, the tag names) gets either
+    plain text without the marker or valid calls; under "none" it never writes the marker."""
+    spelling = SPELLINGS[spelling]
+    favoured = sorted({t for piece in ("<", "</", "｜DSML｜", spelling.block, spelling.invoke, ">", "\n")
+                       for t in tokenizer.encode(piece)})
+    opened = 0
+    for seed in range(12):
+        guard = build_block_guard(tokenizer, TOOLS, "auto", spelling=spelling, max_tokens=80)
+        text = tokenizer.decode(biased_sample(guard, tokenizer, seed, 80, favoured))
+        message = parse_completion(text, False, spelling)
+        assert "｜DSML｜" not in (message["content"] or ""), text
+        if "｜DSML｜" in text:
+            opened += 1
+            assert guard.in_block and message["tool_calls"], text
+            for call in message["tool_calls"]:
+                assert set(json.loads(call["function"]["arguments"])) <= PROPERTIES[call["function"]["name"]]
+        none = build_block_guard(tokenizer, TOOLS, "none", spelling=spelling, max_tokens=80)
+        assert "｜DSML｜" not in tokenizer.decode(biased_sample(none, tokenizer, seed, 80, favoured))
+    assert opened >= 6  # the bias does open blocks
+    unguarded = [parse_completion(tokenizer.decode(biased_sample(_NoGuard(), tokenizer, seed, 80, favoured)), False,
+                                  spelling)["content"] or "" for seed in range(12)]
+    assert any("｜DSML｜" in content for content in unguarded)  # without the guard the same sampling leaks
+
+
+class _NoGuard:
+    def allowed_mask(self, vocab_size: int) -> None:
+        return None
+
+    def accept(self, token_id: int) -> None:
+        pass
+
+
+def test_a_stray_marker_is_refused_and_a_started_tag_must_go_on(tokenizer):
+    dsml = tokenizer.token_to_id("｜DSML｜")
+    for head, allowed in (("See ", False), ("See </", False), ("See <", True)):
+        guard = build_block_guard(tokenizer, TOOLS, "auto", spelling=V41_SPELLING, max_tokens=100)
+        feed(guard, tokenizer, head)
+        mask = guard.allowed_mask(tokenizer.vocab_size)
+        assert (mask is None or bool(mask[dsml])) is allowed, head
+    guard.accept(dsml)  # "<｜DSML｜": only " calls>" (in any pieces) may follow
+    allowed = np.flatnonzero(guard.allowed_mask(tokenizer.vocab_size).numpy())
+    assert allowed.size and all(b" calls>".startswith(tokenizer.decode([t]).encode()) or
+                                tokenizer.decode([t]).startswith(" calls>") for t in allowed)
+    tight = build_block_guard(tokenizer, TOOLS, "auto", spelling=V41_SPELLING, max_tokens=4)
+    feed(tight, tokenizer, "<")
+    assert not tight.allowed_mask(tokenizer.vocab_size)[dsml]  # no block fits in what is left
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS, ids=str)
+def test_a_tag_is_started_only_when_it_can_be_finished(tokenizer, spelling):
+    """Near the end of the budget the pushed model still never gets a step where every token is
+    refused (which would leave a half-written tag in the content)."""
+    spelling = SPELLINGS[spelling]
+    favoured = sorted({t for piece in ("<", "｜DSML｜", spelling.block, ">") for t in tokenizer.encode(piece)})
+    for max_tokens in range(12, 48, 3):
+        guard = build_block_guard(tokenizer, TOOLS, "auto", spelling=spelling, max_tokens=max_tokens)
+        ids = []
+        for step in range(max_tokens):
+            mask = guard.allowed_mask(tokenizer.vocab_size)
+            assert mask is None or bool(mask.any()), (max_tokens, step, tokenizer.decode(ids))
+            gen = torch.Generator().manual_seed(step)
+            logits = torch.randn(tokenizer.vocab_size, generator=gen).numpy()
+            logits[favoured] += 30.0 * torch.rand(len(favoured), generator=gen).numpy()
+            token = int(np.argmax(logits if mask is None else np.where(mask.numpy(), logits, -np.inf)))
+            guard.accept(token)
+            ids.append(token)
+            if token in tokenizer.eos_token_ids:
+                break
+        message = parse_completion(tokenizer.decode(ids), False, spelling)
+        assert "｜DSML｜" not in (message["content"] or ""), tokenizer.decode(ids)

@@ -14,6 +14,9 @@ picks:
   them ever reaches the file), paged in as rows are gathered;
 * ``auto``: ram when the tables fit in MemAvailable minus ``mem_watermark_gib``.
 
+The tokenizer is the checkpoint's ``tokenizer.json``; without one, V4's with V4.1's
+added tokens (``tokenizer.py``: one id there is assumed, and the load says so).
+
 Only float32 on the CPU is served for now; bf16, CUDA, expert offload and splitting
 over processes are refused at start with a message saying so.
 """
@@ -34,6 +37,7 @@ from ds4d.models.deepseek_v41.config import DeepseekV41Config
 from ds4d.models.deepseek_v41.layout import SCALE
 from ds4d.models.deepseek_v41.model import DeepseekV41Model
 from ds4d.models.deepseek_v41.serving import DEFAULT_BLOCK_TOKENS, DeepseekV41Serving
+from ds4d.models.deepseek_v41.tokenizer import load_tokenizer
 from ds4d.registry import PluginError
 
 MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
@@ -76,14 +80,11 @@ def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_
                available_bytes: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                log: logging.Logger | None = None) -> DeepseekV41Serving:
     """A servable V4.1 model (float32, CPU) from a checkpoint directory."""
-    from ds4d.models.hf_tokenizer import HFTokenizer
-
     log = log or logging.getLogger("ds4d")
     path = Path(path)
     cfg = DeepseekV41Config.from_file(path)
-    if not (path / "tokenizer.json").is_file():
-        raise FileNotFoundError(f"{path}: no tokenizer.json (the Engram hash and the API need the checkpoint's)")
-    tokenizer = HFTokenizer(path / "tokenizer.json")
+    tokenizer, tokenizer_source = load_tokenizer(path)
+    (log.info if tokenizer_source.source == "checkpoint" else log.warning)("%s", tokenizer_source.describe())
     checkpoint = OfficialCheckpoint(path, groups=("text",), log=log)
     try:
         table_bytes = engram_table_bytes(checkpoint)
@@ -102,7 +103,8 @@ def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_
     model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer)
     del tensors
     return DeepseekV41Serving(model, tokenizer, block_tokens=block_tokens, parameter_bytes=dense_bytes + table_bytes,
-                              extra={"engram_storage": storage, "engram_table_bytes": table_bytes})
+                              extra={"engram_storage": storage, "engram_table_bytes": table_bytes,
+                                     "tokenizer": tokenizer_source.as_dict()})
 
 
 def refuse_unserved(config: Any) -> None:

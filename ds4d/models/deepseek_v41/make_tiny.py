@@ -18,6 +18,11 @@ scales per 32 inputs, FP8 Engram tables with e8m0 scales per row and 32 channels
 bf16 and f32 elsewhere), in two shards with ``model.safetensors.index.json``, next
 to a composite config.json and a small byte-level BPE tokenizer.json whose
 compressed Engram vocabulary size is in the config.
+
+``tokenizer="v4"`` instead sizes the vocabulary (embedding, head, Engram compressed
+vocabulary: 129,280 and 99,092 ids) for the real V4.1 tokenizer as
+``ds4d.models.deepseek_v41.tokenizer`` derives it from V4's, and writes no
+tokenizer.json, like the release: the family then loads the derived one.
 """
 
 from __future__ import annotations
@@ -158,6 +163,13 @@ def _runs(ratios: Sequence[int]) -> list[list[int]]:
     return runs
 
 
+def _token_id(tokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"the tokenizer has no {token}")
+    return token_id
+
+
 def tiny_config(layers: Sequence[int] = DEFAULT_LAYERS, tokenizer=None, **text_overrides: object) -> dict:
     """A composite release-style config.json.  Each run of equal nonzero ratios gets its
     first layer as KV and index source and, when 3 layers or longer, its last layer as a
@@ -224,7 +236,7 @@ def tiny_config(layers: Sequence[int] = DEFAULT_LAYERS, tokenizer=None, **text_o
         "engram_compressed_vocab_size": compressed_vocab_size(tokenizer),
         "num_nextn_predict_layers": 1,
         "dspark_block_size": 3,
-        "dspark_noise_token_id": SPECIAL_TOKENS.index("<｜System｜>"),
+        "dspark_noise_token_id": _token_id(tokenizer, "<｜System｜>"),
         "dspark_target_layer_ids": [i for i in range(len(ratios)) if i not in kv_sources][-3:] or [len(ratios) - 1],
         "dspark_markov_rank": 32,
         "dspark_n_routed_experts": 2,
@@ -238,7 +250,7 @@ def tiny_config(layers: Sequence[int] = DEFAULT_LAYERS, tokenizer=None, **text_o
         "bos_token_id": 0,
         "eos_token_id": 1,
         "pad_token_id": 2,
-        "image_token_id": SPECIAL_TOKENS.index("<｜deepseek_image｜>"),
+        "image_token_id": _token_id(tokenizer, "<｜deepseek_image｜>"),
         "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
                                 "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"},
         "text_config": text,
@@ -291,22 +303,40 @@ def _shard_of(name: str, n_layers: int) -> int:
     return 1
 
 
+TOKENIZERS = ("tiny", "v4")
+
+
+def _tokenizer(kind: str):
+    """The ``tokenizers.Tokenizer`` a tiny checkpoint is sized for."""
+    if kind == "tiny":
+        return tiny_tokenizer()
+    from tokenizers import Tokenizer
+
+    from ds4d.models.deepseek_v41.tokenizer import v41_tokenizer_json
+
+    return Tokenizer.from_str(json.dumps(v41_tokenizer_json(), ensure_ascii=False))
+
+
 def write_tiny(
     out_dir: str | Path,
     layers: Sequence[int] | None = None,
     seed: int = 0,
     *,
     hf_names: bool = False,
+    tokenizer: str = "tiny",
     **text_overrides: object,
 ) -> Path:
     """Write config.json, tokenizer.json and two safetensors shards + index into ``out_dir``.
 
     ``layers``: compress ratio per layer (default :data:`DEFAULT_LAYERS`); ``hf_names``:
     store tensors under HF transformers' names (``model.`` + official, ``lm_head``);
-    ``text_overrides``: text_config values to change."""
+    ``tokenizer``: ``tiny`` (a small byte-level one, written) or ``v4`` (V4's with V4.1's
+    added tokens, 129,280 ids, not written); ``text_overrides``: text_config values to change."""
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer {tokenizer!r}: use one of {', '.join(TOKENIZERS)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = tiny_tokenizer()
+    tokenizer_kind, tokenizer = tokenizer, _tokenizer(tokenizer)
     config = tiny_config(DEFAULT_LAYERS if layers is None else layers, tokenizer, **text_overrides)
     layout = CheckpointLayout(config)
     n_layers = layout.config.num_hidden_layers
@@ -326,6 +356,8 @@ def write_tiny(
     index_data = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out / INDEX_FILE).write_text(json.dumps(index_data, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    if tokenizer_kind == "v4":
+        return out
     tokenizer.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -345,11 +377,14 @@ def add_tiny_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", default="", help="comma-separated compress ratios (0, 1 or 2), "
                                                      "default " + ",".join(map(str, DEFAULT_LAYERS)))
+    parser.add_argument("--tokenizer", default="tiny", choices=TOKENIZERS,
+                        help="tiny: a small byte-level tokenizer.json; v4: the real 129,280-id vocabulary "
+                             "(V4's tokenizer with V4.1's added tokens, derived at load, not written)")
 
 
 def main(args: argparse.Namespace) -> int:
     layers = [int(x) for x in args.layers.split(",")] if args.layers else None
-    path = write_tiny(args.out, layers=layers, seed=args.seed)
+    path = write_tiny(args.out, layers=layers, seed=args.seed, tokenizer=getattr(args, "tokenizer", "tiny"))
     text = json.loads((path / "config.json").read_text(encoding="utf-8"))["text_config"]
     size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     print(
