@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -72,3 +73,34 @@ def test_tokenize_shows_the_v41_rendering(served):
     after = [tokenizer.decode([tokens[i + 1]]) for i, t in enumerate(tokens) if t == dsml]
     assert all(text.startswith(" ") for text in after), after  # the spaced tags: " calls", " invoke", ...
     assert "<｜DSML｜tool_calls>" not in prompt and "<｜DSML｜invoke" not in prompt
+
+
+VECTORS = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "dsv41_encoding.json").read_text("utf-8"))
+
+
+def _tokenize_body(model_id: str, case: dict) -> dict:
+    """A vector as a /tokenize chat body: messages, top-level tools, thinking mode, drop_thinking and
+    effort through the request fields a client sets."""
+    body = {"model": model_id, "messages": case["messages"], "chat_template_kwargs": {
+        "thinking": case.get("thinking_mode", "chat") == "thinking", "drop_thinking": case.get("drop_thinking", True)}}
+    if case.get("tools"):
+        body["tools"] = case["tools"]
+    if case.get("reasoning_effort") is not None:
+        body["reasoning_effort"] = case["reasoning_effort"]
+    return body
+
+
+@pytest.mark.parametrize("vector", VECTORS["official"] + [c for c in VECTORS["extra"] if "expected_prompt" in c],
+                         ids=lambda v: v["name"])
+def test_every_v41_vector_is_byte_exact_through_tokenize(served, vector):
+    """Each official and extra vector; the one with images (official_5) is refused by this text-only
+    model, as every image request is (its rendering is checked in tests/unit/test_dsv41_encoder.py)."""
+    daemon, model_id, tokenizer = served
+    case = vector.get("case", vector)
+    status, data = post(daemon, "/tokenize", _tokenize_body(model_id, case))
+    if '"image_url"' in json.dumps(case):
+        assert status == 400 and data["error"]["code"] == "unsupported_content", data
+        return
+    assert status == 200, data
+    assert data["prompt"] == vector["expected_prompt"]
+    assert data["tokens"] == tokenizer.encode(data["prompt"])
