@@ -97,31 +97,11 @@ def tiny_tokenizer():
 
 
 def compressed_vocab_size(tokenizer) -> int:
-    """Size of the Engram compressed vocabulary: token ids whose text normalises alike
-    (NFKC, accents stripped, lower case, runs of white space as one space, trimmed; a
-    token that is only white space stays one space) share an id; a token that decodes
-    to a partial UTF-8 sequence keeps its own piece as its key."""
-    from tokenizers import Regex, normalizers
+    """Size of the Engram compressed vocabulary of ``tokenizer`` (the model's own mapping:
+    :func:`ds4d.models.deepseek_v41.engram.compressed_vocabulary`)."""
+    from ds4d.models.deepseek_v41.engram import compressed_vocabulary
 
-    keep_space = "\ue000"
-    normalizer = normalizers.Sequence([
-        normalizers.NFKC(),
-        normalizers.NFD(),
-        normalizers.StripAccents(),
-        normalizers.Lowercase(),
-        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "),
-        normalizers.Replace(Regex(r"^ $"), keep_space),
-        normalizers.Strip(),
-        normalizers.Replace(keep_space, " "),
-    ])
-    keys = set()
-    for token_id in range(tokenizer.get_vocab_size(with_added_tokens=True)):
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
-        if "\ufffd" in text:
-            keys.add(tokenizer.id_to_token(token_id))
-        else:
-            keys.add(normalizer.normalize_str(text) or text)
-    return len(keys)
+    return compressed_vocabulary(tokenizer)[1]
 
 
 # ---------------------------------------------------------------------- config
