@@ -241,7 +241,9 @@ class DenseLinear:
     pieces, accumulated in a fixed order.  bfloat16 on the CPU: one oneDNN matmul on
     a weight pre-packed at load; oneDNN's bf16 kernel is row-invariant for every M
     and reduction length, and packing once saves re-laying the weight every call.
-    Callers give every GEMM a multiple of ``row_multiple`` rows (see ds4d/models/llama.py).
+    Every GEMM is handed a multiple of ``row_multiple`` rows: the input (and residual) is padded
+    with copies of its last row and the extra rows are dropped, since MKL's small-M kernels sum
+    in other orders than its blocked one (see ds4d/models/llama.py).
     """
 
     row_multiple = 8
@@ -267,6 +269,15 @@ class DenseLinear:
         self._pieces = tuple(p.to(device) for p in _split_rows(fused))
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.shape[0]
+        pad = -rows % self.row_multiple
+        if pad:
+            x = torch.cat([x, x[-1:].expand(pad, -1)])
+            residual = None if residual is None else torch.cat([residual, residual[-1:].expand(pad, -1)])
+        y = self._matmul(x, residual)
+        return y[:rows] if pad else y
+
+    def _matmul(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if self._packed is not None:
             y = torch.ops.mkldnn._linear_pointwise(x, self._packed, None, "none", [], "")
             return y if residual is None else y.add_(residual)

@@ -46,8 +46,9 @@ and every M >= 12 agree; on another Xeon every M >= 2 agreed), and reductions lo
 than 768 switch blocking with M.  Which kernel runs is the library's choice, so the
 model fixes the shapes it hands over instead of trusting one machine's measurement:
 
-* every GEMM's rows are padded to a multiple of 8 with copies of the last row (a
-  lone decode token computes 8 rows; its own is the first);
+* every dense GEMM's rows are padded to a multiple of 8 with copies of the last row
+  (``cpu_linear.DenseLinear``; a lone decode token computes 8 rows, its own the
+  first), and so are the attention GEMMs;
 * reductions longer than 768 are split into fixed pieces summed in order
   (the FFN down projection);
 * attention runs per sequence chunk, over whole blocks, in key tiles of 256
@@ -59,8 +60,7 @@ model fixes the shapes it hands over instead of trusting one machine's measureme
   are masked to -inf and add exact zeros.
 
 The int4 kernel computes each output row on its own (one float32 FMA chain over the
-reduction in order) for any M, K and thread count, so int4 linears need no padding
-(the attention GEMMs still get it).  Elementwise ops (RoPE, SiLU, residual adds) and
+reduction in order) for any M, K and thread count, so int4 linears need no padding.  Elementwise ops (RoPE, SiLU, residual adds) and
 row-wise reductions (RMSNorm, softmax) are row-independent.  bfloat16 linears run
 one oneDNN matmul on weights pre-packed at load (``cpu_linear.DenseLinear``); oneDNN
 picks its bf16 kernel per shape and CPU (AVX512-BF16, AMX tiles, split reductions),
@@ -201,9 +201,6 @@ class LlamaModel:
         self._layers = layers
         self._output_norm = output_norm
         self._head = head
-        linears = [head] + [lin for w in layers for lin in (w.qkv, w.out, w.gate_up, w.down)]
-        # a batch's rows are padded with copies of its last row to this multiple (see module docstring)
-        self._row_multiple = max(lin.row_multiple for lin in linears)
         self._group = hparams.n_heads // hparams.n_kv_heads
         self._qk_cols = (hparams.n_heads + hparams.n_kv_heads) * hparams.head_dim
         self._k_cache: list[torch.Tensor] = []
@@ -322,8 +319,6 @@ class LlamaModel:
         tokens, positions, slots, chunks, logit_rows = self._plan(batch)
         if not tokens:
             return torch.zeros(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
-        pad = -len(tokens) % self._row_multiple
-        tokens, positions = tokens + tokens[-1:] * pad, positions + positions[-1:] * pad
         hp = self.hp
         n_rows, n_real = len(tokens), len(slots)
         dev = self.device
@@ -359,9 +354,8 @@ class LlamaModel:
         n_logits = len(logit_rows)
         if n_logits == 0:
             return torch.zeros(0, self.info.vocab_size, dtype=torch.float32, device=dev)
-        rows = logit_rows + logit_rows[-1:] * (-n_logits % self._row_multiple)
-        h = F.rms_norm(x[rows], (hidden,), self._output_norm, eps)
-        return self._head(h)[:n_logits].float()
+        h = F.rms_norm(x[logit_rows], (hidden,), self._output_norm, eps)
+        return self._head(h).float()
 
     def _attend(
         self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: _ChunkPlan, out: torch.Tensor
