@@ -239,8 +239,9 @@ class DenseLinear:
 
     float32 (and any dtype off the CPU fast path): MKL on row-major ``[in, out]``
     pieces, accumulated in a fixed order.  bfloat16 on the CPU: one oneDNN matmul on
-    a weight pre-packed at load; oneDNN's bf16 kernel is row-invariant for every M
-    and reduction length, and packing once saves re-laying the weight every call.
+    a weight pre-packed at load (packing once saves re-laying the weight every call);
+    oneDNN picks its bf16 kernel per CPU and shape, so bf16 rows agree across row
+    counts only to within bf16 rounding.
     Every GEMM is handed a multiple of ``row_multiple`` rows: the input (and residual) is padded
     with copies of its last row and the extra rows are dropped, since MKL's small-M kernels sum
     in other orders than its blocked one (see ds4d/models/llama.py).

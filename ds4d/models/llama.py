@@ -60,8 +60,9 @@ model fixes the shapes it hands over instead of trusting one machine's measureme
   are masked to -inf and add exact zeros.
 
 The int4 kernel computes each output row on its own (one float32 FMA chain over the
-reduction in order) for any M, K and thread count, so int4 linears need no padding.  Elementwise ops (RoPE, SiLU, residual adds) and
-row-wise reductions (RMSNorm, softmax) are row-independent.  bfloat16 linears run
+reduction in order) for any M, K and thread count, so int4 linears need no padding.
+Elementwise ops (RoPE, SiLU, residual adds) and row-wise reductions (RMSNorm,
+softmax) are row-independent.  bfloat16 linears run
 one oneDNN matmul on weights pre-packed at load (``cpu_linear.DenseLinear``); oneDNN
 picks its bf16 kernel per shape and CPU (AVX512-BF16, AMX tiles, split reductions),
 so in bfloat16 chunkings agree to within bf16 rounding, not bitwise (the float32
