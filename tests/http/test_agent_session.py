@@ -24,7 +24,7 @@ from ds4d.models.deepseek_v4 import write_tiny_checkpoint
 from tests.daemon import Daemon
 
 REPO = Path(__file__).resolve().parents[2]
-REFERENCE = Path(os.environ.get("DS4D_REFERENCE_DIR", REPO.parent / "shared" / "reference"))
+REFERENCE = Path(os.environ.get("DS4D_REFERENCE_DIR", REPO / "tests" / "fixtures" / "reference"))
 FIRST = REFERENCE / "opencode" / "requests" / "run2_tool_read_002_POST_v1_chat_completions.json"
 SESSION = "ses_agent_replay"
 

@@ -16,7 +16,7 @@ from ds4d.models.hf_tokenizer import HFTokenizer, deepseek_v4_tokenizer
 from ds4d.plugins.dsml_tools import DsmlToolParser, parse_completion, partial_suffix_length
 
 REPO = Path(__file__).resolve().parents[2]
-REFERENCE = Path(os.environ.get("DS4D_REFERENCE_DIR", REPO.parent / "shared" / "reference"))
+REFERENCE = Path(os.environ.get("DS4D_REFERENCE_DIR", REPO / "tests" / "fixtures" / "reference"))
 EXTRA = REFERENCE / "dsv4" / "encoding" / "extra_vectors.json"
 CTX = PluginContext(config=types.SimpleNamespace(thinking_default=True), log=logging.getLogger("t"))
 

@@ -19,7 +19,7 @@ from ds4d.plugins.dsv4_encoder import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-REFERENCE = Path(os.environ.get("DS4D_REFERENCE_DIR", REPO.parent / "shared" / "reference"))
+REFERENCE = Path(os.environ.get("DS4D_REFERENCE_DIR", REPO / "tests" / "fixtures" / "reference"))
 ENCODING = REFERENCE / "dsv4" / "encoding"
 OPENCODE = REFERENCE / "opencode" / "requests"
 needs_reference = pytest.mark.skipif(

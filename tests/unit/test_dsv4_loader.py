@@ -28,7 +28,7 @@ from ds4d.models.deepseek_v4.loader import (
 )
 from ds4d.models.deepseek_v4.make_tiny import tiny_config
 
-REFERENCE = Path("/work/shared/reference/dsv4")
+REFERENCE = Path(__file__).resolve().parents[1] / "fixtures" / "reference" / "dsv4"  # the release configs
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -14,7 +14,7 @@ from ds4d.contracts import Tokenizer
 from ds4d.models.hf_tokenizer import HFTokenizer, deepseek_v4_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
-REFERENCE = Path(os.environ.get("DS4D_REFERENCE_DIR", REPO.parent / "shared" / "reference"))
+REFERENCE = Path(os.environ.get("DS4D_REFERENCE_DIR", REPO / "tests" / "fixtures" / "reference"))
 
 V4_SINGLE_ID_TOKENS = {
     "<｜begin▁of▁sentence｜>": 0,
