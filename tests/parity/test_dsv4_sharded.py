@@ -194,6 +194,7 @@ def _rank0(
         out["parallel"] = torch.tensor(
             [model.info.extra["parallel"]["stages"], model.info.extra["parallel"]["ep_size"]]
         )
+        model.refresh_expert_stats()  # gathered at most once a second between steps otherwise
         out["expert_stats"] = model.expert_stats()
     finally:
         model.close()

@@ -285,6 +285,12 @@ class ParallelDeepseekV4Model:
         as of the last gathering (after a step, at most once a second); empty without offload."""
         return self._expert_stats
 
+    def refresh_expert_stats(self) -> None:
+        """Gather every rank's counters now, for :meth:`expert_stats`; on the engine thread, between steps."""
+        if self.runner.offload is not None:
+            with self._ranks_alive():
+                self._gather_expert_stats()
+
     def _gather_expert_stats(self) -> None:
         """On the engine thread, between steps: the control group is not shared with the HTTP side."""
         broadcast_object(("expert_stats",), self.groups)
