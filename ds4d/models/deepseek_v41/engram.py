@@ -216,20 +216,38 @@ class EngramWeights:
     """``[hc_mult, hidden]``: the product of the checkpoint's ``q_weight`` and ``k_weight``."""
 
 
-def gather_rows(weights: EngramWeights, rows: torch.Tensor) -> torch.Tensor:
-    """Table rows ``[..., head_dim]`` for ids ``rows``, as float32."""
-    values = weights.table[rows.to(weights.table.device)]
-    if values.dtype == torch.float8_e4m3fn:
-        scales = weights.table_scale[rows.to(weights.table.device)].float()
-        values = values.float().unflatten(-1, (scales.shape[-1], -1)) * scales.unsqueeze(-1)
+def gather_rows(weights: EngramWeights, rows: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """Table rows ``[..., head_dim]`` for ids ``rows``, as float32 on ``device`` (default: the table's).
+
+    The rows are read where the table lives (host RAM or a memory map), as stored; for another
+    device they cross in one copy from page-locked memory (asynchronous, so it overlaps what the
+    device is still doing) and an FP8 table's rows are decoded there."""
+    at = weights.table.device
+    host_ids = rows.to(at)
+    values = weights.table[host_ids]
+    fp8 = values.dtype == torch.float8_e4m3fn
+    scales = weights.table_scale[host_ids] if fp8 else None
+    device = at if device is None else torch.device(device)
+    if device != at:
+        values = _to_device(values, device)
+        scales = _to_device(scales, device) if fp8 else None
+    if fp8:
+        values = values.float().unflatten(-1, (scales.shape[-1], -1)) * scales.float().unsqueeze(-1)
         values = values.flatten(-2)
     return values.float()
 
 
-def engram_forward(streams: torch.Tensor, rows: torch.Tensor, weights: EngramWeights, eps: float) -> torch.Tensor:
-    """``streams [S, hc, D]`` plus the gated lookup of ``rows [S, columns]``."""
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def engram_forward(streams: torch.Tensor, gathered: torch.Tensor, weights: EngramWeights, eps: float) -> torch.Tensor:
+    """``streams [S, hc, D]`` plus the gated lookup of the rows ``gathered [S, columns, head_dim]``
+    (:func:`gather_rows`, done for every Engram layer before layer 0)."""
     hc, hidden = streams.shape[-2], streams.shape[-1]
-    gathered = gather_rows(weights, rows).to(streams.device).flatten(-2)
+    gathered = gathered.flatten(-2)
     projected = torch.nn.functional.linear(gathered.to(weights.wkv.dtype), weights.wkv)
     keys, value = projected.split([hc * hidden, hidden], dim=-1)
     keys = keys.float().unflatten(-1, (hc, hidden))

@@ -17,8 +17,11 @@ picks:
 The tokenizer is the checkpoint's ``tokenizer.json``; without one, V4's with V4.1's
 added tokens (``tokenizer.py``: one id there is assumed, and the load says so).
 
-Only float32 on the CPU is served for now; bf16, CUDA, expert offload and splitting
-over processes are refused at start with a message saying so.
+The model runs on the CPU or one CUDA device, in float32 or bfloat16, through its
+torch forward (no V4.1 kernels yet); the Engram tables never leave host memory
+(``ram`` copies are page-locked when the device is a GPU, so the rows of a step
+cross in one asynchronous copy).  Expert offload, native weights, compiled decode
+and splitting over processes are refused at start with a message saying so.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from ds4d.registry import PluginError
 
 MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 ENGRAM_STORAGE = ("auto", "ram", "mmap")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": None}
 GIB = 2**30
 
 
@@ -63,14 +67,16 @@ def choose_engram_storage(wanted: str, table_bytes: int, available_bytes: int, w
     return "ram" if table_bytes <= available_bytes - watermark_bytes else "mmap"
 
 
-def read_tensors(checkpoint: OfficialCheckpoint, engram_storage: str) -> dict[str, torch.Tensor]:
+def read_tensors(checkpoint: OfficialCheckpoint, engram_storage: str, pin: bool = False) -> dict[str, torch.Tensor]:
     """``{official name: tensor}``: quantised weights decoded to float32, Engram tables (and scales) as stored,
-    copied into memory for ``ram``, left as views of the shards' maps for ``mmap``."""
+    copied into memory for ``ram`` (page-locked with ``pin``), left as views of the shards' maps for ``mmap``."""
     tensors = {}
     for name in checkpoint.names():
         if is_engram_table(name):
             stored = checkpoint.stored(name)
-            tensors[name] = stored.clone() if engram_storage == "ram" else stored
+            if engram_storage == "ram":
+                stored = stored.pin_memory() if pin else stored.clone()
+            tensors[name] = stored
         elif checkpoint.layout[name].quant != SCALE:
             tensors[name] = checkpoint.dense(name)
     return tensors
@@ -78,8 +84,10 @@ def read_tensors(checkpoint: OfficialCheckpoint, engram_storage: str) -> dict[st
 
 def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_bytes: int = 0,
                available_bytes: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+               device: str = "cpu", dtype: torch.dtype = torch.float32,
                log: logging.Logger | None = None) -> DeepseekV41Serving:
-    """A servable V4.1 model (float32, CPU) from a checkpoint directory."""
+    """A servable V4.1 model from a checkpoint directory (weights and state on ``device`` in ``dtype``,
+    the Engram tables in host memory)."""
     log = log or logging.getLogger("ds4d")
     path = Path(path)
     cfg = DeepseekV41Config.from_file(path)
@@ -96,11 +104,11 @@ def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_
         log.info("Engram tables: %.3f GiB, %s (engram_storage = %s; MemAvailable %.1f GiB, watermark %.1f GiB)",
                  table_bytes / GIB, "read into host memory" if storage == "ram" else "memory-mapped from the shards",
                  engram_storage, available_bytes / GIB, mem_watermark_bytes / GIB)
-        tensors = read_tensors(checkpoint, storage)
+        tensors = read_tensors(checkpoint, storage, pin=torch.device(device).type == "cuda")
     finally:
         checkpoint.shards.close()  # the mapped views handed out keep their maps
     dense_bytes = sum(t.nbytes for name, t in tensors.items() if not is_engram_table(name))
-    model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer)
+    model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, device=device, dtype=dtype)
     del tensors
     return DeepseekV41Serving(model, tokenizer, block_tokens=block_tokens, parameter_bytes=dense_bytes + table_bytes,
                               extra={"engram_storage": storage, "engram_table_bytes": table_bytes,
@@ -111,10 +119,10 @@ def refuse_unserved(config: Any) -> None:
     """Knobs this family cannot honour yet: refused at start, never ignored."""
     device, dtype = str(getattr(config, "device", "cpu")), str(getattr(config, "dtype", "float32"))
     problems = []
-    if device != "cpu":
-        problems.append(f"device = {device} (only cpu for now)")
-    if dtype.removeprefix("torch.") not in ("float32", "auto"):
-        problems.append(f"dtype = {dtype} (only float32 for now)")
+    if device != "cpu" and not device.startswith("cuda"):
+        problems.append(f"device = {device} (cpu or one cuda device)")
+    if dtype.removeprefix("torch.") not in DTYPES:
+        problems.append(f"dtype = {dtype} (float32 or bfloat16)")
     if float(getattr(config, "expert_vram_gib", 0) or 0) > 0:
         problems.append("expert_vram_gib > 0 (no expert offload for V4.1 yet)")
     if getattr(config, "gpus", ""):
@@ -122,9 +130,10 @@ def refuse_unserved(config: Any) -> None:
     if getattr(config, "weight_format", "auto") not in ("auto", "dense"):
         problems.append(f"weight_format = {config.weight_format} (V4.1 weights are decoded: auto or dense)")
     if getattr(config, "compile_decode", False):
-        problems.append("compile_decode (CUDA only)")
+        problems.append("compile_decode (no compiled V4.1 decode yet)")
     if problems:
-        raise PluginError("DeepSeek-V4.1 is served in float32 on the CPU only; unsupported: " + "; ".join(problems))
+        raise PluginError("DeepSeek-V4.1 runs its torch forward on one device in float32 or bfloat16; "
+                          "unsupported: " + "; ".join(problems))
 
 
 class DeepseekV41Family:
@@ -148,10 +157,14 @@ class DeepseekV41Family:
     def load(self, path: Path) -> DeepseekV41Serving:
         config = self.ctx.config
         refuse_unserved(config)
-        self.ctx.log.info("loading DeepSeek-V4.1 checkpoint %s (float32 on cpu)", path)
+        device = str(getattr(config, "device", "cpu"))
+        dtype = DTYPES[str(getattr(config, "dtype", "float32")).removeprefix("torch.")]
+        dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+        self.ctx.log.info("loading DeepSeek-V4.1 checkpoint %s (%s on %s)", path, str(dtype).removeprefix("torch."),
+                          device)
         watermark = int(float(getattr(config, "mem_watermark_gib", 15)) * GIB)
         model = load_model(path, engram_storage=str(getattr(config, "engram_storage", "auto")),
-                           mem_watermark_bytes=watermark, log=self.ctx.log,
+                           mem_watermark_bytes=watermark, log=self.ctx.log, device=device, dtype=dtype,
                            block_tokens=int(self.options.get("block_tokens", DEFAULT_BLOCK_TOKENS)))
         self.ctx.log.info("loaded %s: %d layers, ratios %s, KV sources %s, %.1f MiB of parameters",
                           model.info.name, model.cfg.num_hidden_layers, model.info.extra["compress_ratios"],

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from ds4d.models.deepseek_v4.ops import Rope, plain_inv_freq, rms_norm, yarn_inv_freq
 from ds4d.models.deepseek_v41.attention import StepRows, StepShared, attention_forward
 from ds4d.models.deepseek_v41.config import DeepseekV41Config
-from ds4d.models.deepseek_v41.engram import EngramHasher, engram_forward
+from ds4d.models.deepseek_v41.engram import EngramHasher, engram_forward, gather_rows
 from ds4d.models.deepseek_v41.hyper import collapse, expand, site_weights
 from ds4d.models.deepseek_v41.moe import moe_forward
 from ds4d.models.deepseek_v41.state import SequenceState
@@ -104,15 +104,15 @@ class DeepseekV41Model:
 
         ``last_only``: the logits of the last token only (``[1, vocab]``), computed on the triangle of
         rows they and the state depend on (:func:`row_plan`); the state comes out the same."""
-        streams, pre_mix, rows, engram_rows = self._start(state, token_ids)
+        streams, pre_mix, rows, engram = self._start(state, token_ids)
         count = streams.shape[0]
         plan = row_plan(self.cfg, count) if last_only else [(count, count)] * self.cfg.num_hidden_layers
         shared = StepShared()
         for layer, (inputs, outputs) in enumerate(plan):
             if inputs < streams.shape[0]:
                 streams, pre_mix = streams[-inputs:], pre_mix[-inputs:]
-            engram = None if engram_rows is None else engram_rows[-inputs:]
-            streams, pre_mix = self.layer_forward(layer, streams, pre_mix, engram, state, shared,
+            gathered = engram[layer][-inputs:] if engram and layer in engram else None
+            streams, pre_mix = self.layer_forward(layer, streams, pre_mix, gathered, state, shared,
                                                   rows.tail(inputs), outputs)
         return self._finish(state, token_ids, streams, pre_mix)
 
@@ -152,8 +152,12 @@ class DeepseekV41Model:
         streams = hidden.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         pre_mix = torch.zeros(ids.numel(), self.cfg.hc_mult, dtype=torch.float32, device=self.device)
         pre_mix[:, 0] = 1.0
-        engram_rows = self.hasher.row_ids(state.engram_ids, ids) if self.hasher is not None else None
-        return streams, pre_mix, rows, engram_rows
+        engram = None
+        if self.hasher is not None:  # every Engram layer's rows read (and sent over) before layer 0 runs
+            ids_of_rows = self.hasher.row_ids(state.engram_ids, ids)
+            engram = {layer: gather_rows(w.engram, ids_of_rows[:, plan.engram_slot], self.device)
+                      for layer, (plan, w) in enumerate(zip(self.plans, self.weights.layers)) if w.engram is not None}
+        return streams, pre_mix, rows, engram
 
     def _finish(self, state: SequenceState, token_ids, streams: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
@@ -168,7 +172,7 @@ class DeepseekV41Model:
         return F.linear(hidden.float(), self.weights.head)
 
     def layer_forward(self, layer: int, streams: torch.Tensor, pre_mix: torch.Tensor,
-                      engram_rows: torch.Tensor | None, state: SequenceState, shared: StepShared,
+                      engram: torch.Tensor | None, state: SequenceState, shared: StepShared,
                       rows: StepRows, outputs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on the rows ``rows`` (the last of the step): (new copies of the last ``outputs`` rows
         ``[outputs, m, D]``, their ``pre`` mix for the next site).  Every row's window KV is made."""
@@ -176,7 +180,7 @@ class DeepseekV41Model:
         eps, iters, hc_eps = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps
         outputs = streams.shape[0] if outputs is None else outputs
         if w.engram is not None:
-            streams = engram_forward(streams, engram_rows[:, plan.engram_slot], w.engram, eps)
+            streams = engram_forward(streams, engram, w.engram, eps)
         x = rms_norm(collapse(streams, pre_mix), w.attn_norm, eps)
         streams = streams[streams.shape[0] - outputs:]
         attn_pre, post, comb = site_weights(streams, w.hc_attn, iters, hc_eps, eps)

@@ -6,7 +6,8 @@ The names are the official checkpoint's (``layers.N.attn.wq_a.weight``,
 uses the same names behind ``model.``, with ``lm_head`` for ``head``
 (:func:`official_names` maps them back).  Every tensor arrives decoded to
 float (the official FP8/FP4 reader decodes); only an Engram table may stay FP8
-with its per-row scales, since the release tables are far too large to widen.
+with its per-row scales, since the release tables are far too large to widen;
+the tables stay in host memory, where they are, whatever the device of the rest.
 Names this forward does not use (DSpark ``mtp.*``, the vision tower, the image
 delimiters, ``bias_vl``) are ignored.
 """
@@ -122,9 +123,10 @@ class _Reader:
         self.used.add(name)
         return self.tensors[name].to(device=self.device, dtype=dtype or self.dtype)
 
-    def raw(self, name: str) -> torch.Tensor:
+    def host(self, name: str) -> torch.Tensor:
+        """As stored and where it is (Engram tables stay in host memory, whatever the device)."""
         self.used.add(name)
-        return self.tensors[name].to(self.device)
+        return self.tensors[name]
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -166,10 +168,10 @@ def _attention(read: _Reader, cfg: DeepseekV41Config, layer: int) -> AttentionWe
 
 def _engram(read: _Reader, layer: int) -> EngramWeights:
     p = f"layers.{layer}.engram"
-    table = read.raw(f"{p}.embed.weight")
-    scale = read.raw(f"{p}.embed.scale") if read.has(f"{p}.embed.scale") else None
+    table = read.host(f"{p}.embed.weight")
+    scale = read.host(f"{p}.embed.scale") if read.has(f"{p}.embed.scale") else None
     if table.dtype != torch.float8_e4m3fn:
-        table, scale = table.to(read.dtype), None  # a float table holds the decoded values already
+        table, scale = table.to(dtype=read.dtype), None  # a float table holds the decoded values already
     return EngramWeights(
         table=table, table_scale=scale, wkv=read(f"{p}.wkv.weight"),
         gate_weight=read(f"{p}.q_weight", torch.float32) * read(f"{p}.k_weight", torch.float32),
