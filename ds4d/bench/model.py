@@ -32,7 +32,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("model", help="random DeepSeek-V4 model on a GPU vs HF transformers")
     p.add_argument("--config", default="", help="a V4 config.json for the widths (default: V4-Flash)")
     p.add_argument("--tiny", action="store_true", help="small widths (a smoke test that also runs on the CPU)")
-    p.add_argument("--layers", default="0,0,4,128", help="compress ratio per layer (default: Flash's first 4)")
+    p.add_argument("--family", default="deepseek_v4", choices=["deepseek_v4", "deepseek_v41"],
+                   help="deepseek_v41: a random V4.1-Flash-width model (ds4d.bench.dsv41)")
+    p.add_argument("--layers", default="",
+                   help="compress ratio per layer (default: V4-Flash's first 4, 0,0,4,128; V4.1: 0,0,2,2,1,1)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--decode-tokens", type=int, default=32)
@@ -69,7 +72,13 @@ def add_parser(sub) -> None:
     p.add_argument("--stream-experts", action="store_true",
                    help="with --expert-gpu-fraction: place each layer's experts as it is built (the first fraction), "
                         "for models whose experts do not fit the device; no all-on-device rows")
+    from ds4d.bench.dsv41 import add_arguments
+
+    add_arguments(p)
     p.set_defaults(run=run)
+
+
+V4_LAYERS = "0,0,4,128"
 
 
 @dataclass
@@ -261,7 +270,7 @@ def bench_config(args):
     from ds4d.models.deepseek_v4.config import DeepseekV4Config
 
     base = json.loads(Path(args.config).read_text()) if args.config else base_config(args.tiny)
-    layers = [int(x) for x in args.layers.split(",")]
+    layers = [int(x) for x in (args.layers or V4_LAYERS).split(",")]
     data = {**base, "num_hidden_layers": len(layers), "compress_ratios": layers}
     data.pop("quantization_config", None)
     return DeepseekV4Config.from_dict(data, name="random-v4")
@@ -335,6 +344,10 @@ def _set_path(model, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.family == "deepseek_v41":
+        from ds4d.bench.dsv41 import run as run_v41
+
+        return run_v41(args)
     import torch
 
     if args.expert_gpu_fraction:

@@ -25,13 +25,18 @@ from tests.daemon import Daemon
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "dsv41" / "tiny_b"
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs a CUDA GPU")])
+
+
+@pytest.fixture(scope="module", params=["cpu", ON_CUDA])
+def served(tmp_path_factory, request):
+    """The daemon on the CPU, and (where there is one) on a CUDA device, in float32 both times."""
     path = tmp_path_factory.mktemp("tinyv41")
     for file in ("config.json", "model.safetensors", "tokenizer.json"):  # not the goldens file beside them
         (path / file).symlink_to(FIXTURE / file)
     daemon = Daemon("--model", str(path), "--threads", "1", "--kv-cache-tokens", "1024", "--max-num-seqs", "2",
-                    "--prefill-chunk", "7")
+                    "--prefill-chunk", "7", "--device", request.param, "--dtype", "float32")
     try:
         client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0, timeout=120)
         yield daemon, client, client.models.list().data[0].id

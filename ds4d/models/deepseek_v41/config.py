@@ -40,6 +40,14 @@ MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 RELEASE_RATIOS = (0, 0) + (2,) * 18 + (1,) * 20
 RELEASE_KV_SOURCES = (2, 8, 14, 20)
 RELEASE_INDEX_SOURCES = (2, 8, 14, 20, 24, 28, 32, 36)
+FLASH_WIDTHS = {
+    "hidden_size": 5120, "moe_intermediate_size": 2304, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "qk_rope_head_dim": 64, "q_lora_rank": 1280, "o_lora_rank": 1024, "o_groups": 8,
+    "sliding_window": 128, "num_experts_per_tok": 6, "index_n_heads": 32, "index_head_dim": 128,
+    "index_topk": 512, "candidate_topk_blocks": 2048, "candidate_block_size": 8, "engram_max_ngram_size": 4,
+    "engram_n_heads": 8, "engram_head_dim": 256,
+}
+"""The release V4.1-Flash text config's widths (its config.json), for benchmarks of random models."""
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,323 @@
+"""`ds4d bench model --family deepseek_v41`: a random DeepSeek-V4.1 model of real widths on one device.
+
+One process draws random weights for V4.1-Flash's widths (hidden 5,120, 64 heads of 512,
+q rank 1,280, the real 129,280-token vocabulary and the tokenizer its Engram hash is built
+from) with the layer pattern of ``--layers`` (compress ratios; default ``0,0,2,2,1,1``:
+two window-only layers, a ratio-2 run whose first layer is a KV and index source and whose
+second reuses it, a ratio-1 run with the candidate source; Engram on layers 1 and 3), in
+bf16, on the device, and times what the engine runs:
+
+* decode tok/s at batch 1 and 8 after a 1K-token prompt, through ``DeepseekV41Serving.forward``
+  (the chunks of a step run one after the other: batch 8 is 8 sequences stepped together);
+* prefill tok/s of one 2K-token prompt as served (``last_only``: its triangle of rows);
+* the Engram lookup per step (hash, gather, copy to the device) from a page-locked table and
+  from a memory-mapped file of the same bytes.
+
+Each figure comes with its floor from BENCH.md: the bytes a step must read (every dense weight
+of the layers, the head, the experts the step's tokens route to, 2 bytes per parameter) over
+the copy bandwidth measured at the start of the same run, and for prefill the larger of that
+and its matmul work over the measured bf16 rate.  ``--experts`` keeps fewer routed experts per
+layer than the release's 384 so more layers fit (decode reads the top-6 either way); the Engram
+tables are smaller than the release's 384M rows (``--engram-vocab``; a row costs the same to read).
+No peer runs in this benchmark: the HF oracle needs transformers >= 5.24 and its own copy of the
+weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+
+from ds4d.bench.model import Row, _say, measure_ceilings
+
+DEFAULT_LAYERS = "0,0,2,2,1,1"
+DECODE_CONTEXT = 1024
+PREFILL_TOKENS = 2048
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--experts", type=int, default=128,
+                   help="deepseek_v41: routed experts per layer (the release has 384; decode reads the top-6 either way)")
+    p.add_argument("--engram-vocab", type=int, default=262_144,
+                   help="deepseek_v41: each Engram head's prime modulus starts here (release: 16M, 98 GB per table)")
+
+
+def flash_overrides(experts: int, engram_vocab: int) -> dict:
+    from ds4d.models.deepseek_v41.config import FLASH_WIDTHS
+
+    return {**FLASH_WIDTHS, "n_routed_experts": experts, "engram_vocab_size": engram_vocab,
+            "max_position_embeddings": 1048576,
+            "rope_scaling": {"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                             "original_max_position_embeddings": 65536}}
+
+
+def bench_config(layers: list[int], tiny: bool, experts: int, engram_vocab: int):
+    """(config dict, tokenizer): tiny widths and tokenizer, or V4.1-Flash widths on V4's tokenizer with V4.1's ids."""
+    from ds4d.models.deepseek_v41.make_tiny import _tokenizer, engram_table_rows, tiny_config
+
+    tokenizer = _tokenizer("tiny" if tiny else "v4")
+    if tiny:
+        return tiny_config(layers, tokenizer), tokenizer
+    text = flash_overrides(experts, engram_vocab)
+    config = tiny_config(layers, tokenizer, **text)
+    engram_layers = config["text_config"]["engram_layer_ids"]
+    config["text_config"]["engram_num_embeddings"] = engram_table_rows(
+        len(engram_layers), text["engram_max_ngram_size"], text["engram_n_heads"], engram_vocab)
+    return config, tokenizer
+
+
+def random_tensors(torch, config: dict, device, seed: int) -> dict:
+    """``{official name: tensor}`` drawn on ``device`` in bf16 (float32 where the model keeps float32);
+    Engram tables as FP8 with unit e8m0 scales, in host memory."""
+    from ds4d.models.deepseek_v41.layout import SCALE, TEXT, CheckpointLayout
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for spec in CheckpointLayout(config).select((TEXT,)):
+        if spec.quant == SCALE:
+            continue
+        shape = spec.dense_shape or spec.shape
+        name = spec.name
+        if ".engram.embed." in name:
+            values = torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
+            out[name] = values.to(torch.float8_e4m3fn).cpu()
+            out[spec.scale_name] = torch.ones(shape[0], shape[1] // 32, dtype=torch.float8_e8m0fnu)
+            del values
+            continue
+        values = torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
+        if name.endswith(("norm.weight", "q_weight", "k_weight")):
+            values = 1.0 + 0.1 * values
+        elif name.endswith("_scale"):
+            values = 1.0 + 0.2 * values
+        elif name.endswith(("_base", ".bias")):
+            values = 0.1 * values
+        elif not name.endswith(("attn_sink", "embed.weight")):
+            values = values * shape[-1] ** -0.5
+        out[name] = values
+    return out
+
+
+def _sync(torch, device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(torch, device, fn) -> float:
+    _sync(torch, device)
+    start = time.perf_counter()
+    fn()
+    _sync(torch, device)
+    return time.perf_counter() - start
+
+
+def _numel(tensors) -> int:
+    return sum(t.numel() for t in tensors)
+
+
+class Floors:
+    """Bytes and FLOPs a step must move, at 2 bytes per parameter."""
+
+    def __init__(self, model, bandwidth: float, matmul: float) -> None:
+        cfg, weights = model.cfg, model.weights
+        self.bandwidth, self.matmul = bandwidth, matmul
+        self.k = cfg.num_experts_per_tok
+        self.experts = cfg.n_routed_experts
+        self.layers = cfg.num_hidden_layers
+        first = weights.layers[0].ffn.experts[0]
+        self.expert_params = _numel((first.w1, first.w2, first.w3))
+        dense = weights.head.numel()
+        for layer in weights.layers:
+            routed = _numel(t for e in layer.ffn.experts for t in (e.w1, e.w2, e.w3))
+            tables = _numel((layer.engram.table, layer.engram.table_scale)) if layer.engram is not None else 0
+            dense += _numel(_tensors(layer)) - routed - tables  # the tables' rows read are counted apart
+        self.dense_params = dense
+
+    def _distinct(self, tokens: int) -> float:
+        """Expected distinct experts per layer for ``tokens`` independent uniform top-k picks."""
+        return self.experts * (1 - (1 - self.k / self.experts) ** tokens)
+
+    def decode(self, batch: int) -> float:
+        params = self.dense_params + self.layers * self._distinct(batch) * self.expert_params
+        return batch / (2 * params / self.bandwidth)
+
+    def prefill(self, tokens: int) -> float:
+        params = self.dense_params + self.layers * self._distinct(tokens) * self.expert_params
+        active = self.dense_params + self.layers * self.k * self.expert_params
+        return tokens / max(2 * params / self.bandwidth, 2 * tokens * active / self.matmul)
+
+
+def _tensors(obj):
+    """Every tensor reachable through a weights dataclass."""
+    import dataclasses
+
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif dataclasses.is_dataclass(obj):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name))
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+
+
+def _decode_rate(torch, device, serving, prompts, steps: int) -> float:
+    """Tokens/s of ``steps`` decode steps of ``len(prompts)`` sequences, after their prefill."""
+    from ds4d.contracts import ForwardBatch, SeqChunk
+
+    block = serving.info.block_size_tokens
+    per_seq = -(-(len(prompts[0]) + steps + 1) // block)
+    tables = [tuple(range(s * per_seq, (s + 1) * per_seq)) for s in range(len(prompts))]
+    for slot, prompt in enumerate(prompts):
+        logits = serving.forward(ForwardBatch((SeqChunk(slot, tuple(prompt), 0, tables[slot], 1),)))
+    nxt = [int(logits[-1].argmax())] * len(prompts)
+    position = len(prompts[0])
+
+    def step(at: int) -> list[int]:
+        out = serving.forward(ForwardBatch(tuple(SeqChunk(s, (nxt[s],), at, tables[s], 1)
+                                                 for s in range(len(prompts)))))
+        return out.argmax(-1).tolist()
+
+    nxt = step(position)  # warm
+    position += 1
+
+    def run() -> None:
+        nonlocal nxt, position
+        for _ in range(steps):
+            nxt = step(position)
+            position += 1
+
+    return steps * len(prompts) / _timed(torch, device, run)
+
+
+def engram_lookup_rows(torch, device, model, steps: int, tokens: int) -> list[Row]:
+    """The Engram lookup of a step (hash the ids, gather every Engram layer's rows, copy them to the
+    device) with the tables page-locked in RAM and memory-mapped from a file of the same bytes."""
+    from ds4d.models.deepseek_v41.engram import EngramWeights, gather_rows
+
+    layers = [w.engram for w in model.weights.layers if w.engram is not None]
+    hasher, plans = model.hasher, [p for p, w in zip(model.plans, model.weights.layers) if w.engram is not None]
+    gen = torch.Generator().manual_seed(7)
+    vocab = model.cfg.vocab_size
+    rows_out = []
+    table_bytes = sum(e.table.nbytes + e.table_scale.nbytes for e in layers)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
+        mapped = []
+        for index, engram in enumerate(layers):
+            path = Path(tmp) / f"engram{index}.bin"
+            with open(path, "wb") as f:
+                f.write(engram.table.view(torch.uint8).numpy().tobytes())
+            table = torch.from_file(str(path), shared=False, size=engram.table.numel(), dtype=torch.uint8)
+            mapped.append(EngramWeights(table.view(torch.float8_e4m3fn).view(engram.table.shape),
+                                        engram.table_scale, engram.wkv, engram.gate_weight))
+            _drop_page_cache(path)
+        first_touch = None
+        ram = "page-locked RAM" if device.type == "cuda" else "RAM"
+        stores = {ram: [EngramWeights(e.table.pin_memory() if device.type == "cuda" else e.table,
+                                                    e.table_scale, e.wkv, e.gate_weight) for e in layers],
+                  "mmap (first touch)": mapped, "mmap (cached)": mapped}
+        for label, tables in stores.items():
+            seconds = []
+            if label == "mmap (first touch)":
+                first_touch = gen.get_state()
+            elif label == "mmap (cached)":
+                gen.set_state(first_touch)  # the same rows again: now in the page cache
+            for _ in range(steps):
+                ids = torch.randint(100, vocab, (tokens,), generator=gen)
+                earlier = torch.randint(100, vocab, (hasher.history,), generator=gen)
+                earlier = hasher.compress(earlier)
+
+                def lookup() -> None:
+                    row_ids = hasher.row_ids(earlier, ids)
+                    for plan, table in zip(plans, tables):
+                        gather_rows(table, row_ids[:, plan.engram_slot], device)
+
+                seconds.append(_timed(torch, device, lookup))
+            median = sorted(seconds)[len(seconds) // 2]
+            rows_out.append(Row(f"engram lookup {tokens} tok, {label}", ds4d=median * 1e3,
+                                note=f"ms per step, {len(layers)} tables, {table_bytes / 2**30:.1f} GiB"))
+    return rows_out
+
+
+def _drop_page_cache(path: Path) -> None:
+    """Ask the kernel to forget the file's cached pages (may be a no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        pass
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ds4d.models.deepseek_v41.config import DeepseekV41Config
+    from ds4d.models.deepseek_v41.model import DeepseekV41Model
+    from ds4d.models.deepseek_v41.serving import DeepseekV41Serving
+
+    device = torch.device(args.device if args.device != "cuda" or torch.cuda.is_available() else "cpu")
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    layers = [int(x) for x in (args.layers or DEFAULT_LAYERS).split(",")]
+    bandwidth, matmul = measure_ceilings(torch, device)
+    _say(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s (read + write), bf16 matmul {matmul / 1e12:.0f} TFLOP/s")
+    t0 = time.perf_counter()
+    config, tokenizer = bench_config(layers, args.tiny, args.experts, args.engram_vocab)
+    cfg = DeepseekV41Config.from_dict(config, name="random-v41")
+    tensors = random_tensors(torch, config, device, args.seed)
+    model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, dtype=dtype, device=device)
+    del tensors
+    serving = DeepseekV41Serving(model, tokenizer, parameter_bytes=0)
+    context = min(DECODE_CONTEXT, 64 if args.tiny else DECODE_CONTEXT)
+    prefill_tokens = min(PREFILL_TOKENS, 128 if args.tiny else PREFILL_TOKENS)
+    batches = [int(b) for b in args.batches.split(",") if int(b) <= 8]
+    block = serving.info.block_size_tokens
+    per_seq = -(-(max(context + args.decode_tokens + 2, prefill_tokens)) // block)
+    serving.allocate_cache(per_seq * max(batches + [1]), max(batches + [1]))
+    floors = Floors(model, bandwidth, matmul)
+    _say(f"built in {time.perf_counter() - t0:.1f} s: layers {layers}, {cfg.n_routed_experts} experts of "
+         f"{floors.expert_params / 1e6:.1f}M, {floors.dense_params / 1e9:.2f}B dense parameters, "
+         f"Engram on {list(cfg.engram_layer_ids)}, {args.dtype} on {device}")
+    gen = torch.Generator().manual_seed(args.seed)
+    rows: list[Row] = []
+    for batch in batches:
+        prompts = torch.randint(100, cfg.vocab_size, (batch, context), generator=gen).tolist()
+        rate = _decode_rate(torch, device, serving, prompts, args.decode_tokens)
+        rows.append(Row(f"decode b{batch} @{context}", ds4d=rate, floor=floors.decode(batch)))
+        _say(f"decode b{batch}: {rate:.1f} tok/s")
+    prompt = torch.randint(100, cfg.vocab_size, (prefill_tokens,), generator=gen).tolist()
+    for _ in range(2):  # the second is timed
+        state = model.new_state()
+        seconds = _timed(torch, device, lambda: model.prefill(state, prompt, last_only=True))
+    rows.append(Row(f"prefill {prefill_tokens} (triangle)", ds4d=prefill_tokens / seconds,
+                    floor=floors.prefill(prefill_tokens)))
+    for tokens in (1, prefill_tokens):
+        rows += engram_lookup_rows(torch, device, model, steps=5, tokens=tokens)
+    _print(rows, layers, args, device)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "family": "deepseek_v41", "layers": layers, "experts": cfg.n_routed_experts, "device": str(device),
+            "dtype": args.dtype, "bandwidth": bandwidth, "matmul": matmul,
+            "rows": [vars(r) for r in rows]}, indent=1))
+    return 0
+
+
+def _print(rows: list[Row], layers, args, device) -> None:
+    _say("")
+    _say(f"| case | ds4d | floor | ratio |   ({args.dtype}, {device}, layers {','.join(map(str, layers))})")
+    _say("|---|---|---|---|")
+    for row in rows:
+        unit = "ms" if row.case.startswith("engram") else "tok/s"
+        floor = f"{row.floor:,.1f}" if row.floor else "-"
+        ratio = f"{row.ds4d / row.floor:.2f}x" if row.floor and row.ds4d else "-"
+        value = "-" if row.ds4d is None or math.isnan(row.ds4d) else f"{row.ds4d:,.2f} {unit}"
+        _say(f"| {row.case} | {value} | {floor} | {ratio} | {row.note}")

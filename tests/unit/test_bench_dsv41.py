@@ -1,0 +1,51 @@
+"""`ds4d bench model --family deepseek_v41` on tiny widths, on the CPU: the table it prints and the
+JSON it writes, and the floors it divides by (checked against a count made here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def test_the_tiny_benchmark_runs_and_reports_every_row(tmp_path):
+    out = tmp_path / "v41.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "ds4d.cli", "bench", "model", "--family", "deepseek_v41", "--tiny", "--device", "cpu",
+         "--dtype", "float32", "--decode-tokens", "2", "--batches", "1,2", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    cases = [row["case"] for row in result["rows"]]
+    assert cases[:3] == ["decode b1 @64", "decode b2 @64", "prefill 128 (triangle)"]
+    assert sum(case.startswith("engram lookup") for case in cases) == 6
+    assert all(row["ds4d"] > 0 for row in result["rows"])
+    assert all(row["floor"] > 0 for row in result["rows"][:3])
+    assert result["layers"] == [0, 0, 2, 2, 1, 1] and result["family"] == "deepseek_v41"
+    assert "| decode b1 @64 |" in run.stdout
+
+
+def test_floors_count_the_dense_weights_and_the_routed_experts():
+    from ds4d.bench.dsv41 import Floors, bench_config, random_tensors
+    from ds4d.models.deepseek_v41.config import DeepseekV41Config
+    from ds4d.models.deepseek_v41.model import DeepseekV41Model
+
+    config, tokenizer = bench_config([0, 2], tiny=True, experts=0, engram_vocab=0)
+    cfg = DeepseekV41Config.from_dict(config)
+    tensors = random_tensors(torch, config, torch.device("cpu"), seed=1)
+    model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer)
+    experts = {k: v for k, v in tensors.items() if ".ffn.experts." in k}
+    engram = {k: v for k, v in tensors.items() if ".engram.embed." in k}
+    assert engram and all(v.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu) for v in engram.values())
+    dense = sum(v.numel() for k, v in tensors.items() if k not in experts and k not in engram and k != "embed.weight")
+    floors = Floors(model, bandwidth=1e9, matmul=1e12)
+    per_expert = sum(v.numel() for v in experts.values()) // (cfg.num_hidden_layers * cfg.n_routed_experts)
+    assert floors.expert_params == per_expert
+    # every tensor but the routed experts, the embedding (one row read) and the Engram tables (rows read)
+    assert floors.dense_params == pytest.approx(dense, rel=0.01)
+    k, n = cfg.num_experts_per_tok, cfg.n_routed_experts
+    one = 2 * (floors.dense_params + cfg.num_hidden_layers * k * per_expert) / 1e9
+    assert floors.decode(1) == pytest.approx(1 / one)
