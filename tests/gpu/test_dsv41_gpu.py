@@ -85,3 +85,25 @@ def test_bfloat16_on_the_device_within_its_bound(name):
     floor = per_position(torch.cat(rows), want)
     assert error.median() < 2 * floor.median(), (float(error.median()), float(floor.median()))
     assert error.max() < 2 * floor.max(), (float(error.max()), float(floor.max()))
+
+
+def test_served_on_the_device_the_engram_tables_stay_page_locked_on_the_host(tmp_path):
+    """The family's model on CUDA: weights and pools there, the Engram tables in host memory,
+    page-locked (``ram``); the served prompt logits equal the oracle's in float32."""
+    from ds4d.contracts import ForwardBatch, SeqChunk
+    from ds4d.models.deepseek_v41.family import load_model
+
+    golden = load_file(str(FIXTURES / "tiny_a" / "goldens.safetensors"))
+    for file in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / file).symlink_to(FIXTURES / "tiny_a" / file)
+    model = load_model(tmp_path, engram_storage="ram", block_tokens=16, device="cuda", dtype=torch.float32)
+    weights = model.model.weights
+    assert weights.embed.is_cuda
+    tables = [layer.engram.table for layer in weights.layers if layer.engram is not None]
+    assert tables and all(t.device.type == "cpu" and t.is_pinned() for t in tables)
+    ids = golden["prompt_ids"].tolist()
+    model.allocate_cache(-(-len(ids) // 16) + 1, 1)
+    blocks = tuple(range(-(-len(ids) // 16)))
+    logits = model.forward(ForwardBatch((SeqChunk(0, tuple(ids), 0, blocks, len(ids)),))).float().cpu()
+    want = golden["prompt_logits"]
+    assert float((logits - want).abs().max() / want.abs().max()) < 1e-4
