@@ -84,17 +84,19 @@ def _per_position(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (got - want).abs().amax(-1) / want.abs().amax(-1)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
-def test_bf16_is_within_twice_the_bf16_weight_rounding_floor(name):
+def test_bf16_is_within_twice_the_bf16_weight_rounding_floor(name, dtype):
+    """Also float16 (for GPUs without bf16), against the floor of float16-rounded weights."""
     golden = load_file(str(FIXTURES / name / "goldens.safetensors"))
     oracle = torch.cat([golden["prompt_logits"], golden["decode_logits"]])
 
-    bf16 = DeepseekV41Model.from_pretrained(FIXTURES / name, dtype=torch.bfloat16)
+    bf16 = DeepseekV41Model.from_pretrained(FIXTURES / name, dtype=dtype)
     got = _logits(bf16, golden)
     assert got.shape == oracle.shape and torch.isfinite(got).all()
     error = _per_position(got, oracle)
 
-    tensors = {k: v.bfloat16().float() if v.is_floating_point() else v
+    tensors = {k: v.to(dtype).float() if v.is_floating_point() else v
                for k, v in read_safetensors(FIXTURES / name).items()}
     rounded = DeepseekV41Model.from_tensors(DeepseekV41Config.from_file(FIXTURES / name), tensors,
                                             hasher=bf16.hasher)

@@ -220,9 +220,10 @@ def test_unserved_knobs_are_refused():
     base = types.SimpleNamespace(device="cpu", dtype="float32", expert_vram_gib=0, gpus="", weight_format="auto",
                                  compile_decode=False)
     refuse_unserved(base)
-    for served in ({"device": "cuda:0"}, {"device": "cuda"}, {"dtype": "bfloat16"}, {"dtype": "auto"}):
+    for served in ({"device": "cuda:0"}, {"device": "cuda"}, {"dtype": "bfloat16"}, {"dtype": "float16"},
+                   {"dtype": "auto"}):
         refuse_unserved(types.SimpleNamespace(**{**vars(base), **served}))
-    for change in ({"device": "mps"}, {"dtype": "float16"}, {"expert_vram_gib": 8}, {"gpus": "0,1"},
+    for change in ({"device": "mps"}, {"dtype": "float64"}, {"expert_vram_gib": 8}, {"gpus": "0,1"},
                    {"weight_format": "native"}, {"compile_decode": True}):
         with pytest.raises(PluginError, match="DeepSeek-V4.1"):
             refuse_unserved(types.SimpleNamespace(**{**vars(base), **change}))

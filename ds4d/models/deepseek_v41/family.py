@@ -17,7 +17,8 @@ picks:
 The tokenizer is the checkpoint's ``tokenizer.json``; without one, V4's with V4.1's
 added tokens (``tokenizer.py``: one id there is assumed, and the load says so).
 
-The model runs on the CPU or one CUDA device, in float32 or bfloat16, through its
+The model runs on the CPU or one CUDA device, in float32, bfloat16 or float16 (for GPUs
+without bf16), through its
 torch forward (no V4.1 kernels yet); the Engram tables never leave host memory
 (``ram`` copies are page-locked when the device is a GPU, so the rows of a step
 cross in one asynchronous copy).  Expert offload, native weights, compiled decode
@@ -45,7 +46,7 @@ from ds4d.registry import PluginError
 
 MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 ENGRAM_STORAGE = ("auto", "ram", "mmap")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "auto": None}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}
 GIB = 2**30
 
 
@@ -122,7 +123,7 @@ def refuse_unserved(config: Any) -> None:
     if device != "cpu" and not device.startswith("cuda"):
         problems.append(f"device = {device} (cpu or one cuda device)")
     if dtype.removeprefix("torch.") not in DTYPES:
-        problems.append(f"dtype = {dtype} (float32 or bfloat16)")
+        problems.append(f"dtype = {dtype} (float32, bfloat16 or float16)")
     if float(getattr(config, "expert_vram_gib", 0) or 0) > 0:
         problems.append("expert_vram_gib > 0 (no expert offload for V4.1 yet)")
     if getattr(config, "gpus", ""):
@@ -132,7 +133,7 @@ def refuse_unserved(config: Any) -> None:
     if getattr(config, "compile_decode", False):
         problems.append("compile_decode (no compiled V4.1 decode yet)")
     if problems:
-        raise PluginError("DeepSeek-V4.1 runs its torch forward on one device in float32 or bfloat16; "
+        raise PluginError("DeepSeek-V4.1 runs its torch forward on one device in float32, bfloat16 or float16; "
                           "unsupported: " + "; ".join(problems))
 
 
