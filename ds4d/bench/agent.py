@@ -1,5 +1,7 @@
 """`ds4d bench agent`: time to first token of an agent's next step, reused against cold, on a running server.
 
+(``--trace``: several sessions interleaved with titles and subagents, ``ds4d.bench.agent_trace``.)
+
 A coding agent resends its whole conversation every step.  Per repeat (each with
 its own ``cache_salt``, so repeats and the cold runs share nothing):
 
@@ -33,6 +35,8 @@ import statistics
 import time
 from pathlib import Path
 
+from ds4d.bench.agent_trace import add_arguments as add_trace_arguments
+from ds4d.bench.agent_trace import run_trace
 from ds4d.bench.serve import WORDS, RequestPlan, add_server_args, first_model_id, send_request
 
 
@@ -50,6 +54,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per request")
     p.add_argument("--json", default="", help="also write the results to this JSON file")
+    add_trace_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -103,6 +108,9 @@ async def _repeat(args: argparse.Namespace, url: str, model: str, repeat: int) -
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.trace:
+        return run_trace(args)
+
     async def main() -> tuple[str, list[dict]]:
         import aiohttp
 

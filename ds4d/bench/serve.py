@@ -114,7 +114,8 @@ def plan_request(index: int, args: argparse.Namespace, model: str, system: str) 
     return RequestPlan(index, body, cancel)
 
 
-async def send_request(session, url: str, plan: RequestPlan, timeout_s: float) -> RequestResult:
+async def send_request(session, url: str, plan: RequestPlan, timeout_s: float,
+                       headers: dict | None = None) -> RequestResult:
     import aiohttp
 
     result = RequestResult(plan.index)
@@ -124,7 +125,7 @@ async def send_request(session, url: str, plan: RequestPlan, timeout_s: float) -
     usage_tokens = None
     try:
         async with asyncio.timeout(timeout_s):
-            async with session.post(url + "/v1/chat/completions", json=plan.body) as resp:
+            async with session.post(url + "/v1/chat/completions", json=plan.body, headers=headers) as resp:
                 if resp.status != 200:
                     result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                     return result

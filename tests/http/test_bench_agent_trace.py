@@ -1,0 +1,71 @@
+"""`ds4d bench agent --trace` against live daemons: OpenCode's recorded system prompt and tools, sessions
+interleaved with title requests and subagents, on the embedded model and on a tiny DeepSeek-V4."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ds4d.bench.agent_trace import AFTER_FIRST, load_recorded
+from ds4d.models.deepseek_v4 import write_tiny_checkpoint
+from tests.daemon import REPO, Daemon
+
+TRACE = ("--trace", "--sessions", "2", "--steps", "2", "--subagents", "1", "--subagent-steps", "2",
+         "--tool-words", "40", "--min-tool-words", "10", "--max-tokens", "3", "--system-chars", "800",
+         "--max-tools", "0")
+
+
+def run_trace(url: str, out) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "ds4d.cli", "bench", "agent", "--url", url, *TRACE, "--json", str(out)],
+                          check=False, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| step kind | requests |" in proc.stdout
+    return json.loads(out.read_text())
+
+
+def check_shape(result: dict) -> dict:
+    summary = result["summary"]
+    counts = {kind: row["requests"] for kind, row in summary.items()}
+    # 2 sessions x 2 steps, a title beside each first step, 1 subagent each x 2 steps
+    assert counts == {"title": 2, "first": 2, "next": 2, "subagent first": 2, "subagent next": 2, "after first": 6}
+    assert len(result["requests"]) == 10
+    for row in summary.values():
+        assert row["ttft_ms"]["p50"] > 0 and row["ttft_ms"]["p99"] >= row["ttft_ms"]["p50"]
+        assert sum(row["cached_by_tier"].values()) == row["cached_tokens"]
+    after = summary["after first"]
+    assert after["cached_tokens"] == sum(summary[k]["cached_tokens"] for k in AFTER_FIRST)
+    return summary
+
+
+def test_recorded_requests_give_opencode_prompt_and_tools():
+    system, tools, title = load_recorded(REPO / "tests/fixtures/reference/opencode/requests", 0, -1)
+    assert system.startswith("You are opencode") and title.startswith("You are a title generator")
+    assert [t["function"]["name"] for t in tools][:3] == ["bash", "edit", "glob"] and len(tools) == 10
+
+
+def test_trace_on_the_embedded_model_reuses_within_and_across_sessions(daemon, tmp_path):
+    summary = check_shape(run_trace(daemon.url, tmp_path / "trace.json"))
+    # a next step resends the previous prompt and reply: most of it is reused
+    assert summary["next"]["cached_fraction"] > 0.5
+    # a subagent shares its session's system prompt and tools; the second title shares the first's prompt
+    assert summary["subagent first"]["cached_tokens"] > 0
+    assert summary["title"]["cached_tokens"] > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tinyv4-trace"), layers=[0, 4, 128, 4], seed=7)
+
+
+def test_trace_on_a_tiny_deepseek_v4_reuses_the_previous_step(tiny_v4, tmp_path):
+    """DeepSeek-V4 resumes only at a state checkpoint: a next step (the previous request's end) is reused."""
+    daemon = Daemon("--model", str(tiny_v4), "--threads", "2", "--kv-cache-tokens", "32768", "--max-num-seqs", "2",
+                    "--prefill-chunk", "512")
+    try:
+        summary = check_shape(run_trace(daemon.url, tmp_path / "trace.json"))
+    finally:
+        daemon.stop()
+    assert summary["next"]["cached_fraction"] > 0.5
