@@ -160,3 +160,23 @@ def test_rendering_a_prompt_leaves_the_event_loop_free(tmp_path):
             assert reply.status == 200 and (await reply.json())["usage"]["completion_tokens"] >= 1
 
     asyncio.run(scenario())
+
+
+def test_forced_tool_choice_needs_a_constraining_tool_parser(tmp_path):
+    """The toy model's tool parser (``none``) cannot constrain decoding: a forced tool_choice is a 400
+    before any stream, while auto and none are served."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+    async def scenario():
+        async with toy_server(tmp_path) as (c, state):
+            for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+                resp = await c.post("/v1/chat/completions",
+                                    json=chat(state, max_tokens=2, stream=True, tools=[tool], tool_choice=choice))
+                err = assert_error(resp.status, await error_of(resp), 400, "unsupported_tool_choice")
+                assert err["param"] == "tool_choice" and "'none'" in err["message"]
+            for choice in ("auto", "none"):
+                resp = await c.post("/v1/chat/completions",
+                                    json=chat(state, max_tokens=2, tools=[tool], tool_choice=choice))
+                assert resp.status == 200, await resp.text()
+
+    asyncio.run(scenario())
