@@ -3,8 +3,9 @@
 Every pluggable component kind is a ``typing.Protocol`` here.  A plugin is a
 class (or factory) registered under a name in an entry-point group
 ``ds4d.<kind>`` and constructed once at start as ``Factory(ctx, options)``,
-where ``ctx`` is a :class:`PluginContext` and ``options`` the plugin's table
-from the config file (may be empty).
+where ``ctx`` is a :class:`PluginContext` (its ``config`` holds every knob) and
+``options`` a mapping of construction arguments from the kernel: empty but for
+cache tiers, which get ``compat_hash``.  The config file has no per-plugin tables.
 
 Kinds and their entry-point groups:
 
