@@ -103,7 +103,7 @@ def _open(state: ServingState, request_id: str, prompt_ids: tuple[int, ...], par
     if tail and tuple(prompt_ids[-tail:]) != rendered.token_ids[-tail:]:
         tail = 0
     try:
-        return state.client.open(EngineRequest(request_id, prompt_ids, params, cache_salt=salt, volatile_tail=tail))
+        return state.client.submit(EngineRequest(request_id, prompt_ids, params, cache_salt=salt, volatile_tail=tail))
     except EngineDead as exc:
         raise ApiError(503, f"the engine is not running: {exc}", type="server_error", code="engine_dead") from None
 
@@ -144,10 +144,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
 
     def finished(g: Generation) -> None:  # before the last chunk goes out: the agent's next turn may follow at once
-        if state.core.scheduler.prefix_reuse:  # (when it is off, the startup log said why, once)
+        if state.client.capabilities.prefix_reuse:  # (when it is off, the startup log said why, once)
             state.sessions.explain(session, previous, request_id=request_id, messages=messages,
                                    prompt_ids=prompt_ids, cached_tokens=g.usage.cached_tokens,
-                                   cache_note=g.cache_note, exact=state.core.scheduler.cache.stateful)
+                                   cache_note=g.cache_note, exact=state.client.capabilities.exact_reuse)
         state.sessions.remember(session, request_id, messages, rendered.text, prompt_ids, g.output_ids,
                                 known=(rendered.prefix_tokens, rendered.prefix_chars))
         if g.tool_error:
