@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class EngineCapabilities:
+    """What the routes may plan with, fixed for the engine's life."""
+
     prefix_reuse: bool
     """Prompts reuse cached prefixes; when False, ``reuse_off_reason`` says why."""
     reuse_off_reason: str
@@ -53,6 +55,8 @@ class RequestView:
 
 @dataclass(frozen=True)
 class EngineSnapshot:
+    """The engine at one moment (``/v1/ds4d/stats`` and ``/metrics`` are made from one)."""
+
     taken_at: float
     """``time.monotonic()`` when it was built."""
     running: int
