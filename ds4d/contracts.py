@@ -3,8 +3,9 @@
 Every pluggable component kind is a ``typing.Protocol`` here.  A plugin is a
 class (or factory) registered under a name in an entry-point group
 ``ds4d.<kind>`` and constructed once at start as ``Factory(ctx, options)``,
-where ``ctx`` is a :class:`PluginContext` and ``options`` the plugin's table
-from the config file (may be empty).
+where ``ctx`` is a :class:`PluginContext` (its ``config`` holds every knob) and
+``options`` a mapping of construction arguments from the kernel: empty but for
+cache tiers, which get ``compat_hash``.  The config file has no per-plugin tables.
 
 Kinds and their entry-point groups:
 
@@ -115,11 +116,10 @@ class ModelInfo:
 class SeqChunk:
     """One sequence's share of a forward step.
 
-    The engine guarantees ``block_ids`` covers positions ``0 .. start_pos +
-    len(token_ids) - 1`` (``ceil(end / block_size)`` blocks, in order) and that
-    positions ``< start_pos`` already hold this sequence's KV (computed earlier or
-    shared through the prefix cache).  ``start_pos == 0`` means a fresh sequence:
-    a model with per-sequence state resets slot ``state_slot``.
+    The engine guarantees ``block_ids`` covers positions ``0 .. start_pos + len(token_ids) - 1`` (``ceil(end /
+    block_size)`` blocks, in order) and that positions ``< start_pos`` already hold this sequence's KV (computed
+    earlier or shared through the prefix cache).  ``start_pos == 0`` means a fresh sequence: a model with
+    per-sequence state resets slot ``state_slot``.
     """
 
     state_slot: int
@@ -187,19 +187,8 @@ class ModelFamily(Protocol):
 KnownPrefix = Callable[[str], "tuple[int, Sequence[int]] | None"]
 """Given a rendered prompt text: ``(chars, ids)`` when the text's first ``chars`` characters are
 known to tokenise as ``ids`` and the rest starts where the tokenizer splits anyway (an added
-token), so only the rest needs the tokenizer; None otherwise.  The session memory provides it."""
-
-
-def encode_prompt(tokenizer: Tokenizer, text: str,
-                  known_prefix: KnownPrefix | None) -> tuple[list[int], tuple[int, int]]:
-    """``text`` as ids, plus (ids, characters) of the leading part ``known_prefix`` supplied
-    ((0, 0): tokenised whole)."""
-    found = known_prefix(text) if known_prefix is not None else None
-    if found is None:
-        return tokenizer.encode(text, add_special_tokens=False), (0, 0)
-    chars, head = found
-    rest = tokenizer.encode(text[chars:], add_special_tokens=False) if chars < len(text) else []
-    return [*head, *rest], (len(head), chars)
+token), so only the rest needs the tokenizer; None otherwise.  The session memory provides it;
+encoders tokenise through :func:`ds4d.plugins.known_prefix.encode_prompt`."""
 
 
 @dataclass(frozen=True)
@@ -217,7 +206,7 @@ class ChatRenderRequest:
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
     known_prefix: KnownPrefix | None = field(default=None, compare=False)
-    """Tokenise through :func:`encode_prompt` with this (an agent's next turn: only its new part)."""
+    """Tokenise through ``encode_prompt`` with this (an agent's next turn: only its new part)."""
 
 
 @dataclass(frozen=True)
@@ -310,11 +299,37 @@ class ToolCallStream(Protocol):
 
 
 class ToolCallParser(Protocol):
+    """Makes tool-call streams; forcing a ``tool_choice`` needs a :class:`ConstrainingToolCallParser`."""
+
     name: str
 
-    def stream(
-        self, *, tools: Sequence[Mapping[str, Any]], parallel_tool_calls: bool = True
-    ) -> ToolCallStream: ...
+    def stream(self, *, tools: Sequence[Mapping[str, Any]], parallel_tool_calls: bool = True) -> ToolCallStream: ...
+
+
+class TokenConstraint(Protocol):
+    """Per-request constrained decoding (e.g. a forced tool call).  Stateful: the sampler asks for
+    the allowed set before each sampled token and reports the token it chose.  Engine thread only."""
+
+    def allowed_mask(self, vocab_size: int) -> "torch.Tensor | None":
+        """Bool mask [vocab_size] of tokens allowed next; None = no restriction."""
+
+    def accept(self, token_id: int) -> None:
+        """The token that was sampled."""
+
+
+@runtime_checkable
+class ConstrainingToolCallParser(ToolCallParser, Protocol):
+    """A tool-call parser that can keep the model to markup it parses (``dsml``, ``dsml_v41``)."""
+
+    def constraint(self, tokenizer: Tokenizer, *, tools: Sequence[Mapping[str, Any]], tool_choice: Any,
+                   prompt_ends_in_reasoning: bool, max_tokens: int, guard_markup: bool) -> TokenConstraint | None:
+        """The constraint for one request's ``tool_choice``, or None (decoding left free).
+
+        ``"required"`` or a named function: exactly one call to a tool of ``tools``, as this parser
+        reads it, ended within ``max_tokens`` (ValueError, a client error, when the choice names no
+        such tool or no call fits; None: this parser cannot force one).  ``"auto"``/``"none"``/None:
+        with ``guard_markup`` (knob ``tool_markup_guard``) opened markup is written valid and none
+        reaches the content ("none": none opens), else None.  Slow on first use: off the event loop."""
 
 
 # --------------------------------------------------------------------------- scheduling
@@ -349,18 +364,17 @@ class SchedulerPolicy(Protocol):
 class CacheTier(Protocol):
     """A store for prefix-cache blocks below the KV pool (host RAM, disk).
 
-    Keys are block hashes (bytes); values are the block's KV payload plus the
-    token ids it covers, so every hit is verified token by token.
+    Keys are block hashes (bytes); values are the block's KV payload plus the token ids it covers, so every hit
+    is verified token by token.
 
-    A payload is bytes-like: ``bytes`` or a contiguous 1-D ``torch.uint8`` CPU
-    tensor (what :meth:`BlockCopyModel.export_blocks` returns and what the RAM
-    tier hands back, so a promotion can copy straight from pinned memory).
+    A payload is bytes-like: ``bytes`` or a contiguous 1-D ``torch.uint8`` CPU tensor (what
+    :meth:`BlockCopyModel.export_blocks` returns and what the RAM tier hands back, so a promotion can copy
+    straight from pinned memory).
 
-    Tiers are chained fastest first (``gpu`` -> ``ram`` -> ``disk``, config knob
-    ``cache_tiers``): a block evicted from one tier is demoted to the next, a
-    hit in a lower tier is copied back into the KV pool (promoted) and stays in
-    the tier that served it.  The ``gpu`` tier is the pool's own LRU of
-    unreferenced blocks; its ``put``/``get`` are never called.
+    Tiers are chained fastest first (``gpu`` -> ``ram`` -> ``disk``, config knob ``cache_tiers``): a block
+    evicted from one tier is demoted to the next, a hit in a lower tier is copied back into the KV pool
+    (promoted) and stays in the tier that served it.  The ``gpu`` tier is the pool's own LRU of unreferenced
+    blocks; its ``put``/``get`` are never called.
     """
 
     name: str
@@ -394,8 +408,8 @@ class CacheEntry:
 class DemotingCacheTier(CacheTier, Protocol):
     """A tier whose evictions can be demoted to the next tier and which outlives a restart or not.
 
-    The built-in ``ram`` and ``disk`` tiers implement it; a plain
-    :class:`CacheTier` simply loses what it evicts."""
+    The built-in ``ram`` and ``disk`` tiers implement it; a plain :class:`CacheTier` simply loses what it
+    evicts."""
 
     def take_evicted(self) -> list[CacheEntry]:
         """Entries evicted since the last call (oldest first), for the next tier down."""
@@ -411,13 +425,11 @@ class DemotingCacheTier(CacheTier, Protocol):
 class ReadAheadCacheTier(CacheTier, Protocol):
     """A tier whose reads are slow (disk), read ahead of the promotion that needs them.
 
-    The engine thread asks for the blocks a waiting request would promote
-    (``read_ahead``), keeps stepping the running requests while a thread of the
-    tier reads them (file read and integrity check), and admits the request once
-    every future is done; the promotion's ``get`` then takes the loaded payload
-    without touching the disk.  ``get`` stays correct on its own: a block read
-    ahead but not finished is waited for, one never read ahead is read at once.
-    A block that fails its check is a miss at ``get`` (deleted and logged there),
+    The engine thread asks for the blocks a waiting request would promote (``read_ahead``), keeps stepping the
+    running requests while a thread of the tier reads them (file read and integrity check), and admits the
+    request once every future is done; the promotion's ``get`` then takes the loaded payload without touching
+    the disk.  ``get`` stays correct on its own: a block read ahead but not finished is waited for, one never
+    read ahead is read at once.  A block that fails its check is a miss at ``get`` (deleted and logged there),
     exactly as without read-ahead.  Called from the engine thread only.
     """
 
@@ -437,15 +449,12 @@ class ReadAheadCacheTier(CacheTier, Protocol):
 class BlockCopyModel(Protocol):
     """A model whose KV blocks can be copied out of and into its pool.
 
-    The RAM and disk tiers hold what ``export_blocks`` returns.  Payloads are
-    opaque to the engine, of equal size for every block of one model, and only
-    ever imported into the same model (same compatibility hash).  With a GPU,
-    ``import_blocks`` may return before the copy ends provided the next
-    :meth:`Model.forward` observes it (a ``non_blocking`` copy from pinned memory
-    on the compute stream, as the built-in models do, or a copy stream plus an
-    event the forward waits on), so the engine thread does not wait for
-    promotions; ``export_blocks`` returns complete host copies (the pool block
-    may be overwritten right after).
+    The RAM and disk tiers hold what ``export_blocks`` returns.  Payloads are opaque to the engine, of equal
+    size for every block of one model, and only ever imported into the same model (same compatibility hash).
+    With a GPU, ``import_blocks`` may return before the copy ends provided the next :meth:`Model.forward`
+    observes it (a ``non_blocking`` copy from pinned memory on the compute stream, as the built-in models do, or
+    a copy stream plus an event the forward waits on), so the engine thread does not wait for promotions;
+    ``export_blocks`` returns complete host copies (the pool block may be overwritten right after).
     """
 
     def export_blocks(self, block_ids: Sequence[int]) -> list[Any]:
@@ -459,13 +468,11 @@ class BlockCopyModel(Protocol):
 class AsyncBlockCopyModel(Protocol):
     """A :class:`BlockCopyModel` that can also copy blocks out without waiting for them.
 
-    ``start_export`` queues the copies behind the work already queued on the device
-    and returns the payloads with a ``done`` handle: None when they are complete
-    already, else an object with ``query()`` (complete yet?) and ``synchronize()``
-    (wait), such as a CUDA event.  The pool blocks may be overwritten by work queued
-    after the call; the payloads must not be read before ``done`` says so.  The
-    prefix cache uses it for blocks evicted from the pool, so a step that evicts
-    does not wait for the device to finish the step before it.
+    ``start_export`` queues the copies behind the work already queued on the device and returns the payloads
+    with a ``done`` handle: None when they are complete already, else an object with ``query()`` (complete yet?)
+    and ``synchronize()`` (wait), such as a CUDA event.  The pool blocks may be overwritten by work queued after
+    the call; the payloads must not be read before ``done`` says so.  The prefix cache uses it for blocks
+    evicted from the pool, so a step that evicts does not wait for the device to finish the step before it.
     """
 
     def start_export(self, block_ids: Sequence[int]) -> tuple[list[Any], Any]:
@@ -474,18 +481,15 @@ class AsyncBlockCopyModel(Protocol):
 
 @runtime_checkable
 class StatefulModel(Protocol):
-    """A model with per-sequence state beyond its KV blocks (DeepSeek-V4: sliding
-    window ring and compressor tails).
+    """A model with per-sequence state beyond its KV blocks (DeepSeek-V4: sliding window ring and compressor
+    tails).
 
-    Prefix reuse of such a model needs a checkpoint of that state at the reuse
-    point.  The engine keeps checkpoints at request boundaries (end of each
-    prompt, end of each generation): ``save_state(slot)`` right after the
-    sequence's KV reached that point, and later ``load_state(slot, snapshot)``
-    into the slot of a new sequence with the same leading tokens, whose first
-    chunk then starts at that position.  A snapshot must not alias the slot
-    (the slot is reused).  Prefix reuse is enabled for such a model only when it
-    is also a :class:`BlockCopyModel` (the checkpoint keeps a copy of the
-    partly filled last block).
+    Prefix reuse of such a model needs a checkpoint of that state at the reuse point.  The engine keeps
+    checkpoints at request boundaries (end of each prompt, end of each generation): ``save_state(slot)`` right
+    after the sequence's KV reached that point, and later ``load_state(slot, snapshot)`` into the slot of a new
+    sequence with the same leading tokens, whose first chunk then starts at that position.  A snapshot must not
+    alias the slot (the slot is reused).  Prefix reuse is enabled for such a model only when it is also a
+    :class:`BlockCopyModel` (the checkpoint keeps a copy of the partly filled last block).
     """
 
     def save_state(self, slot: int) -> Any:

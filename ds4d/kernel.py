@@ -161,6 +161,7 @@ class Kernel:
         resolved = replace(self.config, device=self.config.resolved_device(), dtype=self.config.resolved_dtype())
         self.ctx = PluginContext(config=resolved, log=log)
         self.state = None
+        self.engine = None  # the EngineCore of the last build: started there, stopped by shutdown()
         self.memory_plan = None  # the GPU memory plan of the last build (ds4d.engine.memory_plan), if any
         self._runner = None
         self._stats_task: asyncio.Task | None = None
@@ -225,7 +226,7 @@ class Kernel:
     # ------------------------------------------------------------------ assembly
 
     def build(self, loaded_model: LoadedModel, loop: asyncio.AbstractEventLoop):
-        from ds4d.engine.client import EngineClient
+        from ds4d.engine.client import EngineClient, OutputRouter
         from ds4d.engine.offline import build_core
         from ds4d.server.sessions import SessionMemory
         from ds4d.server.state import ServingState
@@ -273,14 +274,16 @@ class Kernel:
             [str(loaded_model.path), _checkpoint_identity(loaded_model.path), info.family, info.dtype,
              info.block_size_tokens, info.cache_bytes_per_block]).encode()).digest()
         cache = self._prefix_cache(pool, model, namespace)
+        router = OutputRouter(loop)
         core = build_core(model, cache, policy, max_num_seqs=cfg.max_num_seqs, step_tokens=cfg.step_tokens,
-                          prefill_chunk=cfg.prefill_chunk, namespace=namespace, publish=lambda outputs: None,
+                          prefill_chunk=cfg.prefill_chunk, namespace=namespace, publish=router.publish,
                           eos_token_ids=model.tokenizer.eos_token_ids, queue_timeout_s=cfg.queue_timeout_s,
                           request_timeout_s=cfg.request_timeout_s, lookahead=cfg.decode_lookahead)
         if not core.scheduler.prefix_reuse:
             log.warning("%s", core.scheduler.reuse_off_reason)
-        client = EngineClient(core, loop)
+        client = EngineClient(core, router)
         core.start()
+        self.engine = core
         self.on_shutdown.insert(0, lambda: asyncio.to_thread(core.flush_cache))  # before any model close
         served = cfg.served_model_name or _served_name(loaded_model.path)
         sessions = SessionMemory(model.tokenizer, block_size=info.block_size_tokens)
@@ -295,7 +298,7 @@ class Kernel:
                 log.info("session memory: %d sessions written to %s", saved, sessions_file)
 
             self.on_shutdown.append(save_sessions)
-        self.state = ServingState(self.loaded, info, model.tokenizer, encoder, reasoning, tools, core, client,
+        self.state = ServingState(self.loaded, info, model.tokenizer, encoder, reasoning, tools, client,
                                   served, max_context, plugins, sessions,
                                   memory_plan=self.memory_plan.as_dict() if self.memory_plan else None)
         return self.state
@@ -444,7 +447,7 @@ class Kernel:
         if self._runner is not None:
             await self._runner.cleanup()
         if state is not None:
-            await asyncio.to_thread(state.core.stop, 1.0 if hurry.is_set() else 10.0)
+            await asyncio.to_thread(self.engine.stop, 1.0 if hurry.is_set() else 10.0)
         await self._run_shutdown_hooks(hurry)
         log.info("stopped")
 
@@ -467,11 +470,11 @@ class Kernel:
         reported = False
         while True:
             await asyncio.sleep(0.5)
-            if not self.state.core.alive and not reported:
+            if not self.state.client.alive and not reported:
                 reported = True
                 log.error("engine thread is dead: %s; /health now answers 503",
-                          self.state.core.dead_reason or "exited")
-                self.state.client.fail_all(f"engine stopped: {self.state.core.dead_reason}")
+                          self.state.client.dead_reason or "exited")
+                self.state.client.fail_all(f"engine stopped: {self.state.client.dead_reason}")
 
     async def _record_stats(self, path: Path) -> None:
         from ds4d.server.admin import snapshot
@@ -479,7 +482,7 @@ class Kernel:
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a", encoding="utf-8") as fh:
             while True:
-                fh.write(json.dumps(snapshot(self.state)) + "\n")
+                fh.write(json.dumps(snapshot(self.state, await self.state.client.fresh_snapshot())) + "\n")
                 fh.flush()
                 await asyncio.sleep(1.0)
 

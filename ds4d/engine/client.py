@@ -1,9 +1,12 @@
-"""EngineClient: the narrow asyncio-side boundary to the engine thread.
+"""EngineClient: the asyncio side's one door to the engine thread.
 
-submit -> async stream of StepOutput, abort, stats.  The engine thread calls
-``_publish`` from its own thread; outputs hop onto the event loop with
-``call_soon_threadsafe`` and land in the request's asyncio queue.  If this ever
-becomes a process boundary, only this class changes.
+``submit`` -> a :class:`RequestStream` of StepOutputs, ``abort``, ``snapshot``
+(frozen engine state, built on the engine thread) and ``capabilities`` (facts
+fixed at build), plus the engine's liveness for /health.  The engine's
+``publish`` callback is an :class:`OutputRouter`, built before the engine and
+given to it: outputs hop onto the event loop with ``call_soon_threadsafe`` and
+land in their request's asyncio queue.  If this ever becomes a process
+boundary, only these two classes change.
 """
 
 from __future__ import annotations
@@ -12,22 +15,28 @@ import asyncio
 
 from ds4d.engine.core import EngineCore
 from ds4d.engine.request import EngineRequest, FinishReason, StepOutput
+from ds4d.engine.snapshot import EngineCapabilities, EngineSnapshot
+
+SNAPSHOT_WAIT_S = 2.0
+"""How long a fresh snapshot is waited for (the engine answers between two steps) before the latest
+one is taken instead."""
 
 
 class EngineDead(RuntimeError):
     pass
 
 
-class EngineClient:
-    def __init__(self, core: EngineCore, loop: asyncio.AbstractEventLoop) -> None:
-        self.core = core
+class OutputRouter:
+    """The engine's ``publish`` callback and the per-request queues it fills (event loop side)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._queues: dict[str, asyncio.Queue[StepOutput]] = {}
         # requests with no output yet -> their prompt tokens (the backlog admission caps)
         self._queued: dict[str, int] = {}
-        core.publish = self._publish
 
-    def _publish(self, outputs: list[StepOutput]) -> None:
+    def publish(self, outputs: list[StepOutput]) -> None:
+        """Called by the engine thread."""
         self.loop.call_soon_threadsafe(self._dispatch, outputs)
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
@@ -43,34 +52,93 @@ class EngineClient:
 
     @property
     def num_queued(self) -> int:
-        """Open requests that have produced no output yet (queued, or prefilling their prompt)."""
         return len(self._queued)
 
     @property
     def queued_tokens(self) -> int:
-        """Prompt tokens of the requests counted by ``num_queued``."""
         return sum(self._queued.values())
 
-    def open(self, request: EngineRequest) -> RequestStream:
-        """Submit a request; read its outputs from the returned stream, close() it when done."""
-        if not self.core.alive:
-            raise EngineDead(self.core.dead_reason or "engine not running")
+    def open(self, request: EngineRequest) -> asyncio.Queue[StepOutput]:
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._queues[request.request_id] = q
         self._queued[request.request_id] = len(request.prompt_ids)
-        self.core.submit(request)
-        return RequestStream(self, request.request_id, q)
+        return q
 
-    def _closed(self, request_id: str, finished: bool) -> None:
+    def close(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self._queued.pop(request_id, None)
-        if not finished:
-            self.core.abort(request_id)
+
+    def fail_all(self, message: str) -> None:
+        for request_id in list(self._queues):
+            self._dispatch([StepOutput(request_id, finish_reason=FinishReason.ERROR, error=message)])
+
+
+class EngineClient:
+    def __init__(self, core: EngineCore, router: OutputRouter) -> None:
+        self._core = core
+        self._router = router
+        self.capabilities: EngineCapabilities = core.capabilities
+
+    @property
+    def num_open(self) -> int:
+        return self._router.num_open
+
+    @property
+    def num_queued(self) -> int:
+        """Open requests that have produced no output yet (queued, or prefilling their prompt)."""
+        return self._router.num_queued
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens of the requests counted by ``num_queued``."""
+        return self._router.queued_tokens
+
+    def submit(self, request: EngineRequest) -> RequestStream:
+        """Hand a request to the engine; read its outputs from the returned stream, close() it when done."""
+        if not self._core.alive:
+            raise EngineDead(self._core.dead_reason or "engine not running")
+        q = self._router.open(request)
+        self._core.submit(request)
+        return RequestStream(self, request.request_id, q)
+
+    def abort(self, request_id: str) -> None:
+        """End a request; it publishes nothing more."""
+        self._router.close(request_id)
+        self._core.abort(request_id)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The latest snapshot the engine thread built (no waiting; possibly old)."""
+        return self._core.snapshot()
+
+    async def fresh_snapshot(self) -> EngineSnapshot:
+        """A snapshot the engine thread builds now, between two steps; the latest one when that takes
+        longer than ``SNAPSHOT_WAIT_S`` (a long step) or no engine thread runs."""
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(self._core.request_snapshot()), SNAPSHOT_WAIT_S)
+        except TimeoutError:
+            return self._core.snapshot()
+
+    @property
+    def alive(self) -> bool:
+        return self._core.alive
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._core.dead_reason
+
+    def stalled_for(self) -> float:
+        """Seconds work has waited without any engine step finishing (0 when idle)."""
+        return self._core.stalled_for()
 
     def fail_all(self, message: str) -> None:
         """Called by the supervisor when the engine thread is gone without saying so."""
-        for request_id in list(self._queues):
-            self._dispatch([StepOutput(request_id, finish_reason=FinishReason.ERROR, error=message)])
+        self._router.fail_all(message)
+
+    def _closed(self, request_id: str, finished: bool) -> None:
+        if finished:
+            self._router.close(request_id)
+        else:
+            self.abort(request_id)
 
 
 class RequestStream:

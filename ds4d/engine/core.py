@@ -1,8 +1,10 @@
 """The engine thread: the only place that touches model tensors.
 
-``EngineCore.step()`` is three calls — plan, run, publish.  Requests and aborts
-arrive through a thread-safe inbox; outputs leave through the ``publish``
-callback (the asyncio side hops them onto its loop).  If the loop dies, every
+``EngineCore.step()`` is three calls — plan, run, publish.  Requests, aborts
+and requests for a snapshot arrive through a thread-safe inbox; outputs leave
+through the ``publish`` callback (the asyncio side hops them onto its loop).
+Other threads see the engine's state only as frozen snapshots built here
+(:mod:`ds4d.engine.snapshot`) and as its liveness.  If the loop dies, every
 request in flight gets an error output and ``dead_reason`` says why, so
 nothing waits forever.
 
@@ -25,11 +27,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ds4d.engine.request import PENDING_TOKEN, EngineRequest, FinishReason, SeqStatus, Sequence, StepOutput
 from ds4d.engine.runner import ChunkResult, LaunchedStep, ModelRunner
 from ds4d.engine.scheduler import Scheduler, StepPlan
+from ds4d.engine.snapshot import EngineCapabilities, EngineSnapshot, capabilities_of, take_snapshot
 from ds4d.engine.stats import EngineStats
 
 log = logging.getLogger("ds4d.engine")
@@ -43,6 +47,11 @@ class _Add:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    answer: Future
 
 
 class _Stop:
@@ -92,6 +101,10 @@ class EngineCore:
         self._resolved_at = 0.0
         self.steps_ahead = 0
         """Steps queued behind their predecessor (looking ahead)."""
+        self.capabilities: EngineCapabilities = capabilities_of(scheduler, self.lookahead)
+        self._working = False
+        """The scheduler had work when the engine thread last looked (read by :meth:`stalled_for`)."""
+        self._snapshot: EngineSnapshot = self.take_snapshot()
 
     # ------------------------------------------------------------------ any thread
 
@@ -110,9 +123,23 @@ class EngineCore:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def request_snapshot(self) -> Future:
+        """A future of a fresh :class:`EngineSnapshot`, built by the engine thread before its next
+        step; with no engine thread running, one that is done already with the latest snapshot."""
+        answer: Future = Future()
+        if self.alive:
+            self._inbox.put(_Snapshot(answer))
+        else:
+            answer.set_result(self._snapshot)
+        return answer
+
+    def snapshot(self) -> EngineSnapshot:
+        """The latest snapshot the engine thread built (at a request, or when it ended)."""
+        return self._snapshot
+
     def stalled_for(self) -> float:
         """Seconds work has waited without any step finishing (0 when idle)."""
-        if not self.scheduler.has_work:
+        if not self._working:
             return 0.0
         return time.monotonic() - self.last_progress
 
@@ -120,24 +147,32 @@ class EngineCore:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead_reason is None
 
+    @property
+    def step_queued_ahead(self) -> bool:
+        """A step is queued on the device behind the one last resolved (looking ahead)."""
+        return self._inflight is not None
+
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
         try:
-            while True:
-                if not self._drain_inbox(block=not self.scheduler.has_work):
-                    break
-                if self.scheduler.has_work:
+            while self._apply_inbox(block=not self.scheduler.has_work):
+                self._working = self.scheduler.has_work
+                if self._working:
                     self.step()
+                self._working = self.scheduler.has_work
         except BaseException as exc:  # noqa: BLE001 - the supervisor reports any death
             self.dead_reason = f"{type(exc).__name__}: {exc}"
             log.exception("engine thread died")
             self._fail_all(f"engine stopped: {self.dead_reason}")
         else:
             self._fail_all("engine shut down")
+        finally:
+            self._working = False
+            self._answer_snapshots()
 
-    def _drain_inbox(self, *, block: bool) -> bool:
-        """Apply queued adds/aborts; False when asked to stop."""
+    def _apply_inbox(self, *, block: bool) -> bool:
+        """Apply queued adds, aborts and snapshot requests; False when asked to stop."""
         while True:
             try:
                 item = self._inbox.get(block=block)
@@ -150,6 +185,33 @@ class EngineCore:
                 self.add_request(item.request)
             elif isinstance(item, _Abort):
                 self.abort_request(item.request_id)
+            elif isinstance(item, _Snapshot) and item.answer.set_running_or_notify_cancel():  # not given up
+                item.answer.set_result(self._publish_snapshot())
+
+    def _publish_snapshot(self) -> EngineSnapshot:
+        self._snapshot = self.take_snapshot()
+        return self._snapshot
+
+    def _answer_snapshots(self) -> None:
+        """As the engine thread ends: a last snapshot, also for every request for one still queued."""
+        try:
+            last = self._publish_snapshot()
+        except Exception:  # noqa: BLE001 - bookkeeping may be what broke; keep the one before
+            log.exception("engine snapshot failed")
+            last = self._snapshot
+        while True:
+            try:
+                item = self._inbox.get(block=False)
+            except queue.Empty:
+                return
+            if isinstance(item, _Snapshot) and item.answer.set_running_or_notify_cancel():
+                item.answer.set_result(last)
+
+    def take_snapshot(self) -> EngineSnapshot:
+        """The engine's state now, as a frozen :class:`EngineSnapshot`.  Engine thread only (an
+        offline driver is one): other threads :meth:`request_snapshot`."""
+        return take_snapshot(self.scheduler, list(self._seqs.values()), self.stats, self.runner.model,
+                             self.steps_ahead)
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue ``request`` for scheduling now.  Engine thread only: :meth:`submit` from any
@@ -330,33 +392,6 @@ class EngineCore:
             return False
         self.scheduler.cache.flush()
         return True
-
-    # ------------------------------------------------------------------ snapshots
-
-    def snapshot_requests(self) -> list[dict]:
-        """Per-request view for /v1/ds4d/stats (read racily from another thread; fine for display)."""
-        now = time.monotonic()
-        out = []
-        chunk = self.scheduler.prefill_chunk
-        for seq in list(self._seqs.values()):
-            uncomputed_prompt = max(0, seq.num_prompt_tokens - max(seq.num_computed_tokens, seq.cached_tokens))
-            if seq.state_slot is None:
-                phase = "reading" if self.scheduler.cache.reading(seq.request_id) else "queued"
-            elif not seq.output_ids:
-                phase = "prefill"
-            else:
-                phase = "decode"
-            total_chunks = seq.chunks_done + -(-uncomputed_prompt // chunk)
-            decode_s = now - seq.first_token_at if seq.first_token_at else 0.0
-            out.append({
-                "id": seq.request_id, "phase": phase,
-                "prefill_chunk": seq.chunks_done, "prefill_chunks": max(total_chunks, seq.chunks_done),
-                "prompt_tokens": seq.num_prompt_tokens, "cached_tokens": seq.cached_tokens,
-                "generated_tokens": len(seq.output_ids),
-                "tok_s": round(len(seq.output_ids) / decode_s, 2) if decode_s > 0 else 0.0,
-                "age_s": round(now - seq.arrival_time, 3),
-            })
-        return out
 
 
 def _live(chunk) -> bool:

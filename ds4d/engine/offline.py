@@ -27,6 +27,7 @@ from ds4d.engine.request import EngineRequest, StepOutput
 from ds4d.engine.runner import ModelRunner
 from ds4d.engine.sampler import Sampler
 from ds4d.engine.scheduler import Scheduler
+from ds4d.engine.snapshot import EngineCapabilities, EngineSnapshot
 from ds4d.engine.stats import EngineStats
 
 log = logging.getLogger("ds4d.engine")
@@ -125,6 +126,14 @@ class OfflineEngine:
     @property
     def has_work(self) -> bool:
         return self.core.scheduler.has_work
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self.core.capabilities
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state now (the caller is the engine thread)."""
+        return self.core.take_snapshot()
 
     def submit(self, request: EngineRequest) -> None:
         """Queue ``request``; the next step may schedule it."""

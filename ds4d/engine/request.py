@@ -10,23 +10,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
-if TYPE_CHECKING:
-    import torch
-
-
-class TokenConstraint(Protocol):
-    """Per-request constrained decoding (e.g. a forced tool call).
-
-    Stateful: the sampler asks for the allowed set before each sampled token and
-    reports the token it chose.  Used only by the engine thread."""
-
-    def allowed_mask(self, vocab_size: int) -> "torch.Tensor | None":
-        """Bool mask [vocab_size] of tokens allowed next; None = no restriction."""
-
-    def accept(self, token_id: int) -> None:
-        """The token that was sampled."""
+from ds4d.contracts import TokenConstraint
 
 
 @dataclass(frozen=True)

@@ -51,8 +51,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ds4d.contracts import ChatRenderRequest, ModelInfo, PluginContext, RenderedPrompt, Tokenizer, encode_prompt
+from ds4d.contracts import ChatRenderRequest, ModelInfo, PluginContext, RenderedPrompt, Tokenizer
 from ds4d.plugins.dsv4_encoder import content_text
+from ds4d.plugins.known_prefix import encode_prompt
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"

@@ -2,7 +2,7 @@
 
 ``tool_choice: "required"`` or ``{"type": "function", "function": {"name": ...}}``
 promises the client a tool call.  :func:`build_tool_constraint` returns a
-:class:`~ds4d.engine.request.TokenConstraint` under which any model -- random
+:class:`~ds4d.contracts.TokenConstraint` under which any model -- random
 weights included -- writes exactly one call the ``dsml`` parser accepts::
 
     [</think>]\\n\\n<｜DSML｜tool_calls>

@@ -30,6 +30,24 @@ THINK_START = "<think>"
 THINK_END = "</think>"
 
 
+def partial_suffix_length(text: str, markers: Sequence[str], start: int = 0, max_newlines: int = 0) -> int:
+    """Length of the longest suffix of ``text[start:]`` that may still grow into a marker.
+
+    The suffix is up to ``max_newlines`` newlines followed by a proper prefix of one
+    of ``markers`` (newlines alone count when ``max_newlines`` > 0).
+    """
+    end = len(text)
+    longest = max(len(m) for m in markers) - 1 + max_newlines
+    for cut in range(max(start, end - longest), end):
+        tail = text[cut:]
+        core = tail.lstrip("\n")
+        if len(tail) - len(core) > max_newlines:
+            continue
+        if not core or any(len(core) < len(m) and m.startswith(core) for m in markers):
+            return end - cut
+    return 0
+
+
 def to_json(value: Any) -> str:
     """JSON as the official encoders write it (``", "``/``": "`` separators, UTF-8 kept)."""
     return json.dumps(value, ensure_ascii=False)

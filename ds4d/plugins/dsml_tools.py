@@ -37,6 +37,9 @@ Malformed markup never turns into half a tool call in the result: the stream
 switches to passing the raw text through as content, and ``finish()`` returns
 no calls, the whole raw text as content and an ``error`` saying what was wrong.
 Argument deltas already streamed for the broken block cannot be taken back.
+
+The parsers also constrain decoding to the markup they read (``constraint``, for
+``tool_choice`` and ``tool_markup_guard``; :mod:`ds4d.plugins.dsml_constraint`).
 """
 
 from __future__ import annotations
@@ -48,12 +51,16 @@ from typing import Any
 
 from ds4d.contracts import (
     PluginContext,
+    TokenConstraint,
+    Tokenizer,
     ToolCall,
     ToolCallDelta,
     ToolParseDelta,
     ToolParseResult,
 )
-from ds4d.plugins.dsml_format import V4_SPELLING, V41_SPELLING, DsmlSpelling, to_json
+from ds4d.plugins.dsml_constraint import build_block_guard, build_tool_constraint
+from ds4d.plugins.dsml_format import V4_SPELLING, V41_SPELLING, DsmlSpelling, partial_suffix_length, to_json
+from ds4d.plugins.dsv4_reasoning import DeepseekV4ReasoningStream
 
 EOS = "<｜end▁of▁sentence｜>"
 _MAX_TAG_CHARS = 2048
@@ -61,24 +68,6 @@ _BLOCK_NEWLINES = 2
 """Newlines before ``<｜DSML｜tool_calls>`` that belong to the markup, not the content."""
 
 _CONTENT, _BLOCK, _INVOKE, _PARAM, _RAW = "content", "block", "invoke", "param", "raw"
-
-
-def partial_suffix_length(text: str, markers: Sequence[str], start: int = 0, max_newlines: int = 0) -> int:
-    """Length of the longest suffix of ``text[start:]`` that may still grow into a marker.
-
-    The suffix is up to ``max_newlines`` newlines followed by a proper prefix of one
-    of ``markers`` (newlines alone count when ``max_newlines`` > 0).
-    """
-    end = len(text)
-    longest = max(len(m) for m in markers) - 1 + max_newlines
-    for cut in range(max(start, end - longest), end):
-        tail = text[cut:]
-        core = tail.lstrip("\n")
-        if len(tail) - len(core) > max_newlines:
-            continue
-        if not core or any(len(core) < len(m) and m.startswith(core) for m in markers):
-            return end - cut
-    return 0
 
 
 def new_call_id() -> str:
@@ -334,6 +323,18 @@ class DsmlToolParser:
     def stream(self, *, tools: Sequence[Mapping[str, Any]], parallel_tool_calls: bool = True) -> DsmlToolCallStream:
         return DsmlToolCallStream(tools, parallel_tool_calls, self.spelling)
 
+    def constraint(self, tokenizer: Tokenizer, *, tools: Sequence[Mapping[str, Any]], tool_choice: Any,
+                   prompt_ends_in_reasoning: bool, max_tokens: int, guard_markup: bool) -> TokenConstraint | None:
+        """A forced call (:func:`~ds4d.plugins.dsml_constraint.build_tool_constraint`) for "required" or a
+        named function; the block guard (:func:`~ds4d.plugins.dsml_constraint.build_block_guard`) for
+        "auto"/"none" with ``guard_markup``; else None."""
+        if tool_choice not in (None, "auto", "none"):
+            return build_tool_constraint(tokenizer, tools, tool_choice, max_tokens=max_tokens, spelling=self.spelling,
+                                         prompt_ends_in_reasoning=prompt_ends_in_reasoning)
+        if guard_markup:
+            return build_block_guard(tokenizer, tools, tool_choice, spelling=self.spelling, max_tokens=max_tokens)
+        return None
+
 
 class DsmlV41ToolParser(DsmlToolParser):
     """ToolCallParser plugin ``dsml_v41`` (DeepSeek-V4.1 markup: ``<｜DSML｜ calls>``).
@@ -357,8 +358,6 @@ def parse_completion(text: str, thinking_mode: bool | str, spelling: DsmlSpellin
     as the official V4.1 parser does: bare ``name``, and ``namespace`` beside
     ``function``.
     """
-    from ds4d.plugins.dsv4_reasoning import DeepseekV4ReasoningStream
-
     thinking = thinking_mode == "thinking" if isinstance(thinking_mode, str) else bool(thinking_mode)
     end = text.find(EOS)
     if end >= 0:

@@ -57,9 +57,9 @@ from ds4d.contracts import (
     PluginContext,
     RenderedPrompt,
     Tokenizer,
-    encode_prompt,
 )
 from ds4d.plugins.dsml_format import THINK_END, THINK_START, V4_SPELLING, DsmlSpelling, to_json
+from ds4d.plugins.known_prefix import encode_prompt
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

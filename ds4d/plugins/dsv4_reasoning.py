@@ -30,8 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ds4d.contracts import PluginContext, ReasoningDelta
-from ds4d.plugins.dsml_tools import partial_suffix_length
-from ds4d.plugins.dsml_format import THINK_END, THINK_START, V4_SPELLING, V41_SPELLING
+from ds4d.plugins.dsml_format import THINK_END, THINK_START, V4_SPELLING, V41_SPELLING, partial_suffix_length
 
 _BLOCK_NEWLINES = 2
 _REASONING, _CONTENT_START, _CONTENT = "reasoning", "content_start", "content"

@@ -31,7 +31,8 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ds4d.contracts import ChatRenderRequest, ModelInfo, PluginContext, RenderedPrompt, Tokenizer, encode_prompt
+from ds4d.contracts import ChatRenderRequest, ModelInfo, PluginContext, RenderedPrompt, Tokenizer
+from ds4d.plugins.known_prefix import encode_prompt
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

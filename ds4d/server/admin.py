@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 
 import psutil
 from aiohttp import web
@@ -11,6 +12,7 @@ from aiohttp import web
 from ds4d import __version__
 from ds4d.config import GIB
 from ds4d.cuda.devices import gpu_memory
+from ds4d.engine.snapshot import EngineSnapshot
 from ds4d.server.openapi import openapi_document
 from ds4d.server.state import LIFECYCLE, ServingState, serving_state
 
@@ -28,7 +30,7 @@ async def health(request: web.Request) -> web.Response:
     phase = request.app[LIFECYCLE].phase
     if phase == "dead":
         state = _state(request)
-        return web.json_response({"status": "dead", "reason": state.core.dead_reason or "engine not running"},
+        return web.json_response({"status": "dead", "reason": state.client.dead_reason or "engine not running"},
                                  status=503)
     return web.json_response({"status": "ok" if phase == "ready" else phase})
 
@@ -44,11 +46,11 @@ async def ready(request: web.Request) -> web.Response:
     if memory != "ok":
         limit = state.config.mem_floor_gib if memory == "below_floor" else state.config.mem_watermark_gib
         reasons.append(f"host memory {memory.replace('_', ' ')}: {available / GIB:.1f} GiB available < {limit:g} GiB")
-    if not state.core.alive:
+    if not state.client.alive:
         reasons.append("engine not running")
     if state.draining:
         reasons.append("draining")
-    stalled = state.core.stalled_for()
+    stalled = state.client.stalled_for()
     if stalled > state.config.stall_timeout_s:
         reasons.append(f"stalled: work queued and no step finished for {stalled:.0f} s")
     ok = not reasons
@@ -72,41 +74,40 @@ def host_memory(state: ServingState) -> dict:
     }
 
 
-def snapshot(state: ServingState) -> dict:
-    core = state.core
-    sched = core.scheduler
-    pool = sched.pool
-    stats = core.stats
-    prefill_tok_s, decode_tok_s = stats.throughput()
-    hits, misses = pool.hits, pool.misses
-    hit_rate = hits / (hits + misses) if hits + misses else 0.0
+def snapshot(state: ServingState, engine: EngineSnapshot | None = None) -> dict:
+    """The body of ``/v1/ds4d/stats``, from ``engine`` (default: the latest engine snapshot)."""
+    engine = engine or state.client.snapshot()
+    looked = engine.cache_hits + engine.cache_misses
+    hit_rate = engine.cache_hits / looked if looked else 0.0
     gpus = gpu_memory()
-    experts = _expert_stats(core)
-    _planned_breakdown(gpus, state.memory_plan, pool, state.info.cache_bytes_per_block, experts)
+    experts = dict(engine.experts) if engine.experts else None
+    _planned_breakdown(gpus, state.memory_plan, engine.cached_blocks * state.info.cache_bytes_per_block, experts)
     non_default = {k: {**v, "value": _jsonable(v["value"]), "default": _jsonable(v["default"])}
                    for k, v in state.loaded.non_default().items()}
     if "api_keys" in non_default:
         non_default["api_keys"]["value"] = f"<{len(state.config.api_keys)} keys>"
     return {
         "time": time.time(), "uptime_s": round(time.time() - state.started_at, 3), "version": __version__,
-        "state": "dead" if not core.alive else ("draining" if state.draining else "ready"),
+        "state": "dead" if not state.client.alive else ("draining" if state.draining else "ready"),
         "model": {"name": state.info.name, "served_name": state.served_model_name, "family": state.info.family,
                   "dtype": state.info.dtype, "device": state.info.device,
                   "max_context_tokens": state.max_context_tokens,
                   "parallel": state.info.extra.get("parallel"), "tokenizer": state.info.extra.get("tokenizer")},
-        "requests": {"running": len(sched.running), "waiting": len(sched.waiting),
-                     "finished_total": stats.finished_total, "active": core.snapshot_requests()},
-        "kv": {"total_blocks": pool.num_blocks, "free_blocks": pool.num_free, "used_blocks": pool.num_used,
-               "cached_blocks": pool.num_cached, "block_size_tokens": pool.block_size},
-        "throughput": {"prefill_tok_s": round(prefill_tok_s, 2), "decode_tok_s": round(decode_tok_s, 2),
-                       "prefill_tokens_total": stats.prefill_tokens_total,
-                       "decode_tokens_total": stats.decode_tokens_total},
+        "requests": {"running": engine.running, "waiting": engine.waiting,
+                     "finished_total": engine.finished_total, "active": [asdict(r) for r in engine.active]},
+        "kv": {"total_blocks": engine.total_blocks, "free_blocks": engine.free_blocks,
+               "used_blocks": engine.used_blocks, "cached_blocks": engine.cached_blocks,
+               "block_size_tokens": engine.block_size_tokens},
+        "throughput": {"prefill_tok_s": round(engine.prefill_tok_s, 2), "decode_tok_s": round(engine.decode_tok_s, 2),
+                       "prefill_tokens_total": engine.prefill_tokens_total,
+                       "decode_tokens_total": engine.decode_tokens_total},
         "host": host_memory(state),
         "gpus": gpus,
         "memory_plan": state.memory_plan,
-        "engine": {"decode_lookahead": core.lookahead, "steps_ahead_total": core.steps_ahead},
-        "cache": {"hits": hits, "misses": misses, "hit_rate": round(hit_rate, 4), "evictions": pool.evictions,
-                  **sched.cache.stats()},
+        "engine": {"decode_lookahead": state.client.capabilities.decode_lookahead,
+                   "steps_ahead_total": engine.steps_ahead_total},
+        "cache": {"hits": engine.cache_hits, "misses": engine.cache_misses, "hit_rate": round(hit_rate, 4),
+                  "evictions": engine.evictions, **engine.cache},
         "sessions": state.sessions.stats(),
         "experts": experts,
         "config": {"non_default": non_default},
@@ -114,26 +115,18 @@ def snapshot(state: ServingState) -> dict:
     }
 
 
-def _planned_breakdown(gpus: list[dict], plan: dict | None, pool, block_bytes: int, experts: dict | None) -> None:
+def _planned_breakdown(gpus: list[dict], plan: dict | None, cached: int, experts: dict | None) -> None:
     """What the planned GPU holds (the console's bar): weights, hot expert banks and their staging,
-    the KV pool and state in use, and the pool's cached prefix blocks."""
+    the KV pool and state in use, and the pool's cached prefix blocks (``cached`` bytes)."""
     if not plan:
         return
     device = plan["device"]
     index = int(device.split(":")[1]) if ":" in device else 0
-    cached = pool.num_cached * block_bytes
     expert_bytes = (experts or {}).get("vram_bytes", 0)
     for gpu in gpus:
         if gpu.get("index") == index:
             gpu["breakdown"] = {"weights": max(0, plan["weights_bytes"] - expert_bytes), "experts": expert_bytes,
                                 "kv": max(0, plan["kv_bytes"] - cached), "prefix_cache": cached}
-
-
-def _expert_stats(core) -> dict | None:
-    """Expert-offload counters when the model offloads experts (None otherwise)."""
-    stats_fn = getattr(core.runner.model, "expert_stats", None)
-    stats = stats_fn() if stats_fn is not None else None
-    return stats or None
 
 
 def _jsonable(v):
@@ -148,19 +141,21 @@ async def openapi(request: web.Request) -> web.Response:
 
 @routes.get("/v1/ds4d/stats")
 async def ds4d_stats(request: web.Request) -> web.Response:
-    return web.json_response(snapshot(_state(request)))
+    state = _state(request)
+    return web.json_response(snapshot(state, await state.client.fresh_snapshot()))
 
 
 @routes.get("/metrics")
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(text=metrics_text(_state(request)), content_type="text/plain", charset="utf-8",
-                        headers={"X-Content-Type-Options": "nosniff"})
+    state = _state(request)
+    return web.Response(text=metrics_text(state, await state.client.fresh_snapshot()), content_type="text/plain",
+                        charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
 
 
-def metrics_text(state: ServingState) -> str:
-    """The Prometheus text of ``/metrics``."""
-    s = snapshot(state)
-    core = state.core
+def metrics_text(state: ServingState, engine: EngineSnapshot | None = None) -> str:
+    """The Prometheus text of ``/metrics``, from ``engine`` (default: the latest engine snapshot)."""
+    engine = engine or state.client.snapshot()
+    s = snapshot(state, engine)
     lines = []
 
     def metric(name: str, kind: str, help_text: str, value: float, labels: str = "") -> None:
@@ -168,15 +163,15 @@ def metrics_text(state: ServingState) -> str:
         lines.append(f"# TYPE ds4d_{name} {kind}")
         lines.append(f"ds4d_{name}{labels} {value}")
 
-    metric("engine_alive", "gauge", "1 while the engine thread runs.", int(core.alive))
+    metric("engine_alive", "gauge", "1 while the engine thread runs.", int(state.client.alive))
     metric("requests_running", "gauge", "Requests being computed.", s["requests"]["running"])
     metric("requests_waiting", "gauge", "Requests queued.", s["requests"]["waiting"])
-    metric("requests_finished_total", "counter", "Requests finished.", core.stats.finished_total)
+    metric("requests_finished_total", "counter", "Requests finished.", engine.finished_total)
     metric("prompt_tokens_computed_total", "counter", "Prompt tokens computed (prefill).",
-           core.stats.prefill_tokens_total)
-    metric("generation_tokens_total", "counter", "Tokens generated (decode).", core.stats.decode_tokens_total)
+           engine.prefill_tokens_total)
+    metric("generation_tokens_total", "counter", "Tokens generated (decode).", engine.decode_tokens_total)
     metric("preemptions_total", "counter", "Requests preempted for memory and recomputed.",
-           core.stats.preemptions_total)
+           engine.preemptions_total)
     metric("kv_blocks_total", "gauge", "Blocks in the KV pool.", s["kv"]["total_blocks"])
     metric("kv_blocks_free", "gauge", "KV blocks free or evictable.", s["kv"]["free_blocks"])
     metric("prefix_cache_hits_total", "counter", "Requests that reused cached blocks.", s["cache"]["hits"])

@@ -9,11 +9,16 @@ import time
 
 from aiohttp import web
 
-from ds4d.contracts import ChatRenderRequest, KnownPrefix, RenderedPrompt, Tokenizer
+from ds4d.contracts import (
+    ChatRenderRequest,
+    ConstrainingToolCallParser,
+    KnownPrefix,
+    RenderedPrompt,
+    TokenConstraint,
+    Tokenizer,
+)
 from ds4d.engine.client import EngineDead
-from ds4d.engine.request import EngineRequest, SamplingParams, TokenConstraint, TokenLogprob
-from ds4d.plugins.dsml_constraint import build_block_guard, build_tool_constraint
-from ds4d.plugins.dsml_tools import DsmlToolParser
+from ds4d.engine.request import EngineRequest, SamplingParams, TokenLogprob
 from ds4d.server.errors import ApiError, error_body, parse_json
 from ds4d.server.generation import Generation
 from ds4d.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, _Sampling
@@ -98,7 +103,7 @@ def _open(state: ServingState, request_id: str, prompt_ids: tuple[int, ...], par
     if tail and tuple(prompt_ids[-tail:]) != rendered.token_ids[-tail:]:
         tail = 0
     try:
-        return state.client.open(EngineRequest(request_id, prompt_ids, params, cache_salt=salt, volatile_tail=tail))
+        return state.client.submit(EngineRequest(request_id, prompt_ids, params, cache_salt=salt, volatile_tail=tail))
     except EngineDead as exc:
         raise ApiError(503, f"the engine is not running: {exc}", type="server_error", code="engine_dead") from None
 
@@ -128,10 +133,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state.check_queue_room(len(prompt_ids))
     top = body.top_logprobs or 0
     params = _sampling(body, max_tokens, logprobs=top if body.logprobs else None, prompt_logprobs=None)
-    constraint = await _tool_constraint(state, body, rendered, max_tokens)
-    forced = constraint is not None
-    if not forced:
-        constraint = await _markup_guard(state, body, max_tokens)
+    forced = body.tool_choice not in FREE_TOOL_CHOICES
+    constraint = await _tool_constraint(state, body, rendered, max_tokens, forced=forced)
     if constraint is not None:
         params = dataclasses.replace(params, constraint=constraint)
     request_id = state.new_id("chatcmpl")
@@ -141,10 +144,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
 
     def finished(g: Generation) -> None:  # before the last chunk goes out: the agent's next turn may follow at once
-        if state.core.scheduler.prefix_reuse:  # (when it is off, the startup log said why, once)
+        if state.client.capabilities.prefix_reuse:  # (when it is off, the startup log said why, once)
             state.sessions.explain(session, previous, request_id=request_id, messages=messages,
                                    prompt_ids=prompt_ids, cached_tokens=g.usage.cached_tokens,
-                                   cache_note=g.cache_note, exact=state.core.scheduler.cache.stateful)
+                                   cache_note=g.cache_note, exact=state.client.capabilities.exact_reuse)
         state.sessions.remember(session, request_id, messages, rendered.text, prompt_ids, g.output_ids,
                                 known=(rendered.prefix_tokens, rendered.prefix_chars))
         if g.tool_error:
@@ -220,29 +223,28 @@ async def _chat_stream(request: web.Request, state: ServingState, body: ChatComp
     return sse.response
 
 
+FREE_TOOL_CHOICES = (None, "auto", "none")
+"""``tool_choice`` values that leave the model free to call a tool or not."""
+
+
 async def _tool_constraint(state: ServingState, body: ChatCompletionRequest, rendered: RenderedPrompt,
-                           max_tokens: int) -> TokenConstraint | None:
-    """``tool_choice`` "required" or a named function: constrained decoding forces one valid call."""
-    if body.tool_choice in (None, "auto", "none"):
-        return None
-    if not isinstance(state.tools, DsmlToolParser):
-        raise ApiError(400, f"tool_choice {body.tool_choice!r} needs a model with DSML tool calls (DeepSeek-V4)",
-                       param="tool_choice", code="unsupported_tool_choice")
-    try:  # the first call builds the tokenizer's byte table (about a second): keep it off the event loop
-        return await asyncio.to_thread(build_tool_constraint, state.tokenizer, body.tools or (), body.tool_choice,
-                                       prompt_ends_in_reasoning=rendered.ends_in_reasoning, max_tokens=max_tokens,
-                                       spelling=state.tools.spelling)
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param="tool_choice", code="invalid_tool_choice") from None
-
-
-async def _markup_guard(state: ServingState, body: ChatCompletionRequest, max_tokens: int) -> TokenConstraint | None:
-    """``tool_markup_guard``: a tool-call block the model opens under tool_choice auto is written
-    as valid markup; under "none" none can open."""
-    if not state.config.tool_markup_guard or not isinstance(state.tools, DsmlToolParser):
-        return None
-    return await asyncio.to_thread(build_block_guard, state.tokenizer, body.tools or (), body.tool_choice,
-                                   spelling=state.tools.spelling, max_tokens=max_tokens)
+                           max_tokens: int, *, forced: bool) -> TokenConstraint | None:
+    """The tool parser's constraint: ``tool_choice`` "required" or a named function forces one
+    valid call; under auto and "none", ``tool_markup_guard`` keeps markup out of the content."""
+    guard = state.config.tool_markup_guard
+    parser = state.tools
+    constraint = None
+    if isinstance(parser, ConstrainingToolCallParser) and (forced or guard):
+        try:  # the first call builds the tokenizer's byte table (about a second): keep it off the event loop
+            constraint = await asyncio.to_thread(
+                parser.constraint, state.tokenizer, tools=body.tools or (), tool_choice=body.tool_choice,
+                prompt_ends_in_reasoning=rendered.ends_in_reasoning, max_tokens=max_tokens, guard_markup=guard)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="tool_choice", code="invalid_tool_choice") from None
+    if forced and constraint is None:
+        raise ApiError(400, f"tool_choice {body.tool_choice!r} needs a tool parser that constrains decoding "
+                       f"(the {parser.name!r} parser does not)", param="tool_choice", code="unsupported_tool_choice")
+    return constraint
 
 
 async def _send_error(sse: SseWriter, gen: Generation) -> None:

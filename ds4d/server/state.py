@@ -21,7 +21,6 @@ from aiohttp import web
 from ds4d.config import GIB, Config, LoadedConfig
 from ds4d.contracts import ChatEncoder, ModelInfo, ReasoningParser, Tokenizer, ToolCallParser
 from ds4d.engine.client import EngineClient
-from ds4d.engine.core import EngineCore
 from ds4d.server.errors import ApiError
 from ds4d.server.sessions import SessionMemory
 
@@ -38,8 +37,8 @@ class ServingState:
     encoder: ChatEncoder
     reasoning: ReasoningParser
     tools: ToolCallParser
-    core: EngineCore
     client: EngineClient
+    """The one door to the engine thread."""
     served_model_name: str
     max_context_tokens: int
     plugins: dict[str, str]
@@ -78,7 +77,7 @@ class ServingState:
 
     def check_alive(self) -> None:
         """Refuse new work that cannot start now: dead engine, draining, host memory, full queue."""
-        if not self.core.alive:
+        if not self.client.alive:
             raise ApiError(503, "the engine is not running", type="server_error", code="engine_dead")
         if self.draining:
             raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down",
@@ -127,7 +126,7 @@ class Lifecycle:
     def phase(self) -> str:
         if self.state is None:
             return "loading"
-        if not self.state.core.alive:
+        if not self.state.client.alive:
             return "dead"
         return "draining" if self.state.draining else "ready"
 

@@ -60,6 +60,6 @@ def test_dead_engine_fails_in_flight_and_health_503(tmp_path):
         finally:
             watchdog.cancel()
             await client.close()
-            state.core.stop(1)
+            kernel.engine.stop(1)
 
     asyncio.run(scenario())

@@ -47,7 +47,7 @@ async def live_daemon(tmp_path):
         yield port
     finally:
         await kernel._runner.cleanup()
-        state.core.stop(2)
+        kernel.engine.stop(2)
 
 
 async def exchange(port: int, raw: bytes) -> tuple[int, dict[str, str], bytes]:

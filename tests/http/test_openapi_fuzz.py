@@ -62,7 +62,8 @@ class ThreadedDaemon:
 
         loaded = load_config({"max_context": 96, "max_num_seqs": 4, "served_model_name": MODEL},
                              environ={"DS4D_CONFIG": str(self.tmp_path / "none.toml")})
-        self.state = Kernel(loaded).build(LoadedModel(ToyModel(), "toy", self.tmp_path), self.loop)
+        self.kernel = Kernel(loaded)
+        self.state = self.kernel.build(LoadedModel(ToyModel(), "toy", self.tmp_path), self.loop)
         self.runner = web.AppRunner(build_app(self.state), access_log=None, handler_cancellation=True)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -77,7 +78,7 @@ class ThreadedDaemon:
 
     def __exit__(self, *exc) -> None:
         asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(30)
-        self.state.core.stop(2)
+        self.kernel.engine.stop(2)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(30)
 
@@ -112,4 +113,4 @@ def test_still_serving_after_the_fuzz(daemon):
     with urllib.request.urlopen(req, timeout=30) as r:
         out = json.loads(r.read())
     assert out["usage"]["completion_tokens"] == 4 and out["choices"][0]["finish_reason"] == "length"
-    assert daemon.state.core.alive
+    assert daemon.state.client.alive

@@ -92,8 +92,12 @@ def test_request_and_queue_timeouts(tmp_path):
             err = assert_error(resp.status, await error_of(resp), 504, "timeout")
             assert "queued" in err["message"]
             assert (await first).status == 504
-            await wait_until(lambda: not state.core.scheduler.has_work)
-            assert state.core.scheduler.pool.num_used == 0
+            for _ in range(250):  # the engine's own account, once it has no work left
+                engine = await state.client.fresh_snapshot()
+                if not (engine.running or engine.waiting):
+                    break
+                await asyncio.sleep(0.02)
+            assert not (engine.running or engine.waiting) and engine.used_blocks == 0
 
     asyncio.run(scenario())
 
@@ -158,5 +162,25 @@ def test_rendering_a_prompt_leaves_the_event_loop_free(tmp_path):
             release.set()
             reply = await asyncio.wait_for(pending, 30)
             assert reply.status == 200 and (await reply.json())["usage"]["completion_tokens"] >= 1
+
+    asyncio.run(scenario())
+
+
+def test_forced_tool_choice_needs_a_constraining_tool_parser(tmp_path):
+    """The toy model's tool parser (``none``) cannot constrain decoding: a forced tool_choice is a 400
+    before any stream, while auto and none are served."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+    async def scenario():
+        async with toy_server(tmp_path) as (c, state):
+            for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+                resp = await c.post("/v1/chat/completions",
+                                    json=chat(state, max_tokens=2, stream=True, tools=[tool], tool_choice=choice))
+                err = assert_error(resp.status, await error_of(resp), 400, "unsupported_tool_choice")
+                assert err["param"] == "tool_choice" and "'none'" in err["message"]
+            for choice in ("auto", "none"):
+                resp = await c.post("/v1/chat/completions",
+                                    json=chat(state, max_tokens=2, tools=[tool], tool_choice=choice))
+                assert resp.status == 200, await resp.text()
 
     asyncio.run(scenario())

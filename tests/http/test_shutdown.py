@@ -118,7 +118,7 @@ def test_shutdown_hooks_run_after_the_engine_stopped(tmp_path):
         seen = []
 
         async def hook():
-            seen.append(state.core.alive)
+            seen.append(state.client.alive)
 
         async def broken():
             raise OSError("disk full")

@@ -43,7 +43,7 @@ async def toy_server(tmp_path: Path, step_delay_s: float = 0.01, **knobs):
         yield client, state
     finally:
         await client.close()
-        state.core.stop(2)
+        kernel.engine.stop(2)
 
 
 def completion(state, prompt="abcdef", **kw) -> dict:

@@ -74,13 +74,13 @@ def test_held_disk_read_does_not_stall_running_requests_and_the_hit_is_exact(tmp
     for _ in range(6):                          # the reads are held: "long" decodes on, "a2" waits
         engine.step()
     assert len(tokens_of(outputs, "long")) == before + 6
-    a2 = engine.core._seqs["a2"]
-    assert a2 in engine.scheduler.waiting and a2.state_slot is None and not tokens_of(outputs, "a2")
+    a2 = {seq.request_id: seq for seq in engine.scheduler.waiting}["a2"]
+    assert a2.state_slot is None and not tokens_of(outputs, "a2")
     promotions = cache.stats()["promotions"]
     assert promotions["pending_blocks"] == 3 and promotions["waiting_requests"] == 1
     assert promotions["completed_blocks"] == 0
     assert disk.stats()["pending_reads"] == 3
-    assert {r["id"]: r["phase"] for r in engine.core.snapshot_requests()}["a2"] == "reading"
+    assert {r.id: r.phase for r in engine.snapshot().active}["a2"] == "reading"
     disk.gate.set()
     steps = 0
     while engine.scheduler.has_work:
@@ -110,7 +110,7 @@ def test_abort_while_reading_leaks_nothing(tmp_path):
         engine.step()
     assert cache.stats()["promotions"]["pending_blocks"] == 3
     engine.abort("a2")
-    assert not engine.scheduler.has_work and "a2" not in engine.core._seqs
+    assert not engine.scheduler.has_work and "a2" not in {r.id for r in engine.snapshot().active}
     assert cache.stats()["promotions"]["pending_blocks"] == 0
     assert cache.stats()["promotions"]["waiting_requests"] == 0
     assert disk.stats()["pending_reads"] == 0 and pool.num_free == free_at_start

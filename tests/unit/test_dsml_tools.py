@@ -13,7 +13,8 @@ import pytest
 
 from ds4d.contracts import PluginContext, ToolParseResult
 from ds4d.models.hf_tokenizer import HFTokenizer, deepseek_v4_tokenizer
-from ds4d.plugins.dsml_tools import DsmlToolParser, parse_completion, partial_suffix_length
+from ds4d.plugins.dsml_format import partial_suffix_length
+from ds4d.plugins.dsml_tools import DsmlToolParser, parse_completion
 
 REPO = Path(__file__).resolve().parents[2]
 REFERENCE = Path(os.environ.get("DS4D_REFERENCE_DIR", REPO / "tests" / "fixtures" / "reference"))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from ds4d.engine.offline import OfflineEngine
@@ -171,7 +173,10 @@ def test_engine_death_fails_requests_and_reports_reason():
     core = engine.core  # the engine thread, as the daemon runs it
     core.start()
     core.submit(req("a", [1, 2, 3], 5))
-    core._thread.join(10)
+    deadline = time.monotonic() + 10
+    while not any(o.request_id == "a" for o in outputs):  # published by the engine thread as it dies
+        assert time.monotonic() < deadline, "the engine thread neither died nor answered"
+        time.sleep(0.01)
     assert not core.alive
     assert "device lost" in core.dead_reason
     assert [o.finish_reason for o in outputs if o.request_id == "a"] == [FinishReason.ERROR]
@@ -260,7 +265,7 @@ def test_lookahead_under_memory_pressure_and_aborts():
     engine.submit(req("b", [2] * 9, 12))
     for _ in range(8):
         engine.step()
-    assert engine.core._inflight is not None
+    assert engine.core.step_queued_ahead
     engine.abort("a")
     tokens, finish, _ = run(engine, outputs, [])
     assert tokens["b"] == reference_tokens([2] * 9, 12) and "a" not in finish

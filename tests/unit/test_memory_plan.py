@@ -122,7 +122,7 @@ def _build(tmp_path, model, memory_for, **knobs):
     loop = asyncio.new_event_loop()
     try:
         state = kernel.build(LoadedModel(model, "toy", tmp_path), loop)
-        state.core.stop(2)
+        kernel.engine.stop(2)
     finally:
         loop.close()
     return kernel, state
@@ -140,7 +140,7 @@ def test_build_sizes_the_pool_to_the_plan_and_logs_it(tmp_path, caplog, monkeypa
     plan = kernel.memory_plan
     assert plan is not None and plan.weights == weights and plan.activations == step
     assert plan.profiled == (48, 16) and model.fed[0] == 64  # step_tokens in prefill_chunk pieces
-    blocks = state.core.scheduler.pool.num_blocks
+    blocks = state.client.capabilities.num_blocks
     assert blocks * block_bytes <= plan.kv_budget < (blocks + 1) * block_bytes  # as many whole blocks as fit
     assert blocks == 40 < 2 * 512 // 4  # fewer than the 2 full contexts asked for
     assert plan.kv_bytes == blocks * block_bytes and plan.headroom == total - weights - step - GRAPH_RESERVE_BYTES \
@@ -173,7 +173,7 @@ def test_explicit_pool_that_does_not_fit_is_refused(tmp_path):
 
 def test_no_plan_on_the_cpu(tmp_path):
     kernel, state = _build(tmp_path, CountingToy(), Kernel.device_memory)
-    assert kernel.memory_plan is None and state.core.scheduler.pool.num_blocks == 2 * (512 // 4)
+    assert kernel.memory_plan is None and state.client.capabilities.num_blocks == 2 * (512 // 4)
 
 
 def test_profiling_step_runs_on_a_v4_model_at_the_end_of_its_context(tmp_path):
