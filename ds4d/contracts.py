@@ -234,6 +234,28 @@ class RenderedPrompt:
     """How many of the last ``token_ids`` the conversation's next request renders differently
     once this turn is history (the engine checkpoints before them; see
     ``EngineRequest.volatile_tail``)."""
+    stable_prefix: int = 0
+    """Leading ``token_ids`` of the system prompt and tool declarations, which other
+    conversations with the same system prompt repeat (0 = none or not known; see
+    ``EngineRequest.stable_prefix``)."""
+    message_starts: tuple[int, ...] = ()
+    """Positions in ``token_ids`` where a message begins (see ``EngineRequest.message_starts``)."""
+
+    def boundaries_within(self, prompt_ids: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+        """(``stable_prefix``, ``message_starts``) as far as ``prompt_ids`` (the ids the engine is
+        given) still begin with these ``token_ids``."""
+        same = len(prompt_ids) if tuple(prompt_ids) == self.token_ids else _common_prefix(prompt_ids, self.token_ids)
+        return (self.stable_prefix if self.stable_prefix <= same else 0,
+                tuple(p for p in self.message_starts if p <= same))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class ChatEncoder(Protocol):

@@ -93,12 +93,14 @@ def _logprob_entry(state: ServingState, lp: TokenLogprob) -> dict:
 def _open(state: ServingState, request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams, salt: str,
           rendered: RenderedPrompt | None = None):
     """Hand the request to the engine; ``rendered`` (chat) carries the prompt's volatile tail,
-    kept only while the prompt still ends in those very tokens."""
+    kept only while the prompt still ends in those very tokens, and its message boundaries."""
     tail = rendered.volatile_tail if rendered is not None else 0
     if tail and tuple(prompt_ids[-tail:]) != rendered.token_ids[-tail:]:
         tail = 0
+    stable, starts = rendered.boundaries_within(prompt_ids) if rendered is not None else (0, ())
     try:
-        return state.client.open(EngineRequest(request_id, prompt_ids, params, cache_salt=salt, volatile_tail=tail))
+        return state.client.open(EngineRequest(request_id, prompt_ids, params, cache_salt=salt, volatile_tail=tail,
+                                               stable_prefix=stable, message_starts=starts))
     except EngineDead as exc:
         raise ApiError(503, f"the engine is not running: {exc}", type="server_error", code="engine_dead") from None
 
