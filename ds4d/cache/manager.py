@@ -32,10 +32,8 @@ state, saves and loads state (:class:`~ds4d.contracts.StatefulModel`).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -44,6 +42,7 @@ from typing import Any
 from ds4d.cache.blocks import BlockPool, PrefixMatch
 from ds4d.cache.checkpoint_tiers import CheckpointTiers
 from ds4d.cache.checkpoints import CheckpointRef, CheckpointStore
+from ds4d.cache.misses import MissLog
 from ds4d.cache.tiers import GpuTier
 from ds4d.contracts import (
     AsyncBlockCopyModel,
@@ -55,9 +54,6 @@ from ds4d.contracts import (
 )
 
 log = logging.getLogger("ds4d.cache")
-
-_REMEMBER_KEYS = 65536
-
 
 @dataclass
 class Reuse:
@@ -128,7 +124,7 @@ class PrefixCache:
         self.counters = {name: {"hits": 0, "misses": 0, "tokens": 0} for name in self.tier_names}
         self.cached_tokens_total = 0
         self.last_miss = ""
-        self.dropped_total = 0
+        self.misses = MissLog(self.block_size)
         self._pending: list[tuple[bytes, tuple[int, ...], Any]] = []
         self._copying: list[tuple[list[tuple[bytes, tuple[int, ...]]], list[Any], Any]] = []
         """Evicted blocks whose copy out of the pool is still under way: (keys and tokens, payloads,
@@ -137,8 +133,6 @@ class PrefixCache:
         self.copies = {"promoted_blocks": 0, "promote_seconds": 0.0, "demoted_blocks": 0, "demote_seconds": 0.0}
         """Blocks copied into the pool from lower tiers and out of it, and the engine thread's time
         spent on each (reads from the tiers and the model's import; the model's export and the puts)."""
-        self._dropped: OrderedDict[bytes, str] = OrderedDict()  # key -> tier it was last evicted from
-        self._first_block_salts: OrderedDict[bytes, set[str]] = OrderedDict()
         self.reads_ahead = any(isinstance(t, ReadAheadCacheTier) for t in self.tiers)
         self._reads_of: dict[str, dict[bytes, tuple[ReadAheadCacheTier, Future]]] = {}  # owner -> its reads
         self._read_owners: dict[bytes, set[str]] = {}  # key read ahead -> waiting owners
@@ -159,7 +153,7 @@ class PrefixCache:
                 slot: int) -> Reuse:
         """Take every reusable leading block for a new sequence (state loaded into ``slot``)."""
         bs = self.block_size
-        self._note_first_block(token_ids, salt)
+        self.misses.note_first_block(token_ids, salt)
         walk = self._walk(token_ids, keys, namespace)
         lookups = self._count(walk.gpu.num_blocks, walk.found, walk.limit)
         ckpt, ckpt_tier = None, ""
@@ -192,7 +186,8 @@ class PrefixCache:
             self.pool.release(blocks)
             blocks, by_tier = [], {}
         num_tokens = ckpt.num_tokens if ckpt is not None else len(blocks) * bs
-        why = self._explain(token_ids, keys, walk.limit, num_tokens, salt)
+        why = self.misses.explain(token_ids, keys, walk.limit, num_tokens, salt,
+                                 stateful_held=self._held if self.stateful else None)
         if why and walk.room is not None:
             why += (f" (the KV pool had room to promote only {walk.room} of the {len(walk.found)} blocks "
                     "held below it)")
@@ -454,44 +449,13 @@ class PrefixCache:
             self.checkpoints.dropped(key)
             return
         self.checkpoints.dropped(key)  # those anchored at the block
-        self.dropped_total += 1
-        self._dropped[key] = tier
-        self._dropped.move_to_end(key)
-        if len(self._dropped) > _REMEMBER_KEYS:
-            self._dropped.popitem(last=False)
-
-    def _note_first_block(self, token_ids: Sequence[int], salt: str) -> None:
-        if len(token_ids) < self.block_size:
-            return
-        plain = hashlib.sha256(repr(tuple(token_ids[:self.block_size])).encode()).digest()
-        self._first_block_salts.setdefault(plain, set()).add(salt)
-        self._first_block_salts.move_to_end(plain)
-        if len(self._first_block_salts) > 4096:
-            self._first_block_salts.popitem(last=False)
+        self.misses.dropped(key, tier)
 
     def note_miss(self, reason: str) -> None:
         self.last_miss = reason
 
-    def _explain(self, token_ids, keys, limit: int, reused: int, salt: str) -> str:
-        bs = self.block_size
-        if limit == 0 or reused >= limit * bs:
-            return ""
-        i = reused // bs
-        if self.stateful and any(self.pool.has_key(k) or any(t.contains(k) for t in self.tiers)
-                                 for k in keys[i:i + 1]):
-            why = (f"no state checkpoint at or after token {reused} that this prompt continues "
-                   "(a stateful model resumes only at the end of an earlier prompt or reply)")
-        elif keys[i] in self._dropped:
-            why = f"block {i} (tokens {i * bs}..{(i + 1) * bs - 1}) was evicted from the {self._dropped[keys[i]]} tier"
-        elif i == 0:
-            plain = hashlib.sha256(repr(tuple(token_ids[:bs])).encode()).digest()
-            if self._first_block_salts.get(plain, set()) - {salt}:
-                why = "cache salt differs: these tokens are cached under another API key or cache_salt"
-            else:
-                why = "no block matched: the first block was never cached"
-        else:
-            why = f"prefix diverged in block {i} (tokens {i * bs}..{(i + 1) * bs - 1}) from everything cached"
-        return f"reused {reused} of {len(token_ids)} prompt tokens; {why}"
+    def _held(self, key: bytes) -> bool:
+        return self.pool.has_key(key) or any(t.contains(key) for t in self.tiers)
 
     def stats(self) -> dict:
         tiers = {}
@@ -507,7 +471,7 @@ class PrefixCache:
                       "background_read_bytes": sum(tiers[t.name].get("background_read_bytes", 0)
                                                    for t in self.tiers if isinstance(t, ReadAheadCacheTier))}
         return {"tiers": tiers, "last_miss": self.last_miss, "cached_tokens_total": self.cached_tokens_total,
-                "dropped_blocks_total": self.dropped_total, "promotions": promotions,
+                "dropped_blocks_total": self.misses.dropped_total, "promotions": promotions,
                 "copies": {k: round(v, 4) if isinstance(v, float) else v for k, v in self.copies.items()},
                 "checkpoints": {**self.checkpoints.stats(), "every_tokens": self.checkpoint_every_tokens}
                 if self.stateful else None}
