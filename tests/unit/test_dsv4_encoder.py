@@ -14,6 +14,7 @@ from ds4d.contracts import ChatRenderRequest, PluginContext
 from ds4d.plugins.dsml_tools import parse_completion
 from ds4d.plugins.dsv4_encoder import (
     REASONING_EFFORT_MAX_PREFIX,
+    USER,
     DeepseekV4ChatEncoder,
     render_messages,
 )
@@ -280,3 +281,32 @@ def test_volatile_tail_is_the_think_hand_over_the_next_turn_renders_otherwise() 
               ChatRenderRequest(messages=tuple(turn1), thinking=False),  # ends in </think>, as history does
               ChatRenderRequest(messages=tuple(turn1), drop_thinking=False)]
     assert [encoder.render(r).volatile_tail for r in stable] == [0, 0, 0]
+
+
+def test_boundaries_are_the_end_of_the_system_prompt_and_each_message_start() -> None:
+    """The encoder reports where the system prompt and tools end and where messages begin, at
+    the ``<｜User｜>`` marker and after each ``<｜end▁of▁sentence｜>`` (real tokenizer): two sessions
+    with the same system prompt and tools share exactly the tokens before ``stable_prefix``."""
+    from ds4d.models.hf_tokenizer import deepseek_v4_tokenizer
+
+    tokenizer = deepseek_v4_tokenizer()
+    encoder = DeepseekV4ChatEncoder(_ctx(), {}, tokenizer, None)
+    tool = {"type": "function", "function": {"name": "read", "parameters": {"type": "object", "properties": {}}}}
+    system = {"role": "system", "content": "You are a careful coding agent."}
+    one = encoder.render(ChatRenderRequest(messages=(system, {"role": "user", "content": "List the files."}),
+                                           tools=(tool,)))
+    two = encoder.render(ChatRenderRequest(messages=(system, {"role": "user", "content": "Fix the bug."},
+                                                     {"role": "assistant", "content": "Done."},
+                                                     {"role": "user", "content": "Thanks."}), tools=(tool,)))
+    user = tokenizer.encode(USER, add_special_tokens=False)[0]
+    assert one.stable_prefix > 1 and one.stable_prefix == two.stable_prefix
+    assert one.token_ids[:one.stable_prefix] == two.token_ids[:two.stable_prefix]
+    assert one.token_ids[one.stable_prefix] == user
+    assert one.token_ids[one.stable_prefix + 1] != two.token_ids[two.stable_prefix + 1]
+    assert one.message_starts == (one.stable_prefix,)
+    assert len(two.message_starts) == 2 and all(two.token_ids[p] == user for p in two.message_starts)
+    assert one.boundaries_within(one.token_ids) == (one.stable_prefix, one.message_starts)
+    assert one.boundaries_within(one.token_ids[:5]) == (0, ())  # a prompt that is not these ids
+
+    bare = encoder.render(ChatRenderRequest(messages=({"role": "user", "content": "Hi."},)))
+    assert bare.stable_prefix == 0 and bare.message_starts == (1,)  # nothing but BOS before the user
