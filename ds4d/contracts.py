@@ -242,20 +242,10 @@ class RenderedPrompt:
     """Positions in ``token_ids`` where a message begins (see ``EngineRequest.message_starts``)."""
 
     def boundaries_within(self, prompt_ids: Sequence[int]) -> tuple[int, tuple[int, ...]]:
-        """(``stable_prefix``, ``message_starts``) as far as ``prompt_ids`` (the ids the engine is
-        given) still begin with these ``token_ids``."""
-        same = len(prompt_ids) if tuple(prompt_ids) == self.token_ids else _common_prefix(prompt_ids, self.token_ids)
-        return (self.stable_prefix if self.stable_prefix <= same else 0,
-                tuple(p for p in self.message_starts if p <= same))
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+        """(``stable_prefix``, ``message_starts``) as far as ``prompt_ids`` still begin with ``token_ids``."""
+        same = len(prompt_ids) if tuple(prompt_ids) == self.token_ids else next(
+            (i for i, (a, b) in enumerate(zip(prompt_ids, self.token_ids)) if a != b), len(prompt_ids))
+        return self.stable_prefix * (self.stable_prefix <= same), tuple(p for p in self.message_starts if p <= same)
 
 
 class ChatEncoder(Protocol):
@@ -500,8 +490,8 @@ class StatefulModel(Protocol):
     window ring and compressor tails).
 
     Prefix reuse of such a model needs a checkpoint of that state at the reuse
-    point.  The engine keeps checkpoints at request boundaries (end of each
-    prompt, end of each generation): ``save_state(slot)`` right after the
+    point.  The engine keeps checkpoints at request boundaries and inside prompts
+    (``ds4d.engine.checkpoint_plan``): ``save_state(slot)`` right after the
     sequence's KV reached that point, and later ``load_state(slot, snapshot)``
     into the slot of a new sequence with the same leading tokens, whose first
     chunk then starts at that position.  A snapshot must not alias the slot

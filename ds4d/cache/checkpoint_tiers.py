@@ -83,6 +83,12 @@ class CheckpointTiers:
     def reachable(self, ref: CheckpointRef) -> bool:
         return any(t.contains(ref.key) for t in self.tiers)
 
+    def stored_in(self, ref: CheckpointRef) -> CacheTier | None:
+        """The tier a lookup would read ``ref`` from (None when it is hot, or held nowhere)."""
+        if self.store.get_hot(ref) is not None:
+            return None
+        return next((t for t in self.tiers if t.contains(ref.key)), None)
+
     def find(self, token_ids: Sequence[int], keys: Sequence[bytes], namespace: bytes, *, max_full_blocks: int,
              touch: bool = True) -> CheckpointRef | None:
         return self.store.find(token_ids, keys, self.root(namespace), max_full_blocks=max_full_blocks,

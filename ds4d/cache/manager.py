@@ -216,6 +216,18 @@ class PrefixCache:
         ref = self.checkpoints.find(token_ids, keys, namespace, max_full_blocks=available, touch=touch)
         return _Walk(gpu, found, limit, ref, ref.full_blocks if ref else 0, max(capped, 0) if capped is not None else None)
 
+    def room_to_resume(self, token_ids: Sequence[int], keys: Sequence[bytes], namespace: bytes) -> bool:
+        """False when a stateful model's furthest checkpoint for this prompt lies past the blocks the
+        pool has room to promote now (admitted now, it would resume earlier, or not at all)."""
+        if not self.stateful:
+            return True
+        walk = self._walk(token_ids, keys, namespace, touch=False)
+        if walk.room is None:
+            return True
+        best = self.checkpoints.find(token_ids, keys, namespace, touch=False,
+                                     max_full_blocks=walk.gpu.num_blocks + len(walk.found))
+        return best is None or (walk.ref is not None and best.num_tokens <= walk.ref.num_tokens)
+
     def commit(self, reuse: Reuse) -> None:
         """Account a lookup whose sequence was admitted (a sequence sent back to wait for
         blocks looks up again later; only the lookup that sticks is counted)."""
@@ -284,6 +296,9 @@ class PrefixCache:
             tier, key = self.tiers[t], keys[gpu.num_blocks + n]
             if isinstance(tier, ReadAheadCacheTier) and (future := tier.read_ahead(key)) is not None:
                 wanted[key] = (tier, future)
+        if walk.ref is not None and (tier := self.checkpoints.stored_in(walk.ref)) is not None:
+            if isinstance(tier, ReadAheadCacheTier) and (future := tier.read_ahead(walk.ref.key)) is not None:
+                wanted[walk.ref.key] = (tier, future)  # the state checkpoint, when it is not hot
         before = self._reads_of.pop(owner, {})
         for key in wanted:
             self._read_owners.setdefault(key, set()).add(owner)

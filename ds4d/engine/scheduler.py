@@ -19,6 +19,10 @@ everything that guarantees progress lives here:
 * A waiting request whose cached prefix is being read from disk in the
   background (:meth:`PrefixCache.prefetch`) is skipped until the reads are
   done; the running requests and the requests behind it go on meanwhile.
+* A waiting request of a model with per-sequence state whose furthest state
+  checkpoint lies past what the pool has room to promote while other requests
+  run waits (admission stops there, as when its first chunk does not fit)
+  rather than resuming earlier and recomputing blocks it would need anyway.
 * A model with per-sequence state checkpoints at the end of each prompt and of
   each request, and inside a prompt where ``checkpoint_plan`` says (before a
   volatile tail, after the system prompt and tools, at message starts, every
@@ -160,6 +164,8 @@ class Scheduler:
                     break
                 if not self._prefix_ready(seq):
                     continue  # its cached prefix is still being read from disk
+                if self.running and not self._room_to_resume(seq):
+                    break  # the pool cannot take the cached prefix yet: the running requests will free blocks
                 reuse = self._admit(seq)
                 n = self._chunk_tokens(seq, budget)
                 if not self._grow(seq, seq.num_computed_tokens + n, None):
@@ -208,6 +214,13 @@ class Scheduler:
         if not self.prefix_reuse or seq.request.params.prompt_logprobs is not None:
             return True
         return self.cache.prefetch(seq.request_id, seq.all_token_ids, self._keys(seq), self._namespace(seq))
+
+    def _room_to_resume(self, seq: Sequence) -> bool:
+        """The pool has room now to promote the blocks up to the furthest state checkpoint this
+        prompt could resume at (always, for a model without per-sequence state)."""
+        if not (self.prefix_reuse and self.cache.stateful) or seq.request.params.prompt_logprobs is not None:
+            return True
+        return self.cache.room_to_resume(seq.all_token_ids, self._keys(seq), self._namespace(seq))
 
     def _forget_lookup(self, seq: Sequence) -> None:
         self._waiting_keys.pop(seq.request_id, None)

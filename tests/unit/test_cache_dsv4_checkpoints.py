@@ -14,9 +14,12 @@ import logging
 
 import pytest
 
-from ds4d.cache.blocks import block_keys
+from ds4d.cache.blocks import BlockPool, block_keys
 from ds4d.cache.checkpoints import tier_key
-from tests.unit.test_cache_dsv4 import engine
+from ds4d.cache.manager import PrefixCache
+from ds4d.cache.ram import RamTier
+from ds4d.engine.offline import OfflineEngine
+from tests.unit.test_cache_dsv4 import checkpoint_bytes, engine
 from tests.unit.test_dsv4_model import _tokens, checkpoint, model  # noqa: F401 - fixtures
 from tests.unit.test_engine import req, run
 
@@ -112,3 +115,49 @@ def test_restart_reads_periodic_checkpoints_from_disk_and_skips_a_damaged_one(mo
         gen, cached, by_tier = serve(again, again_outputs, "c", second)
     assert cached == 256 and by_tier == {"disk": 256} and gen == expected
     assert not path.exists() and "gave back no intact copy" in caplog.text
+
+
+def test_a_checkpoint_pushed_out_of_host_memory_by_other_sessions_is_found_in_ram(model):  # noqa: F811
+    """Other sessions' checkpoints push a session's out of the hot set (``cache_checkpoints``): it
+    goes to the RAM tier, and the session's next turn still resumes at the end of its last one."""
+    turn1 = _tokens(model, 200, 60)
+    core, outputs = engine(model, num_blocks=12, ram_blocks=8, ram_checkpoints=6, checkpoints=2)
+    gen1 = serve(core, outputs, "t1", turn1, 6)[0]
+    for i in range(3):
+        serve(core, outputs, f"other{i}", _tokens(model, 150, 80 + i), 2)  # two checkpoints each
+    stats = core.scheduler.cache.stats()["checkpoints"]
+    assert stats["hot"] == 2 and stats["demoted"] == 6 and stats["count"] == 8, stats
+    turn2 = turn1 + gen1 + _tokens(model, 40, 62)
+    gen2, cached2, by_tier = serve(core, outputs, "t2", turn2, 6)
+    assert cached2 == len(turn1) + len(gen1) - 1
+    assert by_tier == {"gpu": 128, "ram": cached2 - 128}  # block 0 in the pool; the state and its tail from RAM
+    assert gen2 == cold_tokens(model, turn2, 6)
+
+
+def test_a_turn_whose_blocks_went_to_ram_waits_for_pool_room_rather_than_recomputing(model):  # noqa: F811
+    """Another session, still decoding, pushed most of a session's blocks to RAM and holds the pool:
+    the pool has room for a first prefill chunk but not for promoting the blocks up to the
+    session's checkpoint.  The next turn waits for the running request to end and then resumes
+    at the end of its previous turn, instead of being admitted at once with nothing reused."""
+    info = model.info
+    pool = BlockPool(14, info.block_size_tokens)
+    ram = RamTier(None, {"budget_bytes": 8 * info.cache_bytes_per_block + 3 * checkpoint_bytes(model)})
+    cache = PrefixCache(pool, tiers=[ram], model=model, block_bytes=info.cache_bytes_per_block)
+    core = OfflineEngine(model, max_num_seqs=2, step_tokens=512, prefill_chunk=128, cache=cache, namespace=b"v4")
+    outputs = core.outputs
+    turn1 = _tokens(model, 900, 90)
+    gen1 = serve(core, outputs, "a1", turn1, 6)[0]  # 7 full blocks and a partial one
+
+    outputs.clear()
+    core.submit(req("b", _tokens(model, 1400, 91), 20))  # 11 blocks: four of "a1"'s go to RAM
+    while not any(o.request_id == "b" and o.new_token_ids for o in outputs):
+        core.step()
+    turn2 = turn1 + gen1 + _tokens(model, 40, 92)
+    core.submit(req("a2", turn2, 5))
+    core.run_until_idle()
+    order = [o.request_id for o in outputs if o.new_token_ids]
+    assert order.index("a2") > max(i for i, rid in enumerate(order) if rid == "b")  # admitted once "b" ended
+    final = [o for o in outputs if o.request_id == "a2"][-1]
+    assert final.cached_tokens == len(turn1) + len(gen1) - 1
+    assert dict(final.cached_by_tier).get("ram", 0) >= 4 * 128
+    assert [t for o in outputs if o.request_id == "a2" for t in o.new_token_ids] == cold_tokens(model, turn2)

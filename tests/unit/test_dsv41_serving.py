@@ -163,7 +163,7 @@ def test_restart_resumes_from_disk_blocks_and_saved_checkpoints(case, tmp_path):
     core, outputs = engine(model, disk_dir=tmp_path)
     gen1, _ = serve(core, outputs, "t1", turn1, 8)
     core.scheduler.cache.flush()  # what a graceful shutdown does once the engine thread stopped
-    assert core.scheduler.cache.checkpoint_file[0].exists()
+    assert core.scheduler.cache.checkpoints.index_file[0].exists()
     turn2 = turn1 + gen1 + other_prompt(golden)[:11]
     restarted, restarted_outputs = engine(model, disk_dir=tmp_path)  # a fresh pool: only the disk remembers
     gen2, cached2 = serve(restarted, restarted_outputs, "t2", turn2, 8)
