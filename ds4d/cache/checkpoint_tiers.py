@@ -44,6 +44,7 @@ class CheckpointTiers:
         self.tiers = list(tiers)
         self.put = put
         """Store a payload in the tier chain from the top (the prefix cache's demotion path)."""
+        self._later: list[Checkpoint] = []
         self.index_file = self._index_file()
         if self.index_file is not None:
             refs = [r for r in load_index(*self.index_file) if self.tiers[-1].contains(r.key)]
@@ -51,6 +52,10 @@ class CheckpointTiers:
                 store.index(ref)
             if refs:
                 log.info("prefix cache: %d state checkpoints indexed from %s", len(refs), self.index_file[0])
+            old = self.index_file[0].with_name("checkpoints.safetensors")  # before checkpoints were tier entries
+            if old.exists():
+                log.info("prefix cache: removing %s, written by an earlier version", old)
+                old.unlink(missing_ok=True)
 
     def _index_file(self) -> tuple[Path, bytes] | None:
         """Where the persistent tier's checkpoints are indexed across restarts (path, compat hash)."""
@@ -94,6 +99,12 @@ class CheckpointTiers:
         return self.store.find(token_ids, keys, self.root(namespace), max_full_blocks=max_full_blocks,
                                max_tokens=len(token_ids) - 1, reachable=self.reachable, touch=touch)
 
+    def settle(self) -> None:
+        """Store what :meth:`fetch` pushed out of the hot set (after the blocks it goes with were
+        read from the tiers: storing it first could evict them)."""
+        later, self._later = self._later, []
+        self._demote(later)
+
     def fetch(self, ref: CheckpointRef) -> tuple[Checkpoint | None, str]:
         """The checkpoint ``ref`` names and the tier it came from ("gpu" for a hot one: it sits
         beside the pool).  A cold one read back becomes hot; one no tier can give back intact is
@@ -108,7 +119,7 @@ class CheckpointTiers:
             ckpt = unpack(payload, ref) if payload is not None else None
             if ckpt is not None:
                 self.store.promoted += 1
-                self._demote(self.store.add(ckpt, saved=False))
+                self._later += self.store.add(ckpt, saved=False)  # stored after the promotion reads its blocks
                 return ckpt, tier.name
             log.warning("state checkpoint at token %d: the %s tier gave back no intact copy", ref.num_tokens,
                         tier.name)

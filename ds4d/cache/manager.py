@@ -167,6 +167,7 @@ class PrefixCache:
         self.pool.acquire(PrefixMatch(shared, list(keys[:len(shared)])))
         extra = 1 if ckpt is not None and ckpt.partial is not None else 0
         promoted, blank = self._promote(token_ids, keys, len(shared), found[:use - len(shared)], extra=extra)
+        self.checkpoints.settle()
         blocks = shared + promoted
         by_tier = {"gpu": len(shared) * bs}
         for t in found[:len(promoted)]:
@@ -210,11 +211,10 @@ class PrefixCache:
             found.append(where)
         if not self.stateful:
             return _Walk(gpu, found, limit, None, gpu.num_blocks + len(found))
-        room = self.pool.num_free - sum(self.pool.ref_count(b) == 0 for b in gpu.block_ids) - 1
-        capped = room if found and room < len(found) else None
-        available = gpu.num_blocks + min(len(found), max(room, 0))
+        room = max(self.pool.num_free - sum(self.pool.ref_count(b) == 0 for b in gpu.block_ids) - 1, 0)
+        available = gpu.num_blocks + min(len(found), room)
         ref = self.checkpoints.find(token_ids, keys, namespace, max_full_blocks=available, touch=touch)
-        return _Walk(gpu, found, limit, ref, ref.full_blocks if ref else 0, max(capped, 0) if capped is not None else None)
+        return _Walk(gpu, found, limit, ref, ref.full_blocks if ref else 0, room if room < len(found) else None)
 
     def room_to_resume(self, token_ids: Sequence[int], keys: Sequence[bytes], namespace: bytes) -> bool:
         """False when a stateful model's furthest checkpoint for this prompt lies past the blocks the
