@@ -460,11 +460,10 @@ class PrefixCache:
         return c if limit else {}
 
     def _remember_dropped(self, key: bytes, tier: str) -> None:
-        if self.checkpoints.store.is_checkpoint_key(key):
-            self.checkpoints.dropped(key)
-            return
-        self.checkpoints.dropped(key)  # those anchored at the block
-        self.misses.dropped(key, tier)
+        was_checkpoint = self.checkpoints.store.is_checkpoint_key(key)
+        self.checkpoints.dropped(key)  # a checkpoint, or the block those after it are anchored at
+        if not was_checkpoint:
+            self.misses.dropped(key, tier)
 
     def note_miss(self, reason: str) -> None:
         self.last_miss = reason

@@ -102,10 +102,11 @@ def test_restart_reads_periodic_checkpoints_from_disk_and_skips_a_damaged_one(mo
     restarted, restarted_outputs = engine(model, disk_dir=tmp_path, every_tokens=256)
     gen, cached, by_tier = serve(restarted, restarted_outputs, "b", second)
     assert cached == 512 and by_tier == {"disk": 512} and gen == expected
+    disk = restarted.scheduler.cache.tiers[-1]
+    assert disk.stats()["background_reads"] == 4 + 1  # the blocks and the state checkpoint, read ahead
 
     # the checkpoint at 512 damaged on disk: a miss (deleted, logged), the one at 256 is used instead
     keys = block_keys(second, 128, b"v4")
-    disk = restarted.scheduler.cache.tiers[-1]
     path = disk.root / f"{tier_key(keys[3], ()).hex()}.blk"
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
