@@ -310,3 +310,23 @@ def test_boundaries_are_the_end_of_the_system_prompt_and_each_message_start() ->
 
     bare = encoder.render(ChatRenderRequest(messages=({"role": "user", "content": "Hi."},)))
     assert bare.stable_prefix == 0 and bare.message_starts == (1,)  # nothing but BOS before the user
+
+
+@pytest.mark.skipif(not OPENCODE.is_dir(), reason=f"OpenCode requests not found at {OPENCODE}")
+def test_opencode_steps_share_their_system_prompt_and_tools_up_to_the_stable_prefix() -> None:
+    """OpenCode's recorded agent steps: the same long system prompt and tool declarations, so
+    the same ``stable_prefix``, and the tokens before it identical (a subagent or a new session
+    with that system prompt resumes there)."""
+    from ds4d.models.hf_tokenizer import deepseek_v4_tokenizer
+
+    encoder = DeepseekV4ChatEncoder(_ctx(), {}, deepseek_v4_tokenizer(), None)
+    rendered = []
+    for path in sorted(OPENCODE.glob("run2_tool_read_00[23]_*.json")):
+        body = json.loads(path.read_text(encoding="utf-8"))["body"]
+        rendered.append(encoder.render(ChatRenderRequest(messages=tuple(body["messages"]),
+                                                         tools=tuple(body.get("tools") or ()))))
+    first, second = rendered
+    assert first.stable_prefix == second.stable_prefix > 1000
+    assert first.token_ids[:first.stable_prefix] == second.token_ids[:second.stable_prefix]
+    assert set(first.message_starts) <= set(second.message_starts)  # the next step adds messages after them
+    assert len(second.message_starts) > len(first.message_starts)
