@@ -9,10 +9,11 @@ is checkpointed where a later prompt is likely to part from it:
   the last tokens otherwise;
 * at the end of the stable prefix (``EngineRequest.stable_prefix``: system prompt
   and tool declarations), which new sessions and subagents repeat;
-* at message starts (``EngineRequest.message_starts``), thinned so that no two
-  checkpoints are closer than a quarter of the periodic spacing (one block at
-  least); the last message start is always kept (an edited or regenerated last
-  message parts there);
+* at message starts (``EngineRequest.message_starts``), the latest first, each
+  kept when it lies at least a quarter of the periodic spacing (one block at
+  least) from every other checkpoint and from where the prompt resumed (an
+  agent's next turn resumes at the end of its previous one, a token or two
+  before its new message starts: no second checkpoint there);
 * every ``every_tokens`` tokens (absolute positions, a multiple of the block
   size: prompts sharing a long prefix land on the same positions, and such a
   checkpoint needs no copy of a partly filled block), so a prompt that parts
@@ -30,22 +31,23 @@ import bisect
 from ds4d.engine.request import EngineRequest
 
 
-def checkpoint_positions(request: EngineRequest, *, every_tokens: int, block_size: int) -> tuple[int, ...]:
-    """Sorted prompt positions strictly inside the prompt to checkpoint at."""
+def checkpoint_positions(request: EngineRequest, *, every_tokens: int, block_size: int,
+                         resumed_at: int = 0) -> tuple[int, ...]:
+    """Sorted prompt positions past ``resumed_at`` (where reuse left the prompt) and before its
+    end to checkpoint at."""
     n = len(request.prompt_ids)
-    marks = set()
+    marks = {request.stable_prefix}
     tail = min(max(request.volatile_tail, 0), n)
     if tail:
         marks.add(n - tail)
-    marks.add(request.stable_prefix)
     if every_tokens > 0:
         marks.update(range(every_tokens, n, every_tokens))
-    kept = sorted(p for p in marks if 0 < p < n)
-    starts = sorted({p for p in request.message_starts if 0 < p < n}, reverse=True)
+    kept = sorted(p for p in marks if resumed_at < p < n)
+    near = sorted([*kept, resumed_at] if resumed_at else kept)
     gap = max(every_tokens // 4, block_size)
-    for rank, p in enumerate(starts):
-        i = bisect.bisect_left(kept, p)
-        near = min((abs(kept[j] - p) for j in (i - 1, i) if 0 <= j < len(kept)), default=gap)
-        if rank == 0 or near >= gap:
-            bisect.insort(kept, p)
-    return tuple(sorted(set(kept)))
+    for p in sorted((p for p in set(request.message_starts) if resumed_at < p < n), reverse=True):
+        i = bisect.bisect_left(near, p)
+        if all(abs(near[j] - p) >= gap for j in (i - 1, i) if 0 <= j < len(near)):
+            bisect.insort(near, p)
+            kept.append(p)
+    return tuple(sorted(kept))

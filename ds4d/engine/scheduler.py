@@ -109,9 +109,6 @@ class Scheduler:
     # ------------------------------------------------------------------ queue
 
     def add(self, seq: Sequence) -> None:
-        if self.prefix_reuse and self.cache.stateful:
-            seq.checkpoint_marks = checkpoint_positions(seq.request, every_tokens=self.cache.checkpoint_every_tokens,
-                                                        block_size=self.pool.block_size)
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence, *, checkpoint: bool = False) -> None:
@@ -244,6 +241,10 @@ class Scheduler:
         self._forget_lookup(seq)
         seq.block_ids = list(reuse.block_ids) if reuse else []
         seq.num_computed_tokens = reuse.num_tokens if reuse else 0
+        if self.prefix_reuse and self.cache.stateful:
+            seq.checkpoint_marks = checkpoint_positions(seq.request, every_tokens=self.cache.checkpoint_every_tokens,
+                                                        block_size=self.pool.block_size,
+                                                        resumed_at=seq.num_computed_tokens)
         if not seq.output_ids:
             seq.cached_tokens = seq.num_computed_tokens
             seq.cached_by_tier = dict(reuse.by_tier) if reuse else {}

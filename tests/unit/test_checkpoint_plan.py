@@ -21,13 +21,15 @@ def test_periodic_positions_are_absolute_and_inside_the_prompt():
 
 
 def test_stable_prefix_volatile_tail_and_thinned_message_starts():
-    r = request(2000, stable_prefix=300, volatile_tail=1, message_starts=(300, 420, 500, 900, 1000, 1010, 1900))
+    r = request(2000, stable_prefix=300, volatile_tail=1, message_starts=(300, 420, 500, 900, 1000, 1010, 1700, 1900))
     # gap = max(1024 // 4, 128) = 256: 420 and 500 lie within it of 300, 900, 1000 and 1010 of 1024
     got = checkpoint_positions(r, every_tokens=1024, block_size=128)
-    assert got == (300, 1024, 1900, 1999)
-    # the last message start is kept however close it is
-    near = request(2000, message_starts=(1030,))
-    assert checkpoint_positions(near, every_tokens=1024, block_size=128) == (1024, 1030)
+    assert got == (300, 1024, 1700, 1999)  # 1900 lies within it of the volatile tail at 1999
+    # an agent's next turn resumes a token before its new message: no second checkpoint there,
+    # and none at or before where it resumed
+    turn = request(3000, message_starts=(300, 2100, 2102, 2900))
+    assert checkpoint_positions(turn, every_tokens=1024, block_size=128, resumed_at=2099) == (2900,)
+    assert checkpoint_positions(turn, every_tokens=1024, block_size=128, resumed_at=1500) == (2048, 2900)
     # positions at 0 or at the prompt's end are never marks (the end is checkpointed anyway)
     assert checkpoint_positions(request(50, stable_prefix=50, message_starts=(0, 50)), every_tokens=0,
                                 block_size=4) == ()
