@@ -170,7 +170,8 @@ class CheckpointTiers:
                 target.put(ref.key, ref.tail, payload)
         refs = [r for r in self.store.refs() if target.contains(r.key)]
         saved = save_index(refs, *self.index_file)
-        log.info("prefix cache: %d state checkpoints indexed in %s", saved, self.index_file[0])
+        log.info("prefix cache: %d state checkpoints written to the %s tier, indexed in %s", saved, target.name,
+                 self.index_file[0])
 
     def stats(self) -> dict:
         s = self.store
