@@ -82,7 +82,8 @@ class Config:
     cache_disk_dir: str = knob("", "Directory of the disk tier (one file per block, kept across restarts); empty = off.", section="cache")
     cache_disk_gib: float = knob(64.0, "Disk tier budget in GiB.", section="cache")
     cache_disk_read_ahead_gib: float = knob(1.0, "Host memory in GiB for disk-tier blocks read in the background for requests waiting to be admitted (reads in flight or loaded, not yet promoted); past it a block is read on the engine thread at admission. 0 = every disk read on the engine thread.", section="cache")
-    cache_checkpoints: int = knob(64, "State checkpoints kept at request boundaries for models with per-sequence state (DeepSeek-V4); 0 = no prefix reuse for them.", section="cache")
+    cache_checkpoints: int = knob(64, "State checkpoints of models with per-sequence state (DeepSeek-V4) held in host memory beside the KV pool; one leaves it (for the RAM, then disk tier, counted in their budgets) when its blocks leave the pool or more recent ones push it out. 0 = no prefix reuse for such models.", section="cache")
+    cache_checkpoint_every_tokens: int = knob(8192, "Models with per-sequence state: also checkpoint a prefill every this many tokens (rounded up to whole KV blocks), so a prompt that parts from a cached one recomputes at most this many tokens; each checkpoint costs one state slot (17 MiB for V4-Flash in bf16). 0 = only at request, system-prompt and message boundaries.", section="cache")
     # --- plugins
     chat_encoder: str = knob("auto", "ChatEncoder plugin; auto = the model family's default.", section="plugins")
     reasoning_parser: str = knob("auto", "ReasoningParser plugin; auto = the model family's default.", section="plugins")
@@ -246,7 +247,8 @@ def _validate(config: Config) -> None:
             raise ConfigError(f"config knob {name!r} must be positive")
     if config.mem_floor_gib > config.mem_watermark_gib:
         raise ConfigError("mem_floor_gib must not exceed mem_watermark_gib")
-    for name in ("cache_ram_gib", "cache_disk_gib", "cache_disk_read_ahead_gib", "cache_checkpoints"):
+    for name in ("cache_ram_gib", "cache_disk_gib", "cache_disk_read_ahead_gib", "cache_checkpoints",
+                 "cache_checkpoint_every_tokens"):
         if getattr(config, name) < 0:
             raise ConfigError(f"config knob {name!r} must not be negative")
     if config.step_tokens < config.max_num_seqs:

@@ -220,9 +220,13 @@ class RenderedPrompt:
     prefix_chars: int = 0
     """The characters of ``text`` those ids stand for."""
     volatile_tail: int = 0
-    """How many of the last ``token_ids`` the conversation's next request renders differently
-    once this turn is history (the engine checkpoints before them; see
-    ``EngineRequest.volatile_tail``)."""
+    """How many of the last ``token_ids`` the next request renders differently once this turn is history
+    (the engine checkpoints before them; ``EngineRequest.volatile_tail``)."""
+    stable_prefix: int = 0
+    """Leading ``token_ids`` of the system prompt and tools, which conversations with the same system prompt
+    repeat (0 = none or not known; ``EngineRequest.stable_prefix``)."""
+    message_starts: tuple[int, ...] = ()
+    """Positions in ``token_ids`` where a message begins (``EngineRequest.message_starts``)."""
 
 
 class ChatEncoder(Protocol):
@@ -485,10 +489,10 @@ class StatefulModel(Protocol):
     tails).
 
     Prefix reuse of such a model needs a checkpoint of that state at the reuse point.  The engine keeps
-    checkpoints at request boundaries (end of each prompt, end of each generation): ``save_state(slot)`` right
-    after the sequence's KV reached that point, and later ``load_state(slot, snapshot)`` into the slot of a new
-    sequence with the same leading tokens, whose first chunk then starts at that position.  A snapshot must not
-    alias the slot (the slot is reused).  Prefix reuse is enabled for such a model only when it is also a
+    checkpoints at request boundaries and inside prompts (``ds4d.engine.checkpoint_plan``): ``save_state(slot)``
+    right after the sequence's KV reached that point, and later ``load_state(slot, snapshot)`` into the slot of a
+    new sequence with the same leading tokens, whose first chunk then starts at that position.  A snapshot must
+    not alias the slot (the slot is reused).  Prefix reuse is enabled for such a model only when it is also a
     :class:`BlockCopyModel` (the checkpoint keeps a copy of the partly filled last block).
     """
 

@@ -315,6 +315,7 @@ class Kernel:
         tiers = [resolve("cache_tier", n)(self.ctx, {"compat_hash": namespace}) for n in names]
         cache = PrefixCache(pool, tiers=tiers, model=model, block_bytes=model.info.cache_bytes_per_block,
                             checkpoints=cfg.cache_checkpoints, gpu_tier=gpu,
+                            checkpoint_every_tokens=cfg.cache_checkpoint_every_tokens,
                             mem_available=lambda: psutil.virtual_memory().available,
                             mem_watermark_bytes=int(cfg.mem_watermark_gib * GIB))
         for tier in cache.tiers:

@@ -32,20 +32,17 @@ state, saves and loads state (:class:`~ds4d.contracts.StatefulModel`).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
-
 from ds4d.cache.blocks import BlockPool, PrefixMatch
-from ds4d.cache.checkpoints import Checkpoint, CheckpointStore, load_checkpoints, save_checkpoints
+from ds4d.cache.checkpoint_tiers import CheckpointTiers
+from ds4d.cache.checkpoints import CheckpointRef, CheckpointStore
+from ds4d.cache.misses import MissLog
 from ds4d.cache.tiers import GpuTier
 from ds4d.contracts import (
     AsyncBlockCopyModel,
@@ -57,9 +54,6 @@ from ds4d.contracts import (
 )
 
 log = logging.getLogger("ds4d.cache")
-
-_REMEMBER_KEYS = 65536
-
 
 @dataclass
 class Reuse:
@@ -74,6 +68,23 @@ class Reuse:
     """Why the lookup did not reuse everything it could have ("" when it did)."""
 
 
+@dataclass(frozen=True)
+class _Walk:
+    """Where a prompt's leading blocks were found (:meth:`PrefixCache._walk`)."""
+
+    gpu: PrefixMatch
+    found: list[int]
+    """Per block after the pool's match, the index of the first lower tier holding it."""
+    limit: int
+    """Blocks a lookup may reuse at most (one prompt token is always computed)."""
+    ref: CheckpointRef | None
+    """The checkpoint reuse resumes at (stateful models)."""
+    use: int
+    """Leading blocks worth taking."""
+    room: int | None = None
+    """How many of ``found`` the pool had room to promote, when fewer than all."""
+
+
 class PrefixCache:
     def __init__(
         self,
@@ -83,6 +94,7 @@ class PrefixCache:
         model: Any = None,
         block_bytes: int = 0,
         checkpoints: int = 64,
+        checkpoint_every_tokens: int = 0,
         gpu_tier: GpuTier | None = None,
         mem_available: Callable[[], int] | None = None,
         mem_watermark_bytes: int = 0,
@@ -101,19 +113,18 @@ class PrefixCache:
         self.gpu = gpu_tier or GpuTier(None, {})
         self.gpu.bind(pool, block_bytes)
         pool.keep_evicted = True  # demoted to the tiers, or remembered to explain a later miss
-        self.checkpoints = CheckpointStore(checkpoints if self.stateful else 0, self.block_size)
-        self.checkpoint_file = self._checkpoint_file()
-        if self.checkpoint_file is not None:
-            loaded = load_checkpoints(self.checkpoints, *self.checkpoint_file)
-            if loaded:
-                log.info("prefix cache: %d state checkpoints read from %s", loaded, self.checkpoint_file[0])
+        self.checkpoints = CheckpointTiers(CheckpointStore(checkpoints if self.stateful else 0, self.block_size),
+                                           state_model=self.state_model, mover=self.mover, tiers=self.tiers,
+                                           put=lambda key, tokens, payload: self._put_chain(0, key, tokens, payload))
+        self.checkpoint_every_tokens = _every(checkpoint_every_tokens, self.block_size) if self.stateful else 0
+        """Periodic checkpoint spacing of a long prefill (a multiple of the block size; 0 = none)."""
         self.mem_available = mem_available
         self.mem_watermark_bytes = mem_watermark_bytes
         self._mem_checked = 0.0
         self.counters = {name: {"hits": 0, "misses": 0, "tokens": 0} for name in self.tier_names}
         self.cached_tokens_total = 0
         self.last_miss = ""
-        self.dropped_total = 0
+        self.misses = MissLog(self.block_size)
         self._pending: list[tuple[bytes, tuple[int, ...], Any]] = []
         self._copying: list[tuple[list[tuple[bytes, tuple[int, ...]]], list[Any], Any]] = []
         """Evicted blocks whose copy out of the pool is still under way: (keys and tokens, payloads,
@@ -122,22 +133,10 @@ class PrefixCache:
         self.copies = {"promoted_blocks": 0, "promote_seconds": 0.0, "demoted_blocks": 0, "demote_seconds": 0.0}
         """Blocks copied into the pool from lower tiers and out of it, and the engine thread's time
         spent on each (reads from the tiers and the model's import; the model's export and the puts)."""
-        self._dropped: OrderedDict[bytes, str] = OrderedDict()  # key -> tier it was last evicted from
-        self._first_block_salts: OrderedDict[bytes, set[str]] = OrderedDict()
         self.reads_ahead = any(isinstance(t, ReadAheadCacheTier) for t in self.tiers)
         self._reads_of: dict[str, dict[bytes, tuple[ReadAheadCacheTier, Future]]] = {}  # owner -> its reads
         self._read_owners: dict[bytes, set[str]] = {}  # key read ahead -> waiting owners
         self.promotions_completed = 0
-
-    def _checkpoint_file(self) -> tuple[Path, bytes] | None:
-        """Where the persistent tier keeps state checkpoints across restarts (path, compat hash)."""
-        if not self.stateful or self.checkpoints.capacity <= 0 or not self.tiers:
-            return None
-        last = self.tiers[-1]
-        root, compat = getattr(last, "root", None), getattr(last, "compat_hash", None)
-        if not last.stats().get("persistent") or root is None or compat is None:
-            return None
-        return Path(root) / "checkpoints.safetensors", compat
 
     @property
     def tier_names(self) -> list[str]:
@@ -154,13 +153,21 @@ class PrefixCache:
                 slot: int) -> Reuse:
         """Take every reusable leading block for a new sequence (state loaded into ``slot``)."""
         bs = self.block_size
-        self._note_first_block(token_ids, salt)
-        gpu, found, limit, ckpt, use = self._walk(token_ids, keys, namespace)
-        lookups = self._count(gpu.num_blocks, found, limit)
+        self.misses.note_first_block(token_ids, salt)
+        walk = self._walk(token_ids, keys, namespace)
+        lookups = self._count(walk.gpu.num_blocks, walk.found, walk.limit)
+        ckpt, ckpt_tier = None, ""
+        while walk.ref is not None:
+            ckpt, ckpt_tier = self.checkpoints.fetch(walk.ref)
+            if ckpt is not None:
+                break
+            walk = self._walk(token_ids, keys, namespace)  # that one could not be read back: the next best
+        gpu, found, use = walk.gpu, walk.found, walk.use
         shared = gpu.block_ids[:use]
         self.pool.acquire(PrefixMatch(shared, list(keys[:len(shared)])))
         extra = 1 if ckpt is not None and ckpt.partial is not None else 0
         promoted, blank = self._promote(token_ids, keys, len(shared), found[:use - len(shared)], extra=extra)
+        self.checkpoints.settle()
         blocks = shared + promoted
         by_tier = {"gpu": len(shared) * bs}
         for t in found[:len(promoted)]:
@@ -171,7 +178,7 @@ class PrefixCache:
                     self.mover.import_blocks([blank], [ckpt.partial])
                     blocks.append(blank)
                 self.state_model.load_state(slot, ckpt.state)
-                by_tier["gpu"] += len(ckpt.tail)
+                by_tier[ckpt_tier] = by_tier.get(ckpt_tier, 0) + len(ckpt.tail)
             else:
                 if blank is not None:
                     self.pool.release([blank])
@@ -180,14 +187,20 @@ class PrefixCache:
             self.pool.release(blocks)
             blocks, by_tier = [], {}
         num_tokens = ckpt.num_tokens if ckpt is not None else len(blocks) * bs
-        why = self._explain(token_ids, keys, limit, num_tokens, salt)
+        why = self.misses.explain(token_ids, keys, walk.limit, num_tokens, salt,
+                                 stateful_held=self._held if self.stateful else None)
+        if why and walk.room is not None:
+            why += (f" (the KV pool had room to promote only {walk.room} of the {len(walk.found)} blocks "
+                    "held below it)")
         return Reuse(blocks, num_tokens, {k: v for k, v in by_tier.items() if v}, lookups, why)
 
     def _walk(self, token_ids: Sequence[int], keys: Sequence[bytes], namespace: bytes, *,
-              touch: bool = True) -> tuple[PrefixMatch, list[int], int, Checkpoint | None, int]:
+              touch: bool = True) -> _Walk:
         """Where the prompt's leading blocks are: the pool's match, then per further block the
         index of the first lower tier holding it; the block limit; the checkpoint (stateful
-        models); and how many leading blocks are worth taking."""
+        models); and how many leading blocks are worth taking.  A stateful model looks for a
+        checkpoint among the blocks the pool has room to promote (an earlier one, say a
+        periodic one, when the pool cannot take every block below it)."""
         limit = min((len(token_ids) - 1) // self.block_size, len(keys))
         gpu = self.pool.match(token_ids, keys[:limit])
         found: list[int] = []  # index into self.tiers, per block after the pool's
@@ -196,12 +209,24 @@ class PrefixCache:
             if where is None:
                 break
             found.append(where)
-        available = gpu.num_blocks + len(found)
         if not self.stateful:
-            return gpu, found, limit, None, available
-        ckpt = self.checkpoints.find(token_ids, keys, self.root(namespace), max_full_blocks=available,
-                                     max_tokens=len(token_ids) - 1, touch=touch)
-        return gpu, found, limit, ckpt, ckpt.full_blocks if ckpt else 0
+            return _Walk(gpu, found, limit, None, gpu.num_blocks + len(found))
+        room = max(self.pool.num_free - sum(self.pool.ref_count(b) == 0 for b in gpu.block_ids) - 1, 0)
+        available = gpu.num_blocks + min(len(found), room)
+        ref = self.checkpoints.find(token_ids, keys, namespace, max_full_blocks=available, touch=touch)
+        return _Walk(gpu, found, limit, ref, ref.full_blocks if ref else 0, room if room < len(found) else None)
+
+    def room_to_resume(self, token_ids: Sequence[int], keys: Sequence[bytes], namespace: bytes) -> bool:
+        """False when a stateful model's furthest checkpoint for this prompt lies past the blocks the
+        pool has room to promote now (admitted now, it would resume earlier, or not at all)."""
+        if not self.stateful:
+            return True
+        walk = self._walk(token_ids, keys, namespace, touch=False)
+        if walk.room is None:
+            return True
+        best = self.checkpoints.find(token_ids, keys, namespace, touch=False,
+                                     max_full_blocks=walk.gpu.num_blocks + len(walk.found))
+        return best is None or (walk.ref is not None and best.num_tokens <= walk.ref.num_tokens)
 
     def commit(self, reuse: Reuse) -> None:
         """Account a lookup whose sequence was admitted (a sequence sent back to wait for
@@ -264,12 +289,16 @@ class PrefixCache:
         a tier that reads ahead; True when none of them is still in flight (admit it now)."""
         if not self.reads_ahead:
             return True
-        gpu, found, _, _, use = self._walk(token_ids, keys, namespace, touch=False)
+        walk = self._walk(token_ids, keys, namespace, touch=False)
+        gpu, found, use = walk.gpu, walk.found, walk.use
         wanted: dict[bytes, tuple[ReadAheadCacheTier, Future]] = {}
         for n, t in enumerate(found[:max(0, use - gpu.num_blocks)]):
             tier, key = self.tiers[t], keys[gpu.num_blocks + n]
             if isinstance(tier, ReadAheadCacheTier) and (future := tier.read_ahead(key)) is not None:
                 wanted[key] = (tier, future)
+        if walk.ref is not None and (tier := self.checkpoints.stored_in(walk.ref)) is not None:
+            if isinstance(tier, ReadAheadCacheTier) and (future := tier.read_ahead(walk.ref.key)) is not None:
+                wanted[walk.ref.key] = (tier, future)  # the state checkpoint, when it is not hot
         before = self._reads_of.pop(owner, {})
         for key in wanted:
             self._read_owners.setdefault(key, set()).add(owner)
@@ -300,21 +329,11 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ checkpoints
 
-    def root(self, namespace: bytes) -> bytes:
-        return hashlib.sha256(b"checkpoint-root" + namespace).digest()
-
     def save_checkpoint(self, token_ids: Sequence[int], keys: Sequence[bytes], namespace: bytes,
                         block_ids: Sequence[int], slot: int) -> None:
         """Checkpoint a sequence whose first ``len(token_ids)`` tokens are in its KV and ``slot``."""
-        if not self.stateful or self.mover is None or not token_ids:
-            return
-        bs = self.block_size
-        full = len(token_ids) // bs
-        tail = tuple(token_ids[full * bs:])
-        anchor = keys[full - 1] if full else self.root(namespace)
-        partial = self.mover.export_blocks([block_ids[full]])[0] if tail else None
-        state = _to_host(self.state_model.save_state(slot))
-        self.checkpoints.add(Checkpoint(anchor, tail, len(token_ids), state, partial, full))
+        if self.stateful and self.mover is not None:
+            self.checkpoints.save(token_ids, keys, namespace, block_ids, slot)
 
     # ------------------------------------------------------------------ demotion
 
@@ -327,6 +346,7 @@ class PrefixCache:
         evicted = self.pool.take_evicted()
         if not evicted:
             return
+        self.checkpoints.cool({key for _, key, _ in evicted})  # they go down with their anchor blocks
         if not self.tiers:
             for _, key, _ in evicted:
                 self._remember_dropped(key, "gpu")
@@ -419,9 +439,7 @@ class PrefixCache:
                 for (_, key, tokens), payload in zip(part, self.mover.export_blocks([b for b, _, _ in part])):
                     written += target.put(key, tokens, payload)
             log.info("prefix cache: flushed %d blocks to the %s tier", written, target.name)
-        if self.checkpoint_file is not None and len(self.checkpoints):
-            saved = save_checkpoints(self.checkpoints, *self.checkpoint_file)
-            log.info("prefix cache: %d state checkpoints written to %s", saved, self.checkpoint_file[0])
+        self.checkpoints.flush(target)
         for tier in self.tiers:
             if isinstance(tier, DemotingCacheTier):
                 tier.close()
@@ -442,44 +460,16 @@ class PrefixCache:
         return c if limit else {}
 
     def _remember_dropped(self, key: bytes, tier: str) -> None:
-        self.dropped_total += 1
-        self._dropped[key] = tier
-        self._dropped.move_to_end(key)
-        if len(self._dropped) > _REMEMBER_KEYS:
-            self._dropped.popitem(last=False)
-
-    def _note_first_block(self, token_ids: Sequence[int], salt: str) -> None:
-        if len(token_ids) < self.block_size:
-            return
-        plain = hashlib.sha256(repr(tuple(token_ids[:self.block_size])).encode()).digest()
-        self._first_block_salts.setdefault(plain, set()).add(salt)
-        self._first_block_salts.move_to_end(plain)
-        if len(self._first_block_salts) > 4096:
-            self._first_block_salts.popitem(last=False)
+        was_checkpoint = self.checkpoints.store.is_checkpoint_key(key)
+        self.checkpoints.dropped(key)  # a checkpoint, or the block those after it are anchored at
+        if not was_checkpoint:
+            self.misses.dropped(key, tier)
 
     def note_miss(self, reason: str) -> None:
         self.last_miss = reason
 
-    def _explain(self, token_ids, keys, limit: int, reused: int, salt: str) -> str:
-        bs = self.block_size
-        if limit == 0 or reused >= limit * bs:
-            return ""
-        i = reused // bs
-        if self.stateful and any(self.pool.has_key(k) or any(t.contains(k) for t in self.tiers)
-                                 for k in keys[i:i + 1]):
-            why = (f"no state checkpoint at or after token {reused} that this prompt continues "
-                   "(a stateful model resumes only at the end of an earlier prompt or reply)")
-        elif keys[i] in self._dropped:
-            why = f"block {i} (tokens {i * bs}..{(i + 1) * bs - 1}) was evicted from the {self._dropped[keys[i]]} tier"
-        elif i == 0:
-            plain = hashlib.sha256(repr(tuple(token_ids[:bs])).encode()).digest()
-            if self._first_block_salts.get(plain, set()) - {salt}:
-                why = "cache salt differs: these tokens are cached under another API key or cache_salt"
-            else:
-                why = "no block matched: the first block was never cached"
-        else:
-            why = f"prefix diverged in block {i} (tokens {i * bs}..{(i + 1) * bs - 1}) from everything cached"
-        return f"reused {reused} of {len(token_ids)} prompt tokens; {why}"
+    def _held(self, key: bytes) -> bool:
+        return self.pool.has_key(key) or any(t.contains(key) for t in self.tiers)
 
     def stats(self) -> dict:
         tiers = {}
@@ -495,20 +485,12 @@ class PrefixCache:
                       "background_read_bytes": sum(tiers[t.name].get("background_read_bytes", 0)
                                                    for t in self.tiers if isinstance(t, ReadAheadCacheTier))}
         return {"tiers": tiers, "last_miss": self.last_miss, "cached_tokens_total": self.cached_tokens_total,
-                "dropped_blocks_total": self.dropped_total, "promotions": promotions,
+                "dropped_blocks_total": self.misses.dropped_total, "promotions": promotions,
                 "copies": {k: round(v, 4) if isinstance(v, float) else v for k, v in self.copies.items()},
-                "checkpoints": {"count": len(self.checkpoints), "saved": self.checkpoints.saved,
-                                "used": self.checkpoints.used} if self.stateful else None}
+                "checkpoints": {**self.checkpoints.stats(), "every_tokens": self.checkpoint_every_tokens}
+                if self.stateful else None}
 
 
-def _to_host(snapshot: Any) -> Any:
-    """A state snapshot with its device tensors copied to host memory (pinned with CUDA), so
-    checkpoints do not hold GPU memory the plan did not count; load_state copies them back."""
-    if isinstance(snapshot, torch.Tensor):
-        if snapshot.device.type == "cpu":
-            return snapshot
-        host = torch.empty(snapshot.shape, dtype=snapshot.dtype, pin_memory=True)
-        return host.copy_(snapshot)
-    if isinstance(snapshot, (list, tuple)):
-        return type(snapshot)(_to_host(x) for x in snapshot)
-    return snapshot
+def _every(tokens: int, block_size: int) -> int:
+    """``tokens`` rounded up to a whole number of blocks (a periodic checkpoint needs no partial block)."""
+    return -(-max(tokens, 0) // block_size) * block_size

@@ -49,6 +49,14 @@ class EngineRequest:
     this turn's reasoning is ``</think>`` once the turn is history).  A model with per-sequence
     state also saves a checkpoint just before them, so that next request reuses the prompt up to
     there.  0 = none."""
+    stable_prefix: int = 0
+    """Leading prompt tokens other conversations are likely to repeat exactly: the system prompt
+    and the tool declarations, as the chat encoder rendered them (0 = not known).  A model with
+    per-sequence state checkpoints there, so a new session or a subagent with the same system
+    prompt resumes after it."""
+    message_starts: tuple[int, ...] = ()
+    """Prompt positions where a chat message begins; a model with per-sequence state checkpoints
+    at some of them (``ds4d.engine.checkpoint_plan``)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +123,8 @@ class Sequence:
         self.block_key_chain: list[bytes] = []
         """Prefix-cache keys of the sequence's leading full blocks, hashed so far (the scheduler extends it)."""
         self.state_slot: int | None = None
+        self.checkpoint_marks: tuple[int, ...] = ()
+        """Prompt positions a prefill chunk ends at to save a state checkpoint (set by the scheduler)."""
         self.preemptions = 0
         self.prompt_logprobs_sent = 0
         self.prefill_started_at: float | None = None

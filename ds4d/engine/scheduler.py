@@ -19,19 +19,27 @@ everything that guarantees progress lives here:
 * A waiting request whose cached prefix is being read from disk in the
   background (:meth:`PrefixCache.prefetch`) is skipped until the reads are
   done; the running requests and the requests behind it go on meanwhile.
-* A model with per-sequence state checkpoints at the end of each prompt, and
-  also before a volatile tail (``EngineRequest.volatile_tail``): the chunk that
-  would cross it ends there, so the state at that position exists.
+* A waiting request of a model with per-sequence state whose furthest state
+  checkpoint lies past what the pool has room to promote while other requests
+  run waits (admission stops there, as when its first chunk does not fit)
+  rather than resuming earlier and recomputing blocks it would need anyway.
+* A model with per-sequence state checkpoints at the end of each prompt and of
+  each request, and inside a prompt where ``checkpoint_plan`` says (before a
+  volatile tail, after the system prompt and tools, at message starts, every
+  ``PrefixCache.checkpoint_every_tokens``): the chunk that would cross such a
+  position ends there, so the state at that position exists.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ds4d.cache.blocks import BlockPool, block_keys
 from ds4d.cache.manager import PrefixCache, Reuse
 from ds4d.contracts import SchedulerPolicy
+from ds4d.engine.checkpoint_plan import checkpoint_positions
 from ds4d.engine.request import SeqStatus, Sequence
 
 
@@ -153,6 +161,8 @@ class Scheduler:
                     break
                 if not self._prefix_ready(seq):
                     continue  # its cached prefix is still being read from disk
+                if self.running and not self._room_to_resume(seq):
+                    break  # the pool cannot take the cached prefix yet: the running requests will free blocks
                 reuse = self._admit(seq)
                 n = self._chunk_tokens(seq, budget)
                 if not self._grow(seq, seq.num_computed_tokens + n, None):
@@ -174,16 +184,13 @@ class Scheduler:
 
     def _chunk_tokens(self, seq: Sequence, budget: int) -> int:
         """Tokens of ``seq`` to compute this step: ``min(uncomputed, prefill_chunk, budget)``, cut
-        short to end at the prompt's stable end when a stateful model checkpoints there."""
+        short to end at the next position a stateful model checkpoints at."""
         n = min(seq.num_uncomputed_tokens, self.prefill_chunk, budget)
-        start, mark = seq.num_computed_tokens, seq.stable_prompt_end
-        if self._checkpoints_volatile_tail(seq) and start < mark < start + n:
-            n = mark - start
+        start, marks = seq.num_computed_tokens, seq.checkpoint_marks
+        i = bisect.bisect_right(marks, start)
+        if i < len(marks) and marks[i] < start + n:
+            n = marks[i] - start
         return n
-
-    def _checkpoints_volatile_tail(self, seq: Sequence) -> bool:
-        return (seq.stable_prompt_end < seq.num_prompt_tokens and self.prefix_reuse and self.cache.stateful
-                and not seq.output_ids)
 
     def _chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
         start = seq.num_computed_tokens
@@ -204,6 +211,13 @@ class Scheduler:
         if not self.prefix_reuse or seq.request.params.prompt_logprobs is not None:
             return True
         return self.cache.prefetch(seq.request_id, seq.all_token_ids, self._keys(seq), self._namespace(seq))
+
+    def _room_to_resume(self, seq: Sequence) -> bool:
+        """The pool has room now to promote the blocks up to the furthest state checkpoint this
+        prompt could resume at (always, for a model without per-sequence state)."""
+        if not (self.prefix_reuse and self.cache.stateful) or seq.request.params.prompt_logprobs is not None:
+            return True
+        return self.cache.room_to_resume(seq.all_token_ids, self._keys(seq), self._namespace(seq))
 
     def _forget_lookup(self, seq: Sequence) -> None:
         self._waiting_keys.pop(seq.request_id, None)
@@ -227,6 +241,10 @@ class Scheduler:
         self._forget_lookup(seq)
         seq.block_ids = list(reuse.block_ids) if reuse else []
         seq.num_computed_tokens = reuse.num_tokens if reuse else 0
+        if self.prefix_reuse and self.cache.stateful:
+            seq.checkpoint_marks = checkpoint_positions(seq.request, every_tokens=self.cache.checkpoint_every_tokens,
+                                                        block_size=self.pool.block_size,
+                                                        resumed_at=seq.num_computed_tokens)
         if not seq.output_ids:
             seq.cached_tokens = seq.num_computed_tokens
             seq.cached_by_tier = dict(reuse.by_tier) if reuse else {}
@@ -243,7 +261,7 @@ class Scheduler:
         """Save the sequence's state at its computed end (stateful models with prefix reuse)."""
         if not (self.prefix_reuse and self.cache.stateful) or seq.state_slot is None or not seq.num_computed_tokens:
             return
-        tokens = seq.all_token_ids[:seq.num_computed_tokens]
+        tokens = seq.tokens_between(0, seq.num_computed_tokens)
         keys = self.full_block_keys(seq, len(tokens) // self.pool.block_size)
         self.cache.save_checkpoint(tokens, keys, self._namespace(seq), seq.block_ids, seq.state_slot)
 
@@ -322,7 +340,13 @@ class Scheduler:
         seq.num_computed_tokens = chunk.start_pos + chunk.num_tokens
         if seq.num_computed_tokens // self.pool.block_size > before:
             self._register_full_blocks(seq)
-        if seq.num_computed_tokens == seq.num_prompt_tokens and not seq.output_ids:
+        end = seq.num_computed_tokens
+        if end == seq.num_prompt_tokens and not seq.output_ids:
             self._checkpoint(seq)  # end of the prompt: a request boundary
-        elif seq.num_computed_tokens == seq.stable_prompt_end and self._checkpoints_volatile_tail(seq):
-            self._checkpoint(seq)  # before the hand-over the next request renders otherwise
+        elif seq.checkpoint_marks and end < seq.num_prompt_tokens and _marked(seq.checkpoint_marks, end):
+            self._checkpoint(seq)  # where a later prompt is likely to part from this one
+
+
+def _marked(marks: tuple[int, ...], position: int) -> bool:
+    i = bisect.bisect_left(marks, position)
+    return i < len(marks) and marks[i] == position

@@ -392,6 +392,11 @@ def _optional_bool(value: Any) -> bool | None:
     return bool(value)
 
 
+def _single_id(tokenizer: Tokenizer, text: str) -> int | None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
 class DeepseekV4ChatEncoder:
     """ChatEncoder plugin ``deepseek_v4``: :func:`render_messages` plus tokenization.
 
@@ -417,6 +422,8 @@ class DeepseekV4ChatEncoder:
         self.thinking_default = bool(options.get("thinking_default", getattr(ctx.config, "thinking_default", True)))
         self.drop_thinking_default = bool(options.get("drop_thinking_default", True))
         self._think_start_ids = tuple(tokenizer.encode(THINK_START, add_special_tokens=False))
+        self._user_id = _single_id(tokenizer, USER)
+        self._eos_id = _single_id(tokenizer, EOS)
 
     def resolve_thinking(self, request: ChatRenderRequest) -> bool:
         """Thinking mode for a request: explicit field, then template kwargs, then default."""
@@ -456,7 +463,22 @@ class DeepseekV4ChatEncoder:
             prefix_chars=known[1],
             ends_in_reasoning=text.endswith(THINK_START),
             volatile_tail=self._volatile_tail(request, text, token_ids),
+            **self._boundaries(token_ids),
         )
+
+    def _boundaries(self, token_ids: tuple[int, ...]) -> dict[str, Any]:
+        """Where messages begin (each ``<｜User｜>``, and after each ``<｜end▁of▁sentence｜>``), and
+        where the system prompt and tools end: the first user message, when something precedes
+        it beyond the BOS token.  Both markers are single special tokens, so the positions are
+        exact (no merge across them)."""
+        if self._user_id is None:
+            return {}
+        user, eos = self._user_id, self._eos_id
+        starts = [i for i, t in enumerate(token_ids) if t == user and i > 0]
+        starts += [i + 1 for i, t in enumerate(token_ids) if t == eos and i + 1 < len(token_ids)]
+        starts = sorted(set(starts))
+        stable = starts[0] if starts and starts[0] > 1 and token_ids[starts[0]] == user else 0
+        return {"stable_prefix": stable, "message_starts": tuple(starts)}
 
     def _volatile_tail(self, request: ChatRenderRequest, text: str, token_ids: tuple[int, ...]) -> int:
         """The ``<think>`` that hands over to this turn's reasoning, when history reasoning is

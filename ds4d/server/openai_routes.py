@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 
 from aiohttp import web
 
@@ -95,15 +96,25 @@ def _logprob_entry(state: ServingState, lp: TokenLogprob) -> dict:
             "top_logprobs": [{"token": tok(i), "logprob": v, "bytes": list(tok(i).encode())} for i, v in lp.top]}
 
 
+def boundaries_within(rendered: RenderedPrompt, prompt_ids: Sequence[int]) -> tuple[int, tuple[int, ...]]:
+    """The rendering's (``stable_prefix``, ``message_starts``) as far as ``prompt_ids`` still begin with its ids."""
+    same = len(prompt_ids) if tuple(prompt_ids) == rendered.token_ids else next(
+        (i for i, (a, b) in enumerate(zip(prompt_ids, rendered.token_ids)) if a != b), len(prompt_ids))
+    return (rendered.stable_prefix * (rendered.stable_prefix <= same),
+            tuple(p for p in rendered.message_starts if p <= same))
+
+
 def _open(state: ServingState, request_id: str, prompt_ids: tuple[int, ...], params: SamplingParams, salt: str,
           rendered: RenderedPrompt | None = None):
     """Hand the request to the engine; ``rendered`` (chat) carries the prompt's volatile tail,
-    kept only while the prompt still ends in those very tokens."""
+    kept only while the prompt still ends in those very tokens, and its message boundaries."""
     tail = rendered.volatile_tail if rendered is not None else 0
     if tail and tuple(prompt_ids[-tail:]) != rendered.token_ids[-tail:]:
         tail = 0
+    stable, starts = boundaries_within(rendered, prompt_ids) if rendered is not None else (0, ())
     try:
-        return state.client.submit(EngineRequest(request_id, prompt_ids, params, cache_salt=salt, volatile_tail=tail))
+        return state.client.submit(EngineRequest(request_id, prompt_ids, params, cache_salt=salt, volatile_tail=tail,
+                                                 stable_prefix=stable, message_starts=starts))
     except EngineDead as exc:
         raise ApiError(503, f"the engine is not running: {exc}", type="server_error", code="engine_dead") from None
 

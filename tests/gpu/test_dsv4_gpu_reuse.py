@@ -51,9 +51,31 @@ def test_second_turn_from_checkpoint_and_ram_equals_recompute(checkpoint):
     serve(core, outputs, "other", _tokens(model, 580, 61), 2)  # pushes turn 1's block to RAM
     turn2 = turn1 + gen1 + _tokens(model, 40, 62)
     gen2, cached2, by_tier = serve(core, outputs, "t2", turn2, 6)
-    assert cached2 == len(turn1) + len(gen1) - 1 and by_tier.get("ram") == 128, by_tier
+    assert cached2 == len(turn1) + len(gen1) - 1 and by_tier == {"ram": cached2}, by_tier  # blocks and checkpoint
     cold, cold_outputs = engine(model, prefix=False)
     assert serve(cold, cold_outputs, "cold", turn2, 6)[0] == gen2
+
+
+def test_periodic_checkpoint_through_ram_and_disk_equals_recompute(checkpoint, tmp_path):
+    """A prompt parting from a cached one mid-message resumes at the periodic checkpoint before
+    the parting point, its state packed from pinned host memory into the RAM tier and, after a
+    restart, read back from the disk tier (float32)."""
+    model = load_model(checkpoint, dtype=torch.float32, device="cuda")
+    shared = _tokens(model, 600, 73)
+    first, second = shared + _tokens(model, 100, 74), shared + _tokens(model, 80, 75)
+    core, outputs = engine(model, num_blocks=6, ram_blocks=8, ram_checkpoints=4, every_tokens=256,
+                           disk_dir=tmp_path)
+    serve(core, outputs, "a", first, 5)
+    serve(core, outputs, "other", _tokens(model, 580, 61), 2)  # "a"'s tail blocks and checkpoints go to RAM
+    gen, cached, by_tier = serve(core, outputs, "b", second, 5)
+    assert cached == 512 and by_tier == {"gpu": 128, "ram": 384}, by_tier
+    cold, cold_outputs = engine(model, prefix=False)
+    expected = serve(cold, cold_outputs, "cold", second, 5)[0]
+    assert gen == expected
+    core.scheduler.cache.flush()
+    restarted, restarted_outputs = engine(model, every_tokens=256, disk_dir=tmp_path)
+    gen, cached, by_tier = serve(restarted, restarted_outputs, "b2", second, 5)
+    assert cached == 512 and by_tier == {"disk": 512} and gen == expected
 
 
 def _greedy(model, ids, steps):

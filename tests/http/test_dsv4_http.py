@@ -145,3 +145,37 @@ def test_tool_choice_for_unknown_function_is_a_400(tiny):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "x"}], tools=[READ],
                                        tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_sessions_with_the_same_system_prompt_and_tools_share_it(tiny):
+    """A second session (or a subagent) with the same system prompt and tools resumes after
+    them: the engine checkpointed the first session's prompt where the chat encoder said they
+    end, and the greedy reply equals the one computed cold (under another cache salt)."""
+    import logging
+
+    from ds4d.config import Config
+    from ds4d.contracts import ChatRenderRequest, PluginContext
+    from ds4d.plugins.dsv4_encoder import DeepseekV4ChatEncoder
+
+    path, client, model_id = tiny
+    words = " ".join(f"rule{i}" for i in range(160))  # the system prompt spans over two 128-token blocks
+    system = {"role": "system", "content": f"You follow these rules: {words}"}
+    salt = {"cache_salt": "shared-system", "chat_template_kwargs": {"thinking": False}}
+
+    def ask(question: str, extra: dict):
+        messages = [system, {"role": "user", "content": question}]
+        return client.chat.completions.create(model=model_id, messages=messages, tools=[READ], max_tokens=6,
+                                              temperature=0, extra_body=extra)
+
+    first = ask("Read the README.", salt)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = ask("List the tests, then stop.", salt)
+    encoder = DeepseekV4ChatEncoder(PluginContext(Config(), logging.getLogger("test")), {},
+                                    HFTokenizer(path / "tokenizer.json"), None)
+    rendered = encoder.render(ChatRenderRequest(messages=(system, {"role": "user", "content": "x"}), tools=(READ,),
+                                                thinking=False))
+    assert rendered.stable_prefix > 128
+    assert second.usage.prompt_tokens_details.cached_tokens == rendered.stable_prefix
+    cold = ask("List the tests, then stop.", {**salt, "cache_salt": "shared-system-cold"})
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.choices[0].message == cold.choices[0].message

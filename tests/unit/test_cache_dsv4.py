@@ -49,13 +49,23 @@ def test_v4_block_copy_round_trip(model):  # noqa: F811
         model.import_blocks([0, 1], payloads[:1])
 
 
-def engine(v4, *, num_blocks=12, ram_blocks=0, prefix=True, disk_dir=None, lookahead=False):
+def checkpoint_bytes(v4) -> int:
+    """What one state checkpoint takes in a tier, at most: the state, a partial block, a header."""
+    return v4.info.state_bytes_per_seq + v4.info.cache_bytes_per_block + 4096
+
+
+def engine(v4, *, num_blocks=12, ram_blocks=0, ram_checkpoints=2, prefix=True, disk_dir=None, lookahead=False,
+           every_tokens=0, checkpoints=64):
+    """An engine over the tiny V4; the RAM tier's budget holds ``ram_blocks`` blocks plus
+    ``ram_checkpoints`` state checkpoints (the budget counts both)."""
     info = v4.info
     pool = BlockPool(num_blocks, info.block_size_tokens, prefix_caching=prefix)
-    tiers = [RamTier(None, {"budget_bytes": ram_blocks * info.cache_bytes_per_block})] if ram_blocks else []
+    ram = ram_blocks * info.cache_bytes_per_block + ram_checkpoints * checkpoint_bytes(v4)
+    tiers = [RamTier(None, {"budget_bytes": ram})] if ram_blocks else []
     if disk_dir is not None:
         tiers.append(DiskTier(None, {"directory": str(disk_dir), "budget_bytes": 1 << 30, "compat_hash": b"v4"}))
-    cache = PrefixCache(pool, tiers=tiers, model=v4, block_bytes=info.cache_bytes_per_block)
+    cache = PrefixCache(pool, tiers=tiers, model=v4, block_bytes=info.cache_bytes_per_block,
+                        checkpoints=checkpoints, checkpoint_every_tokens=every_tokens)
     core = OfflineEngine(v4, max_num_seqs=2, step_tokens=512, prefill_chunk=512, cache=cache, namespace=b"v4",
                          lookahead=lookahead)
     return core, core.outputs
@@ -80,7 +90,10 @@ def test_agent_second_turn_on_v4_equals_recompute(model, ram_blocks):  # noqa: F
     gen2, cached2, by_tier = serve(core, outputs, "t2", turn2, 6)
     assert cached2 == len(turn1) + len(gen1) - 1
     if ram_blocks:
-        assert by_tier.get("ram") == 128, by_tier
+        # the block and the checkpoint after it (state and partial block) went down together
+        assert by_tier == {"ram": cached2}, by_tier
+        checkpoints = core.scheduler.cache.stats()["checkpoints"]
+        assert checkpoints["demoted"] >= 1 and checkpoints["promoted"] == 1, checkpoints
         copies = core.scheduler.cache.stats()["copies"]
         assert copies["promoted_blocks"] == 1 and copies["demoted_blocks"] >= 1, copies
         assert copies["promote_seconds"] > 0 and copies["demote_seconds"] > 0, copies
@@ -115,22 +128,20 @@ def test_restart_resumes_from_disk_blocks_and_saved_checkpoints(model, tmp_path,
     core, outputs = engine(model, disk_dir=tmp_path)
     gen1, _, _ = serve(core, outputs, "t1", turn1, 6)
     core.scheduler.cache.flush()  # what a graceful shutdown does once the engine thread stopped
-    path = core.scheduler.cache.checkpoint_file[0]
+    path = core.scheduler.cache.checkpoints.index_file[0]
     assert path.parent.parent == tmp_path and path.exists()
 
     turn2 = turn1 + gen1 + _tokens(model, 40, 62)
     restarted, restarted_outputs = engine(model, disk_dir=tmp_path)  # a fresh pool: only the disk remembers
     gen2, cached2, by_tier = serve(restarted, restarted_outputs, "t2", turn2, 6)
     assert cached2 == len(turn1) + len(gen1) - 1
-    assert by_tier.get("disk") == 128, by_tier
+    assert by_tier == {"disk": cached2}, by_tier  # blocks and the checkpoint, read back from disk
     cold, cold_outputs = engine(model, prefix=False)
     assert serve(cold, cold_outputs, "cold", turn2, 6)[0] == gen2
 
-    # a damaged checkpoint file is deleted and logged; blocks alone do not resume a stateful model
+    # a damaged checkpoint index is deleted and logged; blocks alone do not resume a stateful model
     restarted.scheduler.cache.flush()
-    data = bytearray(path.read_bytes())
-    data[-3] ^= 0xFF
-    path.write_bytes(bytes(data))
+    path.write_text(path.read_text().replace('"num_tokens": 205', '"num_tokens": 204'))
     with caplog.at_level(logging.WARNING, logger="ds4d.cache"):
         again, again_outputs = engine(model, disk_dir=tmp_path)
     assert "checksum mismatch" in caplog.text and not path.exists()

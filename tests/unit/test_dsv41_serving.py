@@ -9,6 +9,8 @@ forces preemption.
 
 from __future__ import annotations
 
+import dataclasses
+
 import types
 from pathlib import Path
 
@@ -49,12 +51,13 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def engine(model, *, num_blocks=24, max_seqs=2, prefill_chunk=512, step_tokens=512, prefix=True, ram_blocks=0,
-           disk_dir=None):
+           disk_dir=None, every_tokens=0):
     pool = BlockPool(num_blocks, BLOCK, prefix_caching=prefix)
     tiers = [RamTier(None, {"budget_bytes": ram_blocks * model.info.cache_bytes_per_block})] if ram_blocks else []
     if disk_dir is not None:
         tiers.append(DiskTier(None, {"directory": str(disk_dir), "budget_bytes": 1 << 30, "compat_hash": b"v41"}))
-    cache = PrefixCache(pool, tiers=tiers, model=model, block_bytes=model.info.cache_bytes_per_block)
+    cache = PrefixCache(pool, tiers=tiers, model=model, block_bytes=model.info.cache_bytes_per_block,
+                        checkpoint_every_tokens=every_tokens)
     core = OfflineEngine(model, max_num_seqs=max_seqs, step_tokens=step_tokens, prefill_chunk=prefill_chunk,
                          cache=cache, namespace=b"v41")
     return core, core.outputs
@@ -157,13 +160,31 @@ def test_second_turn_reuses_a_state_checkpoint_exactly(case, ram_blocks):
     assert serve(cold, cold_outputs, "cold", turn2, 8)[0] == gen2
 
 
+@pytest.mark.parametrize("at_message", [False, True])
+def test_a_prompt_parting_mid_way_resumes_at_a_checkpoint_inside_the_first(case, at_message):
+    """V4.1 saves its state anywhere: a prompt parting from a cached one resumes at the periodic
+    checkpoint before the parting point, or at a message start there (inside a block), exactly."""
+    model, golden = case
+    ids = golden["prompt_ids"].tolist()
+    part = len(ids) - 3
+    first, second = ids + other_prompt(golden)[:10], ids[:part] + other_prompt(golden)[10:22]
+    marks = {"message_starts": (part,)} if at_message else {}
+    core, outputs = engine(model, every_tokens=0 if at_message else BLOCK)  # (periodic ones would thin it out)
+    outputs.clear()
+    run(core, outputs, [dataclasses.replace(req("a", first, 4), **marks)])
+    gen, cached = serve(core, outputs, "b", second, 8)
+    assert cached == (part if at_message else part // BLOCK * BLOCK) > 0
+    cold, cold_outputs = engine(model, prefix=False)
+    assert serve(cold, cold_outputs, "cold", second, 8)[0] == gen
+
+
 def test_restart_resumes_from_disk_blocks_and_saved_checkpoints(case, tmp_path):
     model, golden = case
     turn1 = golden["prompt_ids"].tolist()
     core, outputs = engine(model, disk_dir=tmp_path)
     gen1, _ = serve(core, outputs, "t1", turn1, 8)
     core.scheduler.cache.flush()  # what a graceful shutdown does once the engine thread stopped
-    assert core.scheduler.cache.checkpoint_file[0].exists()
+    assert core.scheduler.cache.checkpoints.index_file[0].exists()
     turn2 = turn1 + gen1 + other_prompt(golden)[:11]
     restarted, restarted_outputs = engine(model, disk_dir=tmp_path)  # a fresh pool: only the disk remembers
     gen2, cached2 = serve(restarted, restarted_outputs, "t2", turn2, 8)

@@ -12,8 +12,10 @@ import pytest
 
 from ds4d.contracts import ChatRenderRequest, PluginContext
 from ds4d.plugins.dsml_tools import parse_completion
+from ds4d.server.openai_routes import boundaries_within
 from ds4d.plugins.dsv4_encoder import (
     REASONING_EFFORT_MAX_PREFIX,
+    USER,
     DeepseekV4ChatEncoder,
     render_messages,
 )
@@ -280,3 +282,52 @@ def test_volatile_tail_is_the_think_hand_over_the_next_turn_renders_otherwise() 
               ChatRenderRequest(messages=tuple(turn1), thinking=False),  # ends in </think>, as history does
               ChatRenderRequest(messages=tuple(turn1), drop_thinking=False)]
     assert [encoder.render(r).volatile_tail for r in stable] == [0, 0, 0]
+
+
+def test_boundaries_are_the_end_of_the_system_prompt_and_each_message_start() -> None:
+    """The encoder reports where the system prompt and tools end and where messages begin, at
+    the ``<｜User｜>`` marker and after each ``<｜end▁of▁sentence｜>`` (real tokenizer): two sessions
+    with the same system prompt and tools share exactly the tokens before ``stable_prefix``."""
+    from ds4d.models.hf_tokenizer import deepseek_v4_tokenizer
+
+    tokenizer = deepseek_v4_tokenizer()
+    encoder = DeepseekV4ChatEncoder(_ctx(), {}, tokenizer, None)
+    tool = {"type": "function", "function": {"name": "read", "parameters": {"type": "object", "properties": {}}}}
+    system = {"role": "system", "content": "You are a careful coding agent."}
+    one = encoder.render(ChatRenderRequest(messages=(system, {"role": "user", "content": "List the files."}),
+                                           tools=(tool,)))
+    two = encoder.render(ChatRenderRequest(messages=(system, {"role": "user", "content": "Fix the bug."},
+                                                     {"role": "assistant", "content": "Done."},
+                                                     {"role": "user", "content": "Thanks."}), tools=(tool,)))
+    user = tokenizer.encode(USER, add_special_tokens=False)[0]
+    assert one.stable_prefix > 1 and one.stable_prefix == two.stable_prefix
+    assert one.token_ids[:one.stable_prefix] == two.token_ids[:two.stable_prefix]
+    assert one.token_ids[one.stable_prefix] == user
+    assert one.token_ids[one.stable_prefix + 1] != two.token_ids[two.stable_prefix + 1]
+    assert one.message_starts == (one.stable_prefix,)
+    assert len(two.message_starts) == 2 and all(two.token_ids[p] == user for p in two.message_starts)
+    assert boundaries_within(one, one.token_ids) == (one.stable_prefix, one.message_starts)
+    assert boundaries_within(one, one.token_ids[:5]) == (0, ())  # a prompt that is not these ids
+
+    bare = encoder.render(ChatRenderRequest(messages=({"role": "user", "content": "Hi."},)))
+    assert bare.stable_prefix == 0 and bare.message_starts == (1,)  # nothing but BOS before the user
+
+
+@pytest.mark.skipif(not OPENCODE.is_dir(), reason=f"OpenCode requests not found at {OPENCODE}")
+def test_opencode_steps_share_their_system_prompt_and_tools_up_to_the_stable_prefix() -> None:
+    """OpenCode's recorded agent steps: the same long system prompt and tool declarations, so
+    the same ``stable_prefix``, and the tokens before it identical (a subagent or a new session
+    with that system prompt resumes there)."""
+    from ds4d.models.hf_tokenizer import deepseek_v4_tokenizer
+
+    encoder = DeepseekV4ChatEncoder(_ctx(), {}, deepseek_v4_tokenizer(), None)
+    rendered = []
+    for path in sorted(OPENCODE.glob("run2_tool_read_00[23]_*.json")):
+        body = json.loads(path.read_text(encoding="utf-8"))["body"]
+        rendered.append(encoder.render(ChatRenderRequest(messages=tuple(body["messages"]),
+                                                         tools=tuple(body.get("tools") or ()))))
+    first, second = rendered
+    assert first.stable_prefix == second.stable_prefix > 1000
+    assert first.token_ids[:first.stable_prefix] == second.token_ids[:second.stable_prefix]
+    assert set(first.message_starts) <= set(second.message_starts)  # the next step adds messages after them
+    assert len(second.message_starts) > len(first.message_starts)
