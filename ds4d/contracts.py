@@ -1,11 +1,10 @@
 """Plugin contracts and the small frozen types that cross component boundaries.
 
-Every pluggable component kind is a ``typing.Protocol`` here.  A plugin is a
-class (or factory) registered under a name in an entry-point group
-``ds4d.<kind>`` and constructed once at start as ``Factory(ctx, options)``,
-where ``ctx`` is a :class:`PluginContext` (its ``config`` holds every knob) and
-``options`` a mapping of construction arguments from the kernel: empty but for
-cache tiers, which get ``compat_hash``.  The config file has no per-plugin tables.
+Every pluggable component kind is a ``typing.Protocol`` here.  A plugin is a class (or factory) registered
+under a name in an entry-point group ``ds4d.<kind>`` and constructed once at start as ``Factory(ctx, options)``,
+where ``ctx`` is a :class:`PluginContext` (its ``config`` holds every knob) and ``options`` a mapping of
+construction arguments from the kernel: empty but for cache tiers, which get ``compat_hash``.  The config file
+has no per-plugin tables.
 
 Kinds and their entry-point groups:
 
@@ -20,9 +19,8 @@ SchedulerPolicy        ``ds4d.scheduler_policy``   orders waiting work, picks vi
 CacheTier              ``ds4d.cache_tier``         stores prefix-cache blocks off the pool
 =====================  ==========================  =================================
 
-The engine thread is the only caller of :meth:`Model.forward`; everything the
-asyncio side needs from a model goes through the tokenizer and
-:class:`ModelInfo`, which are safe to use from any thread.
+The engine thread is the only caller of :meth:`Model.forward`; everything the asyncio side needs from a model
+goes through the tokenizer and :class:`ModelInfo`, which are safe to use from any thread.
 """
 
 from __future__ import annotations
@@ -201,8 +199,7 @@ class ChatRenderRequest:
     """Thinking mode asked for (``chat_template_kwargs.thinking``); None = encoder default."""
     drop_thinking: bool | None = None
     reasoning_effort: str | int | None = None
-    """``low``/``medium``/``high``/``max``/``xhigh`` or an integer 1-100 (the server checks the shape;
-    each encoder maps it onto its model's scale)."""
+    """``low``/``medium``/``high``/``max``/``xhigh`` or 1-100 (the server checks it; encoders map it to their scale)."""
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True
     known_prefix: KnownPrefix | None = field(default=None, compare=False)
