@@ -45,6 +45,12 @@ _QWEN2_WORDS = (
     _CONTRACTIONS_ANY_CASE + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _DEFAULT_SPLITS = (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_WORDS, r"\p{N}+", r"[0-9][0-9][0-9]")
+_DEEPSEEK3_SPLITS = (  # also DeepSeek-V4's (the converter names it "joyai-llm", whose hash it shares)
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    (r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+     r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""),
+)
 
 _PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {}
 for _names, _splits in (
@@ -56,6 +62,7 @@ for _names, _splits in (
     (("llama3", "llama-v3", "llama-bpe", "falcon3", "dbrx", "smaug-bpe", "pixtral"), (_LLAMA3_WORDS,)),
     (("qwen2", "stablelm2", "hunyuan", "megrez"), (_QWEN2_WORDS,)),
     (("falcon",), (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2_WORDS, r"[0-9][0-9][0-9]")),
+    (("deepseek-v3", "joyai-llm", "hunyuan-dense", "hy_v4"), _DEEPSEEK3_SPLITS),
     (("deepseek-coder",), (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}")),
     (("default",), _DEFAULT_SPLITS),
 ):

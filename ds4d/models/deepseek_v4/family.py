@@ -1,7 +1,8 @@
 """The ``deepseek_v4`` model family plugin: recognises and loads V4 checkpoints.
 
 A directory is a V4 checkpoint when its ``config.json`` says
-``model_type: deepseek_v4``.  Loading reads the config, checks that every
+``model_type: deepseek_v4``; a file is one when it is a GGUF file whose
+architecture is ``deepseek4`` (llama.cpp's converter, see ``gguf_loader.py``).  Loading reads the config, checks that every
 tensor the model needs is present (so a bad download fails in seconds, naming
 the tensor), decodes the weights one tensor at a time into the configured
 dtype and device, and attaches the tokenizer shipped next to the weights (or
@@ -22,6 +23,7 @@ from ds4d.contracts import PluginContext
 from ds4d.cuda import quant_matmul
 from ds4d.models.deepseek_v4.calibrate import read_counts
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
+from ds4d.models.deepseek_v4.gguf_loader import is_v4_gguf, load_gguf_model
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
@@ -62,6 +64,8 @@ def load_model(
 ) -> DeepseekV4Model:
     """Load a checkpoint; with ``offload``, routed experts go to host RAM and the device keeps the hot ones."""
     path = Path(path)
+    if path.is_file():  # a GGUF file of llama.cpp's converter
+        return load_gguf_model(path, dtype=dtype, device=device, offload=offload, weight_format=weight_format)
     cfg = DeepseekV4Config.from_file(path)
     checkpoint = SafetensorsCheckpoint(path)
     native = native_weights(weight_format, dtype, device)
@@ -113,6 +117,8 @@ class DeepseekV4Family:
         self.options = dict(options or {})
 
     def can_load(self, path: Path) -> bool:
+        if Path(path).is_file():
+            return is_v4_gguf(path)
         config = Path(path) / "config.json"
         if not config.is_file():
             return False

