@@ -55,7 +55,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from ds4d.kernel import Kernel
-    from ds4d.models.deepseek_v4.calibrate import read_prompts, routing_counts, write_counts
+    from ds4d.models.deepseek_v4.calibrate import can_count, read_prompts, routing_counts, write_counts
     from ds4d.registry import resolve
 
     loaded = _loaded(args)
@@ -63,7 +63,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kernel = Kernel(loaded)
     model = kernel.load_model().model
-    if not hasattr(model, "routing_tally"):
+    if not can_count(model):
         print("ds4d: calibrate needs a DeepSeek-V4 model loaded in this process (no --gpus split)", file=sys.stderr)
         return 2
     encoder = resolve("chat_encoder", model.info.default_chat_encoder)(kernel.ctx, {}, model.tokenizer, model.info)

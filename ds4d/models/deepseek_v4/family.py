@@ -25,6 +25,7 @@ from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
+from ds4d.models.deepseek_v4.paths import ForwardPaths
 from ds4d.models.deepseek_v4.weights import read_weights
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,9 +59,10 @@ def native_weights(weight_format: str, dtype: torch.dtype, device: str) -> bool:
 
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", offload: OffloadOptions | None = None,
-    weight_format: str = "auto",
+    weight_format: str = "auto", paths: ForwardPaths | None = None,
 ) -> DeepseekV4Model:
-    """Load a checkpoint; with ``offload``, routed experts go to host RAM and the device keeps the hot ones."""
+    """Load a checkpoint; with ``offload``, routed experts go to host RAM and the device keeps the hot ones.
+    ``paths``: how the forward runs (default: every path the device can run)."""
     path = Path(path)
     cfg = DeepseekV4Config.from_file(path)
     checkpoint = SafetensorsCheckpoint(path)
@@ -79,8 +81,8 @@ def load_model(
         checkpoint.close()
     if experts is not None:
         experts.finish()
-    model = DeepseekV4Model(cfg, weights, load_tokenizer(path), dtype=dtype, device=device, expert_offload=experts)
-    return model
+    return DeepseekV4Model(cfg, weights, load_tokenizer(path), dtype=dtype, device=device, expert_offload=experts,
+                           paths=paths)
 
 
 def offload_options(config: Any, options: Mapping[str, Any]) -> OffloadOptions | None:
@@ -127,7 +129,8 @@ class DeepseekV4Family:
         self.ctx.log.info("loading DeepSeek-V4 checkpoint %s (%s on %s)", path, dtype, device)
         offload = offload_options(self.ctx.config, self.options)
         weight_format = str(getattr(self.ctx.config, "weight_format", "auto"))
-        model = load_model(path, dtype=dtype, device=device, offload=offload, weight_format=weight_format)
+        paths = ForwardPaths.for_device(device, compile_decode=bool(getattr(self.ctx.config, "compile_decode", False)))
+        model = load_model(path, dtype=dtype, device=device, offload=offload, weight_format=weight_format, paths=paths)
         self.ctx.log.info(
             "loaded %s: %d layers, ratios %s, %.1f MiB of parameters (%s weights)",
             model.info.name,
@@ -136,8 +139,8 @@ class DeepseekV4Family:
             model.info.parameter_bytes / 2**20,
             "FP8/MXFP4 as stored" if model.native_weights else "decoded",
         )
-        if getattr(self.ctx.config, "compile_decode", False) and model.device.type == "cuda":
-            model.compile_decode()
+        self.ctx.log.info("forward paths: %s", ", ".join(f"{k} {v}" for k, v in paths.as_dict().items()))
+        if paths.compile_decode:
             self.ctx.log.info("decode steps go through torch.compile (each new bucket compiles on first use)")
         if model.expert_offload is not None:
             plan = {"dense weights": {"vram_bytes": model.weights.parameter_bytes()},

@@ -166,6 +166,23 @@ def _routed_grouped(
     return combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
 
 
+class RoutingTally:
+    """Per layer and routed expert, the (token, expert) pairs a model's steps routed (``calibrate.py``).
+
+    A model given one adds every routed pair of every layer to it, and runs every row through the
+    last layer (so the counts do not depend on which rows want logits)."""
+
+    def __init__(self, layers: int, experts: int, device: str | torch.device = "cpu") -> None:
+        self.counts = torch.zeros(layers, experts, dtype=torch.float32, device=device)
+
+    def layer(self, index: int) -> torch.Tensor:
+        """Layer ``index``'s float32 ``[experts]`` row, which :func:`tally_routing` adds to."""
+        return self.counts[index]
+
+    def as_lists(self) -> list[list[float]]:
+        return self.counts.cpu().tolist()
+
+
 def tally_routing(tally: torch.Tensor | None, indices: torch.Tensor) -> None:
     """Add one to ``tally[e]`` (a float ``[E]`` tensor) per (token, expert ``e``) pair; None: nothing."""
     if tally is not None:

@@ -236,8 +236,11 @@ def add_split_weights(weights: ModelWeights) -> None:
     ``ops.split_bf16`` form: the hyper-connections' ``fn``, the compressors' ``wkv`` and ``wgate``
     (stacked), the routers' ``gate``.  One bf16 matmul with float32 results then does what a
     float32 matmul of the widened activations did (16 of the weights' 24 mantissa bits kept),
-    at as much device memory again as those weights take."""
+    at as much device memory again as those weights take.  Weights already split are left as they are."""
     from ds4d.models.deepseek_v4.ops import split_bf16
+
+    if weights.layers and weights.layers[0].ffn.gate_split is not None:
+        return
 
     for layer in weights.layers:
         for hyper in (layer.attn_hc, layer.ffn_hc):
