@@ -22,7 +22,8 @@ def _loaded(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ds4d.kernel import TORCHRUN, Kernel
+    from ds4d.kernel import Kernel
+    from ds4d.parallel.gpus import is_torchrun
 
     # GPU indices (--gpus, cuda:N) in the order nvidia-smi and NVML use, not CUDA's fastest-first
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -34,10 +35,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     logging.basicConfig(level=loaded.config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if loaded.config.gpus.strip().lower() == TORCHRUN and os.environ.get("RANK", "0") != "0":
-        from ds4d.kernel import serve_torchrun_rank
-
-        return serve_torchrun_rank(loaded.config)
+    if is_torchrun(loaded.config.gpus) and os.environ.get("RANK", "0") != "0":
+        return Kernel(loaded).serve_worker()
     asyncio.run(Kernel(loaded).serve())
     return 0
 

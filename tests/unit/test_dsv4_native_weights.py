@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from ds4d.models.deepseek_v4 import write_tiny_checkpoint
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
-from ds4d.models.deepseek_v4.family import native_weights
+from ds4d.models.deepseek_v4.knobs import native_weights
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions

