@@ -17,7 +17,7 @@ import torch
 from ds4d.cuda import quant_matmul as qm
 from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4, quantize_fp8_block, quantize_mxfp4
-from ds4d.models.deepseek_v4.weights import Fp8Weight
+from ds4d.models.deepseek_v4.stored import Fp8Weight
 from tests.unit.test_dsv4_model import Driver
 
 pytestmark = [

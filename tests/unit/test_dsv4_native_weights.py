@@ -25,7 +25,8 @@ from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
 from ds4d.models.deepseek_v4.paths import ForwardPaths
-from ds4d.models.deepseek_v4.weights import Fp8Weight, Mxfp4Matrices, read_weights
+from ds4d.models.deepseek_v4.stored import Fp8Weight, Mxfp4Matrices
+from ds4d.models.deepseek_v4.weights import read_weights
 from tests.unit.test_dsv4_model import Driver
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -44,7 +44,8 @@ from ds4d.models.deepseek_v4.hyper import hc_boundary, hc_head, hc_post
 from ds4d.models.deepseek_v4.moe import RoutingTally, moe_forward
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
 from ds4d.models.deepseek_v4.paths import ForwardPaths
-from ds4d.models.deepseek_v4.weights import Fp8Weight, ModelWeights, add_split_weights
+from ds4d.models.deepseek_v4.stored import Fp8Weight
+from ds4d.models.deepseek_v4.weights import ModelWeights, add_split_weights
 
 
 log = logging.getLogger("ds4d.models")

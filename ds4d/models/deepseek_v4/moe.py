@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from ds4d.cuda import moe_gemv, prefill_triton, quant_matmul
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.ops import linear, linear_f32
-from ds4d.models.deepseek_v4.weights import Linear, MoEWeights, Mxfp4Addresses, Mxfp4Matrices
+from ds4d.models.deepseek_v4.stored import Linear, Mxfp4Addresses, Mxfp4Matrices
+from ds4d.models.deepseek_v4.weights import MoEWeights
 
 
 def _gated(gate: torch.Tensor, up: torch.Tensor, limit: float, kernels: bool = False) -> torch.Tensor:

@@ -69,9 +69,9 @@ from ds4d.models.deepseek_v4.moe import _routed_grouped, _swiglu, route
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
 from ds4d.models.deepseek_v4.paths import ForwardPaths
+from ds4d.models.deepseek_v4.stored import Fp8Weight
 from ds4d.models.deepseek_v4.weights import (
     F32,
-    Fp8Weight,
     HyperWeights,
     LayerWeights,
     ModelWeights,
