@@ -20,7 +20,7 @@ import torch
 from ds4d.models.deepseek_v4.config import CSA_RATIO, DeepseekV4Config
 from ds4d.models.deepseek_v4.loader import CheckpointError, WeightReader
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4
-from ds4d.models.deepseek_v4.stored import Fp8Weight, Linear, Mxfp4Addresses, Mxfp4Matrices
+from ds4d.models.deepseek_v4.stored import Fp8Weight, Linear, Mxfp4Matrices
 
 
 @dataclass
