@@ -22,7 +22,8 @@ def _loaded(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ds4d.kernel import TORCHRUN, Kernel
+    from ds4d.kernel import Kernel
+    from ds4d.parallel.gpus import is_torchrun
 
     # GPU indices (--gpus, cuda:N) in the order nvidia-smi and NVML use, not CUDA's fastest-first
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -34,10 +35,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     logging.basicConfig(level=loaded.config.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if loaded.config.gpus.strip().lower() == TORCHRUN and os.environ.get("RANK", "0") != "0":
-        from ds4d.kernel import serve_torchrun_rank
-
-        return serve_torchrun_rank(loaded.config)
+    if is_torchrun(loaded.config.gpus) and os.environ.get("RANK", "0") != "0":
+        return Kernel(loaded).serve_worker()
     asyncio.run(Kernel(loaded).serve())
     return 0
 
@@ -55,7 +54,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from ds4d.kernel import Kernel
-    from ds4d.models.deepseek_v4.calibrate import read_prompts, routing_counts, write_counts
+    from ds4d.models.deepseek_v4.calibrate import can_count, read_prompts, routing_counts, write_counts
     from ds4d.registry import resolve
 
     loaded = _loaded(args)
@@ -63,7 +62,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     kernel = Kernel(loaded)
     model = kernel.load_model().model
-    if not hasattr(model, "routing_tally"):
+    if not can_count(model):
         print("ds4d: calibrate needs a DeepSeek-V4 model loaded in this process (no --gpus split)", file=sys.stderr)
         return 2
     encoder = resolve("chat_encoder", model.info.default_chat_encoder)(kernel.ctx, {}, model.tokenizer, model.info)

@@ -176,7 +176,7 @@ class ModelFamily(Protocol):
         """True if ``path`` (file or directory) looks like this family's checkpoint."""
 
     def load(self, path: Path) -> Model:
-        """Load ``path`` on the device and dtype the config asks for."""
+        """Load ``path`` as the config asks (``gpus``: see ``ds4d.parallel.gpus.SplitModelFamily``)."""
 
 
 # --------------------------------------------------------------------------- chat

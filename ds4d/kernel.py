@@ -29,7 +29,9 @@ from typing import Any
 
 from ds4d.cache.blocks import BlockPool
 from ds4d.config import GIB, LoadedConfig
-from ds4d.contracts import Model, PluginContext
+from ds4d.contracts import Model, ModelFamily, PluginContext
+from ds4d.engine.memory_plan import CudaMemory, GpuMemoryPlan, MemoryPlanError, profile_activations, step_chunks
+from ds4d.parallel.gpus import ClosableModel, SplitModelFamily
 from ds4d.registry import PluginError, available, resolve
 
 log = logging.getLogger("ds4d")
@@ -51,99 +53,16 @@ def embedded_model_path() -> Path:
     return path
 
 
-SPLIT_FAMILIES = ("deepseek_v4",)
-"""Families that can be split over processes (``gpus``) and offload experts (``expert_vram_gib``);
-the others refuse those knobs at start (``deepseek_v41``: not yet)."""
-
-TORCHRUN = "torchrun"
-"""``gpus`` value: this process is one rank of a job torchrun started (one or several hosts)."""
-
-
-def parse_gpus(text: str) -> list[int] | int | str:
-    """``gpus`` knob: ``"0,1,2,3"`` -> GPU indices; ``"cpu:2"`` -> 2 CPU processes; ``"torchrun"``."""
-    text = text.strip().lower()
-    if text == TORCHRUN:
-        return TORCHRUN
-    if text.startswith("cpu:"):
-        count = text[4:]
-        if not count.isdigit() or int(count) < 1:
-            raise PluginError(f"gpus={text!r}: cpu:N needs a process count N >= 1")
-        return int(count)
-    try:
-        ranks = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise PluginError(f"gpus={text!r}: give GPU indices such as 0,1,2,3 (or cpu:N, or torchrun)") from None
-    if not ranks or len(set(ranks)) != len(ranks) or min(ranks) < 0:
-        raise PluginError(f"gpus={text!r}: give distinct GPU indices such as 0,1,2,3")
-    return ranks
-
-
-def check_split_knobs(config) -> None:
-    """Knobs a model split over ``gpus`` cannot honour: refused at start, not ignored."""
-    if config.weight_format == "int4":
-        raise PluginError(f"weight_format=int4 is for GGUF files; a model split over gpus={config.gpus!r} takes "
-                          "auto, dense or native")
-
-
-def torchrun_job(config):
-    """This process's place in the torchrun job (``gpus = torchrun``); CUDA unless ``device`` is cpu."""
-    from ds4d.parallel.launch import TorchrunJob
-
-    try:
-        return TorchrunJob.from_environment(use_cuda=config.resolved_device().startswith("cuda"))
-    except RuntimeError as exc:
-        raise PluginError(str(exc)) from None
-
-
-def split_native(config, ranks) -> bool:
-    """Whether a split model keeps FP8/MXFP4 weights as stored (only with ``weight_format = native``)."""
-    from ds4d.models.deepseek_v4.family import _dtype, native_weights
-
-    if config.weight_format == "auto":
-        return False  # decoded weights when split, unless native is asked for
-    on_cuda = not isinstance(ranks, int) and getattr(ranks, "use_cuda", True)
-    try:
-        return native_weights(config.weight_format, _dtype(config.resolved_dtype()), "cuda" if on_cuda else "cpu")
-    except ValueError as exc:
-        raise PluginError(str(exc)) from None
-
-
-def serve_torchrun_rank(config) -> int:
-    """``ds4d serve`` on a rank other than 0 of a torchrun job: load this rank's shard, follow rank 0."""
-    from ds4d.models.deepseek_v4.family import offload_options
-    from ds4d.models.deepseek_v4.parallel import serve_torchrun_worker
-
-    check_split_knobs(config)
-    job = torchrun_job(config)
-    if not config.model:
-        raise PluginError("gpus = torchrun needs model = a DeepSeek-V4 checkpoint directory")
-    check_split_family(_model_type(Path(config.model).expanduser()), config.gpus)
-    log.info("torchrun rank %d of %d: worker (rank 0 serves)", job.rank, job.world_size)
-    serve_torchrun_worker(job, Path(config.model).expanduser(), config.parallel_layout,
-                          dtype=config.resolved_dtype(), threads=config.threads or None,
-                          native=split_native(config, job), offload=offload_options(config, {}))
-    return 0
-
-
-def check_split_family(family: str | None, gpus: str) -> None:
-    if family not in SPLIT_FAMILIES:
-        raise PluginError(f"gpus={gpus!r}: the {family or 'unknown'} model family cannot be split over processes "
-                          f"(only {', '.join(SPLIT_FAMILIES)}); leave gpus empty")
-
-
-def check_offload_family(family: str, expert_vram_gib: float) -> None:
-    if expert_vram_gib > 0 and family not in SPLIT_FAMILIES:
-        raise PluginError(f"expert_vram_gib={expert_vram_gib:g}: the {family} model family cannot offload experts "
-                          f"(only {', '.join(SPLIT_FAMILIES)}); set it to 0")
-
-
-def _model_type(path: Path) -> str | None:
-    """``model_type`` of a checkpoint directory's config.json, mapped to its family name (None if unreadable)."""
-    try:
-        model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError):
-        return None
-    return {"deepseek_v41_text": "deepseek_v41"}.get(model_type, model_type)
+def refuse_split_knobs(family: ModelFamily, config) -> None:
+    """``expert_vram_gib`` and ``gpus`` are for a :class:`SplitModelFamily`: refused at start for any other."""
+    if isinstance(family, SplitModelFamily):
+        return
+    if config.expert_vram_gib > 0:
+        raise PluginError(f"expert_vram_gib={config.expert_vram_gib:g}: the {family.name} model family cannot "
+                          "offload experts; set it to 0")
+    if config.gpus:
+        raise PluginError(f"gpus={config.gpus!r}: the {family.name} model family cannot be split over processes; "
+                          "leave gpus empty")
 
 
 @dataclass(frozen=True)
@@ -178,39 +97,33 @@ class Kernel:
 
         if self.config.threads > 0:
             torch.set_num_threads(self.config.threads)
+        path, name, family = self._family()
+        log.info("loading %s model from %s", name, path)
+        model = family.load(path)
+        if isinstance(model, ClosableModel):  # worker processes, a process group
+            self.on_shutdown.append(lambda: asyncio.to_thread(model.close))
+        return LoadedModel(model, name, path)
+
+    def serve_worker(self) -> int:
+        """``ds4d serve`` on a torchrun rank other than 0: the family loads this rank's part and follows rank 0."""
+        if not self.config.model:
+            raise PluginError("gpus = torchrun needs model = a checkpoint directory")
+        path, _, family = self._family()
+        family.serve_worker(path)
+        return 0
+
+    def _family(self) -> tuple[Path, str, ModelFamily]:
+        """(checkpoint path, family name, family) for the configured model; knobs the family cannot honour
+        refused."""
         path = Path(self.config.model).expanduser() if self.config.model else embedded_model_path()
         if not path.exists():
             raise PluginError(f"model path {path} does not exist")
         name = self.config.model_family
         if name == "auto":
             name = self._detect_family(path)
-        check_offload_family(name, self.config.expert_vram_gib)
-        if self.config.gpus:
-            return LoadedModel(self._load_parallel(path, name), name, path)
         family = resolve("model_family", name)(self.ctx, {})
-        log.info("loading %s model from %s", name, path)
-        return LoadedModel(family.load(path), name, path)
-
-    def _load_parallel(self, path: Path, family: str) -> Model:
-        """One model over several processes (``gpus`` knob): GPU indices, or ``cpu:N`` gloo processes."""
-        from ds4d.models.deepseek_v4.family import offload_options
-        from ds4d.models.deepseek_v4.parallel import build_parallel_model
-
-        check_split_family(family, self.config.gpus)
-        ranks = parse_gpus(self.config.gpus)
-        check_split_knobs(self.config)
-        if ranks == TORCHRUN:
-            ranks = torchrun_job(self.config)
-            where = f"{ranks.world_size} torchrun ranks"
-        else:
-            where = f"{ranks} CPU processes" if isinstance(ranks, int) else f"GPUs {ranks}"
-        log.info("loading deepseek_v4 from %s over %s (layout %s)", path, where, self.config.parallel_layout)
-        threads = self.config.threads or None
-        native = split_native(self.config, ranks)
-        model = build_parallel_model(path, ranks, self.config.parallel_layout, dtype=self.ctx.config.dtype,
-                                     threads=threads, native=native, offload=offload_options(self.config, {}))
-        self.on_shutdown.append(lambda: asyncio.to_thread(model.close))
-        return model
+        refuse_split_knobs(family, self.config)
+        return path, name, family
 
     def _detect_family(self, path: Path) -> str:
         for name, spec in available("model_family").items():
@@ -327,8 +240,6 @@ class Kernel:
     def _memory_plan(self, model: Model, info, max_context: int):
         """The GPU memory plan (``ds4d.engine.memory_plan``) of a model on one CUDA device; None on the
         CPU and for a model split over processes (each rank sizes its own device)."""
-        from ds4d.engine.memory_plan import GpuMemoryPlan, MemoryPlanError, profile_activations, step_chunks
-
         cfg = self.config
         memory = self.device_memory(str(info.device)) if not cfg.gpus else None
         if memory is None:
@@ -355,8 +266,6 @@ class Kernel:
         """A ``DeviceMemory`` for a CUDA device, None elsewhere (tests put a stand-in here)."""
         if not device.startswith("cuda"):
             return None
-        from ds4d.engine.memory_plan import CudaMemory
-
         return CudaMemory(device)
 
     def _pool_tokens(self, info, max_context: int) -> int:

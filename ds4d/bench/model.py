@@ -21,12 +21,16 @@ source tree: ``PYTHONPATH=. python -m ds4d.cli bench model``.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ds4d.bench.random_v4 import Floors, build, measure_ceilings, on_path, say
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("model", help="random DeepSeek-V4 model on a GPU vs HF transformers")
@@ -78,9 +82,6 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-V4_LAYERS = "0,0,4,128"
-
-
 @dataclass
 class Row:
     case: str
@@ -91,85 +92,7 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-def _say(*parts) -> None:
-    print(*parts, flush=True)
-
-
 # ------------------------------------------------------------------ ceilings and floors
-
-
-def measure_ceilings(torch, device) -> tuple[float, float]:
-    """(device-to-device copy bytes/s counting read + write, bf16 matmul FLOP/s) on random data."""
-    if device.type != "cuda":
-        return 20e9, 1e12
-    src = torch.randn(1 << 29, device=device, dtype=torch.bfloat16)  # 1 GiB
-    dst = torch.empty_like(src)
-    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
-
-    def timed(fn, reps: int) -> float:
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(reps):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        return sorted(times)[len(times) // 2]
-
-    copy_s = timed(lambda: dst.copy_(src), 20)
-    mm_s = timed(lambda: torch.mm(a, b), 10)
-    return 2 * src.numel() * 2 / copy_s, 2 * 8192**3 / mm_s
-
-
-class Floors:
-    """BENCH.md's floors for one model, from its issued tensors: 2 bytes per parameter, except
-    with ``native`` weights, where FP8 linears take 1 byte (plus a float32 scale per 128 x 128)
-    and MXFP4 experts 17/32 of a byte.
-
-    ``ep``: routed experts split over that many GPUs working at once (each reads
-    and multiplies its share; everything else is replicated)."""
-
-    def __init__(self, cfg, issued, bandwidth: float, matmul: float, native: bool = False, ep: int = 1) -> None:
-        from ds4d.models.deepseek_v4.random_init import FP8_IN_RELEASE
-
-        self.cfg, self.bandwidth, self.matmul, self.ep = cfg, bandwidth, matmul, ep
-        dense = {n: t.numel() for n, t in issued.items() if ".experts." not in n and not n.endswith("tid2eid")}
-        self.dense_params = sum(dense.values()) - issued["embed.weight"].numel() + cfg.hidden_size  # one row
-        fp8 = sum(v for n, v in dense.items() if native and FP8_IN_RELEASE.search(n))
-        self.dense_bytes = 2 * self.dense_params - fp8 * (1 - 4 / 128**2)
-        self.head_params = issued["head.weight"].numel()
-        self.expert_params = 3 * cfg.moe_intermediate_size * cfg.hidden_size
-        self.expert_bytes = self.expert_params * (17 / 32 if native else 2)
-        self.shared_params = sum(t.numel() for n, t in issued.items() if ".shared_experts." in n)
-
-    def _kv_bytes(self, context: int) -> float:
-        cfg, total = self.cfg, 0.0
-        for ratio in cfg.compress_ratios:
-            total += min(context, cfg.sliding_window) * cfg.head_dim
-            if ratio == 4:
-                total += context / 4 * cfg.index_head_dim + min(cfg.index_topk, context / 4) * cfg.head_dim
-            elif ratio:
-                total += context / ratio * cfg.head_dim
-        return 2 * total
-
-    def decode(self, batch: int, context: int) -> float:
-        cfg = self.cfg
-        experts, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-        used = experts * (1 - (1 - k / experts) ** batch)  # expected distinct experts per layer
-        step = self.dense_bytes + cfg.num_hidden_layers * used * self.expert_bytes / self.ep
-        step += batch * self._kv_bytes(context)
-        return batch * self.bandwidth / step
-
-    def prefill(self, tokens: int) -> float:
-        cfg = self.cfg
-        routed = cfg.num_hidden_layers * cfg.num_experts_per_tok * self.expert_params / self.ep
-        flops_s = 2 * (self.dense_params - self.head_params + routed) * tokens / self.matmul
-        all_bytes = self.dense_bytes + cfg.num_hidden_layers * cfg.n_routed_experts * self.expert_bytes / self.ep
-        return tokens / max(flops_s, all_bytes / self.bandwidth)
 
 
 # ------------------------------------------------------------------ the two engines
@@ -223,17 +146,20 @@ def _hf(torch, hf, prompts, max_tokens, *, device, chunk=0):
 
 
 def _guarded(torch, label, fn):
-    """fn() or None, printing why; an out-of-memory leaves the allocator cleared."""
+    """fn() or None, printing why; an out-of-memory leaves the allocator cleared.  The models of rows
+    before (a model and its decode graphs refer to each other) are collected first, so their caches
+    and graphs are gone before this row allocates its own."""
+    gc.collect()
     start = time.perf_counter()
     try:
         result = fn()
-        _say(f"  {label}: {result} ({time.perf_counter() - start:.1f} s)")
+        say(f"  {label}: {result} ({time.perf_counter() - start:.1f} s)")
         return result
     except torch.OutOfMemoryError:
-        _say(f"  {label}: out of memory")
+        say(f"  {label}: out of memory")
         return "OOM"
     except Exception as exc:  # noqa: BLE001 - one failed case must not lose the others
-        _say(f"  {label}: failed: {type(exc).__name__}: {exc}")
+        say(f"  {label}: failed: {type(exc).__name__}: {exc}")
         return "error"
     finally:
         if torch.cuda.is_available():
@@ -243,104 +169,12 @@ def _guarded(torch, label, fn):
 # ------------------------------------------------------------------ run
 
 
-def base_config(tiny: bool) -> dict:
-    """V4-Flash's config (reference/dsv4/config.flash.json), or small widths with ``tiny``; depth and pattern
-    come from --layers.  (Built on demand: the V4 package imports torch, and ds4d's parser imports this module.)"""
-    from ds4d.models.deepseek_v4.config import FLASH_WIDTHS
-
-    flash = {
-        "model_type": "deepseek_v4", "vocab_size": 129280, **FLASH_WIDTHS, "sliding_window": 128,
-        "n_shared_experts": 1, "num_hash_layers": 3, "routed_scaling_factor": 1.5,
-        "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "swiglu_limit": 10.0, "hc_mult": 4,
-        "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "rope_theta": 10000,
-        "compress_rope_theta": 160000,
-        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                         "beta_fast": 32, "beta_slow": 1},
-        "max_position_embeddings": 1048576, "bos_token_id": 0, "eos_token_id": 1,
-    }
-    if not tiny:
-        return flash
-    return {**flash, "hidden_size": 256, "num_attention_heads": 8, "head_dim": 128, "q_lora_rank": 128,
-            "o_groups": 2, "o_lora_rank": 64, "n_routed_experts": 16, "moe_intermediate_size": 128,
-            "index_n_heads": 8, "index_head_dim": 64, "index_topk": 32, "qk_rope_head_dim": 64}
-
-
-def bench_config(args):
-    """The random model's config: widths from ``--config`` / ``--tiny`` / V4-Flash, layers from ``--layers``."""
-    from ds4d.models.deepseek_v4.config import DeepseekV4Config
-
-    base = json.loads(Path(args.config).read_text()) if args.config else base_config(args.tiny)
-    layers = [int(x) for x in (args.layers or V4_LAYERS).split(",")]
-    data = {**base, "num_hidden_layers": len(layers), "compress_ratios": layers}
-    data.pop("quantization_config", None)
-    return DeepseekV4Config.from_dict(data, name="random-v4")
-
-
-def build(torch, args, device, offload_options=None):
-    """(cfg, reader, model, HF peer or None, note).  With ``offload_options`` the routed experts go to
-    an ``ExpertOffload`` layer by layer as they are drawn (device banks for the hot ones, host RAM for
-    the rest), so a model whose experts do not fit the device at once can be built; no HF peer then."""
-    from ds4d.models.deepseek_v4.model import DeepseekV4Model
-    from ds4d.models.deepseek_v4.offload import ExpertOffload
-    from ds4d.models.deepseek_v4.random_init import RandomReader
-    from ds4d.models.deepseek_v4.weights import read_weights
-
-    cfg = bench_config(args)
-    dtype = getattr(torch, args.dtype)
-    reader = RandomReader(cfg, dtype=dtype, device=device, seed=args.seed, native=args.native,
-                          keep_values=offload_options is None)
-    offload = None
-    if offload_options is not None:
-        args.no_hf = True
-        offload = ExpertOffload(None, cfg, device=device, dtype=dtype, options=offload_options)
-    weights = read_weights(reader, expert_sink=offload.adopt if offload is not None else None)
-    if offload is not None:
-        offload.finish()
-    model = DeepseekV4Model(cfg, weights, tokenizer=None, dtype=dtype, device=device, expert_offload=offload)
-    hf, hf_note = None, "skipped"
-    if not args.no_hf:
-        from ds4d.models.deepseek_v4.hf_compat import hf_model_from_tensors
-
-        for impl in ("grouped_mm", None):
-            try:
-                hf = hf_model_from_tensors(cfg, reader.issued, weights, dtype=dtype, device=device,
-                                           experts_implementation=impl)
-                hf_note = f"experts_implementation={impl or 'eager'}"
-                break
-            except (ValueError, ImportError) as exc:
-                hf_note = f"unavailable: {exc}"
-    return cfg, reader, model, hf, hf_note
-
-
 PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
               "sampled": " (graphs, steps queued ahead, temperature 1)",
               "sampled-top-p": " (graphs, steps queued ahead, temperature 1, top-p 0.95)",
               "plain-hc": " (graphs, torch hyper-connections)",
               "numba-hc": " (graphs, Numba hyper-connection kernel only)", "eager": " (no graphs)",
               "reference": " (reference path)"}
-
-
-def _set_path(model, path: str) -> None:
-    """graphs: every GPU path; lookahead: the same, the engine queueing each decode step behind the one
-    before (``decode_lookahead``); sampled, sampled-top-p: the same, sampling (``SAMPLED``) instead of greedy;
-    plain-hc: without the fused hyper-connection kernels; numba-hc: the Numba kernel for decode steps
-    too (not the Triton ones); torch-attention: prefill attention in torch's score blocks, not the
-    Triton kernel; torch-token-wise: a prefill's token-wise work in torch, not ``prefill_triton``;
-    all-rows: the last layer's feed-forward on every row, not only those whose logits are asked
-    for; eager: no CUDA graphs; reference: the portable path (expert loop, per-sequence attention,
-    dense window masks)."""
-    if not hasattr(model, "_hc_kernel_ok"):
-        model._hc_kernel_ok = model.fused_hc
-        model._attention_kernel_ok = model.fused_attention
-        model._prefill_kernels_ok = model.fused_prefill
-    model.fast_path = path != "reference"
-    model.use_graphs = path in ("graphs", "lookahead", "sampled", "sampled-top-p", "plain-hc", "numba-hc",
-                                "torch-attention", "torch-token-wise", "all-rows")
-    ok = model._hc_kernel_ok
-    model.fused_hc = {"plain-hc": False, "numba-hc": ok and "numba"}.get(path, ok)
-    model.fused_attention = model._attention_kernel_ok and path != "torch-attention"
-    model.fused_prefill = model._prefill_kernels_ok and path not in ("torch-token-wise", "plain-hc")
-    model.last_layer_rows_only = path != "all-rows"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -358,25 +192,24 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device if args.device != "cuda" or torch.cuda.is_available() else "cpu")
     torch.manual_seed(args.seed)
     bandwidth, matmul = measure_ceilings(torch, device)
-    _say(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s (read + write), bf16 matmul {matmul / 1e12:.0f} TFLOP/s")
+    say(f"ceilings: copy {bandwidth / 1e12:.2f} TB/s (read + write), bf16 matmul {matmul / 1e12:.0f} TFLOP/s")
     if args.sweep or args.kernels:
         from ds4d.bench.kernels import run_kernels, sweep
         from ds4d.cuda import quant_matmul
 
         if args.sweep:
-            quant_matmul.TUNING.update(sweep(torch, device, _say))
-            _say(f"tuning: {json.dumps(quant_matmul.TUNING)}")
+            quant_matmul.TUNING.update(sweep(torch, device, say))
+            say(f"tuning: {json.dumps(quant_matmul.TUNING)}")
         if args.kernels:
-            kernel_rows = run_kernels(torch, device, _say)
+            kernel_rows = run_kernels(torch, device, say)
             if args.json:
                 Path(args.json).with_suffix(".kernels.json").write_text(json.dumps(kernel_rows, indent=1))
     t0 = time.perf_counter()
     cfg, reader, model, hf, hf_note = build(torch, args, device)
     floors = Floors(cfg, reader.issued, bandwidth, matmul, native=args.native)
-    if args.compile:
-        model.compile_decode()
-    _say(f"built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}, HF {hf_note}, "
-         f"hyper-connection kernel {'on' if model.fused_hc else 'off'}")
+    best = model.paths.replace(compile_decode=args.compile)  # each row runs a model of its own over these weights
+    say(f"built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}, HF {hf_note}, "
+        f"hyper-connection kernel {'on' if best.hc_kernels != 'torch' else 'off'}")
     gen = torch.Generator().manual_seed(args.seed)
 
     def prompts(batch: int, length: int) -> list[list[int]]:
@@ -385,11 +218,11 @@ def run(args: argparse.Namespace) -> int:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if args.profile:
         for path in ("graphs", "eager"):
-            _set_path(model, path)
-            _profile_decode(torch, model, prompts(1, 1024)[0], path, sync)
+            _profile_decode(torch, on_path(model, path, best), prompts(1, 1024)[0], path, sync)
         return 0
-    check = _parity(torch, model, hf, prompts(1, 256)[0], device) if hf is not None else "no HF peer"
-    _say(f"same weights check (256-token prompt, logits ds4d vs HF): {check}")
+    check = _parity(torch, on_path(model, "eager", best), hf, prompts(1, 256)[0], device) if hf is not None \
+        else "no HF peer"
+    say(f"same weights check (256-token prompt, logits ds4d vs HF): {check}")
     paths = ["graphs", "plain-hc", "numba-hc", "eager"] + ([] if args.no_reference else ["reference"])
     rows: list[Row] = []
     n = args.decode_tokens
@@ -399,13 +232,13 @@ def run(args: argparse.Namespace) -> int:
         prefill_paths = [p for p in paths if p not in ("eager", "numba-hc")] + ["torch-attention", "torch-token-wise",
                                                                                 "all-rows"]
         for path in prefill_paths if tokens <= 2048 else ["graphs", "torch-token-wise", "all-rows"]:
-            _set_path(model, path)
+            timed = on_path(model, path, best)
             label = f"prefill {tokens} tok, b1" + {"graphs": "", "plain-hc": " (torch hyper-connections)",
                                                    "torch-attention": " (torch attention)",
                                                    "torch-token-wise": " (token-wise work in torch)",
                                                    "all-rows": " (last feed-forward on every row)",
                                                    "reference": " (reference path)"}[path]
-            got = _guarded(torch, f"ds4d {label}", lambda: _ds4d(torch, model, ids, 1, chunk=args.prefill_chunk,
+            got = _guarded(torch, f"ds4d {label}", lambda: _ds4d(torch, timed, ids, 1, chunk=args.prefill_chunk,
                                                                sync=sync, warm_tokens=2 * args.prefill_chunk)
                            .prefill_tok_s)
             theirs = _guarded(torch, "HF", lambda: _hf(torch, hf, ids, 1, device=device)[0]) \
@@ -417,12 +250,12 @@ def run(args: argparse.Namespace) -> int:
         ids = prompts(batch, context)
         hf_done = False
         for path in with_paths:
-            _set_path(model, path)
+            timed = on_path(model, path, best)
             chunk = min(args.prefill_chunk, max(128, 16384 // batch))
             label = f"decode b{batch} @{context // 1024}K" + PATH_NOTES[path]
             steps = n if path != "reference" else max(8, n // 4)
             got = _guarded(torch, f"ds4d {label}", lambda steps=steps, chunk=chunk, path=path: _ds4d(
-                torch, model, ids, steps, chunk=chunk, sync=sync, lookahead=path in ("lookahead", *SAMPLED),
+                torch, timed, ids, steps, chunk=chunk, sync=sync, lookahead=path in ("lookahead", *SAMPLED),
                 sampling=SAMPLED.get(path)).decode_tok_s)
             theirs = None
             if hf is not None and not hf_done:
@@ -440,8 +273,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_case(16384)
         decode_case(1, 32768, ["graphs"], hf_chunk=2048)
     if args.context:
-        _set_path(model, "graphs")
-        rows.extend(_long_context(torch, model, prompts(1, args.context), n, args.prefill_chunk, floors, sync))
+        rows.extend(_long_context(torch, on_path(model, "graphs", best), prompts(1, args.context), n, args.prefill_chunk, floors, sync))
 
     _print_table(rows, cfg, args, device, bandwidth, matmul, hf_note, check)
     if args.json:
@@ -467,7 +299,7 @@ def _long_context(torch, model, ids, decode_tokens: int, chunk: int, floors, syn
     steps = sorted(b - a for a, b in itertools.pairwise(stamps[2:]))  # past the first steps (graph capture)
     decode = 1 / steps[len(steps) // 2] if steps else None
     peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-    _say(f"context {tokens:,} tokens: KV blocks {kv_bytes / 2**20:.1f} MiB ({kv_bytes / tokens:.0f} B/token) + "
+    say(f"context {tokens:,} tokens: KV blocks {kv_bytes / 2**20:.1f} MiB ({kv_bytes / tokens:.0f} B/token) + "
          f"state {info.state_bytes_per_seq / 2**20:.1f} MiB per sequence; peak GPU memory {peak / 2**30:.1f} GiB; "
          f"prefill {timing.prefill_s:.1f} s; the pool holds {capacity:,} tokens (the daemon caps max_context "
          f"there and refuses a longer prompt before any work)")
@@ -491,17 +323,16 @@ def _profile_decode(torch, model, prompt, path: str, sync, steps: int = 8) -> No
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and not e.key.startswith("ProfilerStep")]
     device_us = sum(e.self_device_time_total for e in events) / steps
     kernels = sum(e.count for e in events) / steps
-    _say(f"\n## decode b1 @1K, {path}: {1e3 / timing.decode_tok_s:.3f} ms/step wall, "
+    say(f"\n## decode b1 @1K, {path}: {1e3 / timing.decode_tok_s:.3f} ms/step wall, "
          f"{device_us / 1e3:.3f} ms/step of device work in {kernels:.0f} kernels/step")
-    _say("| kernel | calls/step | us/step | share |")
-    _say("|---|---|---|---|")
+    say("| kernel | calls/step | us/step | share |")
+    say("|---|---|---|---|")
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:40]:
-        _say(f"| {e.key[:90]} | {e.count / steps:.0f} | {e.self_device_time_total / steps:.1f} | "
+        say(f"| {e.key[:90]} | {e.count / steps:.0f} | {e.self_device_time_total / steps:.1f} | "
              f"{e.self_device_time_total / steps / max(device_us, 1e-9):.1%} |")
 
 
 def _parity(torch, model, hf, ids, device) -> str:
-    _set_path(model, "eager")
     mine = model.logits_for(ids)
     with torch.no_grad():
         theirs = hf(input_ids=torch.tensor([ids], device=device)).logits[0].float()
@@ -526,15 +357,15 @@ def _print_table(rows, cfg, args, device, bandwidth, matmul, hf_note, check) -> 
     import torch
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    _say()
-    _say(f"# ds4d bench model — random V4 ({cfg.hidden_size} wide, {cfg.n_routed_experts} experts, layers "
+    say()
+    say(f"# ds4d bench model — random V4 ({cfg.hidden_size} wide, {cfg.n_routed_experts} experts, layers "
          f"{list(cfg.compress_ratios)}), {args.dtype}{' with FP8 linears + MXFP4 experts as stored' if args.native else ''}, {name}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}")
-    _say(f"# ceilings measured: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
+    say(f"# ceilings measured: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s; "
          f"HF {hf_note}; {check}")
-    _say(f"# decode: {args.decode_tokens} greedy tokens per sequence after the prompt; tok/s = all sequences")
-    _say("| case | ds4d tok/s | HF tok/s | ds4d / HF | floor tok/s | ds4d / floor |")
-    _say("|---|---|---|---|---|---|")
+    say(f"# decode: {args.decode_tokens} greedy tokens per sequence after the prompt; tok/s = all sequences")
+    say("| case | ds4d tok/s | HF tok/s | ds4d / HF | floor tok/s | ds4d / floor |")
+    say("|---|---|---|---|---|---|")
     for r in rows:
-        _say(f"| {r.case} | {_fmt(r.ds4d)} | {_fmt(r.hf)} | {_ratio(r.ds4d, r.hf)} | {_fmt(r.floor)} | "
+        say(f"| {r.case} | {_fmt(r.ds4d)} | {_fmt(r.hf)} | {_ratio(r.ds4d, r.hf)} | {_fmt(r.floor)} | "
              f"{_ratio(r.ds4d, r.floor)} |")
     sys.stdout.flush()

@@ -13,7 +13,10 @@ whether the offloaded logits equal the all-on-device ones bit for bit.
 
 from __future__ import annotations
 
+import gc
 import time
+
+from ds4d.bench.random_v4 import Floors, bench_config, build, measure_ceilings, on_path, say
 
 
 def _delta(after: dict, before: dict) -> dict:
@@ -42,7 +45,7 @@ def run_offload(args) -> int:
     import torch
 
     from ds4d.bench.harness import make_engine, run_batch
-    from ds4d.bench.model import Floors, _say, _set_path, bench_config, build, measure_ceilings
+    from ds4d.models.deepseek_v4.model import DeepseekV4Model
     from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
 
     fractions = [float(f) for f in args.expert_gpu_fraction.split(",") if f]
@@ -56,11 +59,11 @@ def run_offload(args) -> int:
     cfg, reader, model, _, _ = build(torch, args, device, options)
     floors = Floors(cfg, reader.issued, bandwidth, matmul, native=args.native)
     reader.issued.clear()
-    _say(f"built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}"
+    say(f"built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}"
          + (f"; experts placed as built: {model.expert_offload.expert_stats()['gpu_experts']} on the device"
             if stream else ""))
     if device.type == "cuda":
-        _say(f"device memory: {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated")
+        say(f"device memory: {torch.cuda.memory_allocated(device) / 2**30:.1f} GiB allocated")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     gen = torch.Generator().manual_seed(args.seed)
     check_ids = torch.randint(100, cfg.vocab_size, (256,), generator=gen).tolist()
@@ -69,8 +72,10 @@ def run_offload(args) -> int:
     long_ids = torch.randint(100, cfg.vocab_size, (1, args.context), generator=gen).tolist() if args.context else None
     steps = args.decode_tokens
 
-    def timed(label: str, long: bool = True) -> dict:
-        """Prefill 2K (and ``--context``) and decode b1 after 1K: tok/s, and the offload's traffic in each."""
+    def timed(model, label: str, long: bool = True) -> dict:
+        """Prefill 2K (and ``--context``) and decode b1 after 1K on ``model``: tok/s, and the offload's
+        traffic in each."""
+        gc.collect()  # models of rows before (they and their decode graphs refer to each other) go first
         offload = model.expert_offload
         stats = offload.expert_stats if offload else (lambda: None)
         engine = make_engine(model, max_num_seqs=1, context_tokens=max(2048, args.context) + steps + 8,
@@ -98,38 +103,40 @@ def run_offload(args) -> int:
                 result["moved_long"] = _delta(stats(), s5)
         if device.type == "cuda":
             result["peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 1)
-        _say(f"  {label}: {result}")
+        say(f"  {label}: {result}")
         return result
 
     rows, reference = [], None
     layer = model.weights.layers[0]
     moe_x = torch.randn(2048, cfg.hidden_size, generator=gen).to(device, model.dtype)
     moe_ids = torch.tensor(prefill_ids[0], device=device)
+    base = model.paths  # every path the device has; each row runs a model of its own over these weights
     if not stream:
-        _set_path(model, "eager")
-        reference = model.logits_for(check_ids)
-        repeat = model.logits_for(check_ids)
-        _say(f"all-on-device logits, run twice: equal {torch.equal(repeat, reference)}")
+        eager = on_path(model, "eager", base)
+        reference = eager.logits_for(check_ids)
+        repeat = eager.logits_for(check_ids)
+        say(f"all-on-device logits, run twice: equal {torch.equal(repeat, reference)}")
         from ds4d.models.deepseek_v4.moe import moe_forward
 
         moe_ref = moe_forward(moe_x, moe_ids, layer.ffn, cfg, grouped=True)
-        _set_path(model, "graphs")
-        rows.append(("all on device, no offload (graphs)", timed("all experts on the device (graphs)"), None))
-        _set_path(model, "eager")
-        rows.append(("all on device, no offload (eager)", timed("all experts on the device (eager)"), None))
+        rows.append(("all on device, no offload (graphs)",
+                     timed(on_path(model, "graphs", base), "all experts on the device (graphs)"), None))
+        rows.append(("all on device, no offload (eager)", timed(eager, "all experts on the device (eager)"), None))
+        del eager
         t0 = time.perf_counter()
-        model.expert_offload = ExpertOffload(
+        offload = ExpertOffload(
             model.weights, cfg, device=device, dtype=model.dtype,
             options=OffloadOptions(vram_bytes=1 << 50, placement="static", cpu_threads=args.expert_cpu_threads,
                                    native=args.native))
+        model = DeepseekV4Model(cfg, model.weights, model.tokenizer, dtype=model.dtype, device=device,
+                                expert_offload=offload, paths=base)
     offload = model.expert_offload
-    _set_path(model, "graphs")  # decode steps that read cold experts in place (zero copy) replay graphs
-    if args.compile:
-        model.compile_decode()
+    best = base.replace(compile_decode=args.compile)
+    graphs = on_path(model, "graphs", best)  # decode steps that read cold experts in place (zero copy) replay graphs
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    _say(f"zero-copy decode: {offload.zero_copy}")
-    _say(f"experts to host RAM in {time.perf_counter() - t0:.1f} s (pinned in {offload.pinned.seconds:.1f} s, "
+    say(f"zero-copy decode: {offload.zero_copy}")
+    say(f"experts to host RAM in {time.perf_counter() - t0:.1f} s (pinned in {offload.pinned.seconds:.1f} s, "
          f"huge pages {offload.slots.arena.huge_pages}); PCIe {offload.pcie_bytes_s / 1e9:.1f} GB/s, "
          f"CPU expert {offload.cpu_expert_s * 1e3:.2f} ms")
     total = cfg.num_hidden_layers * cfg.n_routed_experts
@@ -141,55 +148,52 @@ def run_offload(args) -> int:
             torch.cuda.empty_cache()
         same = "not checked (no all-on-device run at this depth)"
         if reference is None and offload.expert_stats()["ram_experts"] == 0:  # every expert placed on the device
-            _set_path(model, "eager")
-            reference = model.logits_for(check_ids)
+            reference = on_path(model, "eager", best).logits_for(check_ids)
             moe_ref = offload.moe_forward(0, moe_x, moe_ids, layer.ffn, cfg)
-            _set_path(model, "graphs")
             same = "reference (every expert on the device, placed as built)"
         elif reference is not None:
-            got = model.logits_for(check_ids)
+            got = graphs.logits_for(check_ids)
             moe_got = offload.moe_forward(0, moe_x, moe_ids, layer.ffn, cfg)
             same = (f"MoE layer {torch.equal(moe_got, moe_ref)}; logits {torch.equal(got, reference)} "
                     f"(max |diff| {(got - reference).abs().max().item():.1e})")
         stats = offload.expert_stats()
-        _say(f"{fraction:.0%} on device: {stats['gpu_experts']} experts; host RAM {stats['host_ram_bytes'] / 2**30:.1f} "
+        say(f"{fraction:.0%} on device: {stats['gpu_experts']} experts; host RAM {stats['host_ram_bytes'] / 2**30:.1f} "
              f"GiB for {stats['host_experts']} experts")
         label = f"{stats['gpu_experts']}/{total} experts on device ({fraction:.0%})"
         if offload.gather and not args.gather_only:  # the same placement, decode reading cold experts in place
             offload.gather = False
             rows.append((label + ", decode reads cold experts in place" + (", compiled" if args.compile else ""),
-                         timed(f"{fraction:.0%} on device, in place", long=False), same))
+                         timed(graphs, f"{fraction:.0%} on device, in place", long=False), same))
             offload.gather = True
             label += ", decode gathers cold experts first"
         try:
-            rows.append((label + (", compiled" if args.compile else ""), timed(f"{fraction:.0%} on device"), same))
+            rows.append((label + (", compiled" if args.compile else ""), timed(graphs, f"{fraction:.0%} on device"),
+                         same))
         except Exception as exc:  # a failed compile must not lose the uncompiled figures
             if not args.compile:
                 raise
-            _say(f"  compiled decode failed ({type(exc).__name__}: {exc}); again without torch.compile")
+            say(f"  compiled decode failed ({type(exc).__name__}: {exc}); again without torch.compile")
             args.compile = False
-            model._graphs.clear()
-            from ds4d.cuda.graphs import GraphCache
-
-            model._graphs = GraphCache(model._decode_step)
-            rows.append((label, timed(f"{fraction:.0%} on device"), same))
+            best = best.replace(compile_decode=False)
+            graphs = on_path(model, "graphs", best)
+            rows.append((label, timed(graphs, f"{fraction:.0%} on device"), same))
 
     pcie = offload.pcie_bytes_s
     stats = offload.expert_stats()
-    _say()
-    _say(f"# ds4d bench model --expert-gpu-fraction — random V4 ({cfg.hidden_size} wide, {cfg.n_routed_experts} "
+    say()
+    say(f"# ds4d bench model --expert-gpu-fraction — random V4 ({cfg.hidden_size} wide, {cfg.n_routed_experts} "
          f"experts, {cfg.num_hidden_layers} layers {list(cfg.compress_ratios)}), {args.dtype}"
          f"{', MXFP4 experts kept as stored on the device' if offload.native else ''}, "
          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, {time.strftime('%Y-%m-%d')}")
-    _say(f"# PCIe host->device {pcie / 1e9:.1f} GB/s (measured, one staging bank); HBM copy {bandwidth / 1e12:.2f} TB/s; "
+    say(f"# PCIe host->device {pcie / 1e9:.1f} GB/s (measured, one staging bank); HBM copy {bandwidth / 1e12:.2f} TB/s; "
          f"expert {offload.host_expert_bytes / 2**20:.1f} MiB; decode: {steps} tokens after 1K; prefill 2048 tokens"
          f"{f' and {args.context}' if args.context else ''} in chunks of {args.prefill_chunk}; host RAM at the end "
          f"{stats['host_ram_bytes'] / 2**30:.1f} GiB ({stats['host_experts']} experts)")
     long_head = f" prefill {args.context} tok/s | floor | GB copied / skipped |" if args.context else ""
-    _say("| placement | prefill tok/s | floor | GB copied / skipped | decode b1 tok/s | floor | "
+    say("| placement | prefill tok/s | floor | GB copied / skipped | decode b1 tok/s | floor | "
          f"GB copied / skipped / read in place per token | CPU experts / token |{long_head} "
          "bit-identical to all on device |")
-    _say("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.context else "") + "---|")
+    say("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.context else "") + "---|")
     for label, result, same in rows:
         pre_floor, dec_floor = floors.prefill(2048), floors.decode(1, 1024)
         long_floor = floors.prefill(args.context) if args.context else 0
@@ -208,11 +212,11 @@ def run_offload(args) -> int:
         long_cells = ""
         if args.context:
             long_cells = f" {result['long']:,.0f} | {long_floor:,.0f} | {moved_l} |" if "long" in result else " | | |"
-        _say(f"| {label} | {result['prefill']:,.0f} | {pre_floor:,.0f} | {moved_p} | {result['decode']:,.1f} | "
+        say(f"| {label} | {result['prefill']:,.0f} | {pre_floor:,.0f} | {moved_p} | {result['decode']:,.1f} | "
              f"{dec_floor:,.0f} | {moved_d} | {cpu:.1f} |{long_cells} {same or 'reference'} |")
     hit = [row["hit_rate"] for row in stats["layers"] if row["hit_rate"] is not None]
     if hit:
-        _say(f"# GPU hit rate per layer over the whole run: min {min(hit):.2f}, mean {sum(hit) / len(hit):.2f}, "
+        say(f"# GPU hit rate per layer over the whole run: min {min(hit):.2f}, mean {sum(hit) / len(hit):.2f}, "
              f"max {max(hit):.2f}")
     offload.close()
     return 0

@@ -72,7 +72,8 @@ def _gpu_used(gpus) -> list[float]:
 def run(args) -> int:
     import torch
 
-    from ds4d.bench.model import Floors, _ds4d, _fmt, _guarded, _ratio, _say, base_config, build, measure_ceilings
+    from ds4d.bench.model import _ds4d, _fmt, _guarded, _ratio
+    from ds4d.bench.random_v4 import Floors, base_config, build, measure_ceilings, say
     from ds4d.models.deepseek_v4.parallel import RandomWeights, build_parallel_model
 
     on_cpu = args.gpus.startswith("cpu:")
@@ -86,7 +87,7 @@ def run(args) -> int:
     if not on_cpu:
         torch.cuda.set_device(device)
     bandwidth, matmul = measure_ceilings(torch, device)
-    _say(f"ceilings of one GPU: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s")
+    say(f"ceilings of one GPU: copy {bandwidth / 1e12:.2f} TB/s, bf16 matmul {matmul / 1e12:.0f} TFLOP/s")
     sync = torch.cuda.synchronize if not on_cpu else (lambda: None)
     sync_all = (lambda: [torch.cuda.synchronize(g) for g in gpus]) if not on_cpu else (lambda: None)
 
@@ -118,7 +119,7 @@ def run(args) -> int:
     floors = {ep: Floors(cfg, reader.issued, bandwidth, matmul, native=args.native, ep=ep)
               for ep in range(1, count + 1)}
     del reader
-    _say(f"one process built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}")
+    say(f"one process built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}")
     reference = _prompt_logits(torch, model, check_ids)
     one = "1 process" if on_cpu else "1 GPU"
     results = [{"layout": one, "stages": 1, "ep": 1, "gpu_gib": _gpu_used(gpus) if not on_cpu else [],
@@ -136,13 +137,13 @@ def run(args) -> int:
             split = build_parallel_model(RandomWeights(config, args.seed), ranks, "1x1" if layout == ONE else layout,
                                          dtype=args.dtype, native=args.native)
         except Exception as exc:  # noqa: BLE001 - one layout failing must not lose the others
-            _say(f"{layout}: could not start: {type(exc).__name__}: {exc}")
+            say(f"{layout}: could not start: {type(exc).__name__}: {exc}")
             continue
         stages, ep = split.placement.stages, split.placement.ep_size
         where = f"{count} processes" if on_cpu else f"GPUs {list(split.placement.devices)}"
         name = f"{one}, sharded step" if layout == ONE else f"{layout} ({stages} x {ep}, {where})"
         try:
-            _say(f"{name}: built in {time.perf_counter() - t0:.1f} s")
+            say(f"{name}: built in {time.perf_counter() - t0:.1f} s")
             logits = _prompt_logits(torch, split, check_ids)
             diff = (logits - reference).abs().max().item() / reference.abs().max().item()
             same = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
@@ -157,7 +158,7 @@ def run(args) -> int:
             if not on_cpu:
                 torch.cuda.empty_cache()
 
-    _table(torch, results, floors, cfg, args, batches, device, bandwidth, matmul, _fmt, _ratio, _say)
+    _table(torch, results, floors, cfg, args, batches, device, bandwidth, matmul, _fmt, _ratio, say)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": results, "bandwidth": bandwidth, "matmul": matmul},
                                               indent=2, default=str))

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from ds4d.bench import model as bench
+from ds4d.bench import random_v4
 from ds4d.bench.harness import make_engine
 from ds4d.engine.request import EngineRequest, SamplingParams
 
@@ -35,10 +35,8 @@ def main() -> int:
     args = parser.parse_args()
     build_args = argparse.Namespace(config="", tiny=False, layers=args.layers, dtype="bfloat16", seed=0, no_hf=True,
                                     native=args.native, device="cuda")
-    cfg, _, model, _, _ = bench.build(torch, build_args, torch.device("cuda"))
-    bench._set_path(model, "graphs")
-    if args.compile:
-        model.compile_decode()
+    cfg, _, built, _, _ = random_v4.build(torch, build_args, torch.device("cuda"))
+    model = random_v4.on_path(built, "graphs", built.paths.replace(compile_decode=args.compile))
     engine = make_engine(model, max_num_seqs=1, context_tokens=1024 + 2 * args.steps + 64, prefill_chunk=2048,
                          lookahead=args.lookahead)
     prompt = torch.randint(100, cfg.vocab_size, (1024,), generator=torch.Generator().manual_seed(0)).tolist()

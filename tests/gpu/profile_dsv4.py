@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ds4d.bench import model as bench
+from ds4d.bench import random_v4
 from ds4d.contracts import ForwardBatch, SeqChunk
 
 
@@ -72,15 +73,15 @@ def main() -> int:
     bench_parser = argparse.ArgumentParser()
     bench.add_parser(bench_parser.add_subparsers())
     build_args = bench_parser.parse_args(["model", "--no-hf"] + ["--tiny"] * args.tiny + ["--native"] * args.native)
-    cfg, _, model, _, _ = bench.build(torch, build_args, torch.device("cuda"))
+    cfg, _, built, _, _ = random_v4.build(torch, build_args, torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, cfg.vocab_size, (16384,), generator=gen).tolist()
     for path in ("graphs", "eager"):
-        bench._set_path(model, path)
+        model = random_v4.on_path(built, path, built.paths)
         _steps(model, ids[:2048], 2048, 4)  # warm
         times = _steps(model, ids[:2048], 2048, 8) + _steps(model, ids, 2048, 0)
         print(f"# {path}: " + ", ".join(f"{name} {t * 1e3:.1f} ms" for name, t in times), flush=True)
-    bench._set_path(model, "eager")
+    model = random_v4.on_path(built, "eager", built.paths)
     model.allocate_cache(40, 1)
     first = ForwardBatch((SeqChunk(0, tuple(ids[:2048]), 0, tuple(range(16)), 1),))
     later = ForwardBatch((SeqChunk(0, tuple(ids[2048:4096]), 2048, tuple(range(32)), 1),))

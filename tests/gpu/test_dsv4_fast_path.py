@@ -1,6 +1,6 @@
 """The GPU paths' arithmetic, checked on the CPU: fast path against the reference path.
 
-``fast_path`` (grouped experts, batched decode attention) is plain torch, so it
+``ForwardPaths.fast_path`` (grouped experts, batched decode attention) is plain torch, so it
 runs on the CPU too (the grouped matmul falls back to a batched product over
 per-row weights).  Here it must reproduce the reference path's logits in float32
 while sequences mix prefill chunks and batched decode steps, padding rows
@@ -16,6 +16,7 @@ import torch
 
 from ds4d.contracts import ForwardBatch, SeqChunk
 from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
+from ds4d.models.deepseek_v4.paths import ForwardPaths
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -32,14 +33,14 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_path_matches_reference(checkpoint, device):
     model = load_model(checkpoint, device=device)
+    if device == "cpu":
+        model = model.with_paths(ForwardPaths(fast_path=True))
     rng = random.Random(1)
     ids = [rng.randrange(1000, 50000) for _ in range(300)]
     other = [rng.randrange(1000, 50000) for _ in range(200)]
-    model.fast_path = False
-    reference = model.logits_for(ids)
+    reference = model.with_paths(ForwardPaths()).logits_for(ids)  # the reference path on this device
 
-    model.fast_path = True
-    model.allocate_cache(16, 3)
+    model.allocate_cache(16, 3)  # the device's own paths (on the CPU: fast_path alone)
     got = [model.forward(ForwardBatch((SeqChunk(0, tuple(ids[:140]), 0, (3, 7), 140),)))]
     model.forward(ForwardBatch((SeqChunk(1, tuple(other[:5]), 0, (9,), 1),)))
     for pos in range(140, 300):
@@ -97,8 +98,7 @@ def test_block_local_prefill_matches_dense(tmp_path, window):
     rng = random.Random(window)
     ids = [rng.randrange(1000, 50000) for _ in range(333)]
     dense = model.logits_for(ids)
-    model.fast_path = True
-    local = model.logits_for(ids)
+    local = model.with_paths(ForwardPaths(fast_path=True)).logits_for(ids)
     assert (local - dense).abs().max().item() < 2e-4
     assert torch.equal(local.argmax(-1), dense.argmax(-1))
 
@@ -119,7 +119,7 @@ def test_prefill_through_the_attention_kernel_matches_dense(tmp_path, device):
     ids = [rng.randrange(1000, 50000) for _ in range(300)]
     other = [rng.randrange(1000, 50000) for _ in range(60)]
     dense, dense_other = model.logits_for(ids), model.logits_for(other)
-    model.fast_path, model.fused_attention = True, True
+    model = model.with_paths(model.paths.replace(fast_path=True, fused_attention=True))
     calls = []
     real = attention_triton.window_attention
     with pytest.MonkeyPatch.context() as patch:
@@ -157,7 +157,7 @@ def test_prefill_through_the_token_wise_kernels_matches_dense(tmp_path, device):
     rng = random.Random(9)
     ids = [rng.randrange(1000, 50000) for _ in range(300)]
     dense = model.logits_for(ids)
-    model.fast_path, model.fused_prefill = True, True
+    model = model.with_paths(model.paths.replace(fast_path=True, fused_prefill=True))
     calls = {name: 0 for name in ("hc_update", "head_norm_rope", "swiglu")}
     with pytest.MonkeyPatch.context() as patch:
         for name in calls:
@@ -183,8 +183,7 @@ def test_prefill_through_the_token_wise_kernels_matches_dense(tmp_path, device):
 @pytest.mark.parametrize("fast", [False, True])
 def test_chunks_without_logits_still_write_the_cache(checkpoint, fast):
     """The engine asks for no logits on a prompt's inner chunks; their KV and state must still be written."""
-    model = load_model(checkpoint)
-    model.fast_path = fast
+    model = load_model(checkpoint, paths=ForwardPaths(fast_path=fast))
     rng = random.Random(4)
     ids = [rng.randrange(1000, 50000) for _ in range(300)]
     whole = model.logits_for(ids)

@@ -60,7 +60,7 @@ def _relative_rows(mine: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 def test_fp32_matches_hf_and_greedy_decode(checkpoint, oracle):
     ours = load_model(checkpoint, dtype=torch.float32, device="cuda")
-    assert ours.fast_path and ours.use_graphs
+    assert ours.paths.fast_path and ours.paths.decode_graphs == "cuda"
     ids = _prompt(ours, 300)
     relative = _relative_rows(ours.logits_for(ids), _hf_logits(oracle, ids)).max().item()
     assert relative < 1e-3, relative
@@ -155,12 +155,10 @@ def test_batched_decode_equals_solo(checkpoint, dtype):
 def test_graph_replay_equals_eager(fp32_model):
     ids = _prompt(fp32_model, 200)
     runs = []
-    for graphs in (False, True):
-        fp32_model.use_graphs = graphs
-        driver = Driver(fp32_model, seed=7)
+    for graphs in ("off", "cuda"):
+        driver = Driver(fp32_model.with_paths(fp32_model.paths.replace(decode_graphs=graphs)), seed=7)
         driver.start("a")
         first = int(driver.prefill("a", ids, 64)[-1].argmax())
         runs.append(_greedy(driver, ["a"], {"a": first}, 12))
-    fp32_model.use_graphs = True
     assert runs[0][0] == runs[1][0]
     assert (runs[0][1]["a"] - runs[1][1]["a"]).abs().max().item() < 2e-4

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
+from ds4d.models.deepseek_v4.paths import ForwardPaths
 from tests.unit.test_cache_dsv4 import engine, serve
 from tests.unit.test_dsv4_model import Driver, _tokens
 
@@ -91,10 +92,10 @@ def _greedy(model, ids, steps):
 
 
 def test_compiled_decode_equals_eager(checkpoint):
-    eager = load_model(checkpoint, dtype=torch.float32, device="cuda")
-    eager.use_graphs = False
-    compiled = load_model(checkpoint, dtype=torch.float32, device="cuda")
-    compiled.compile_decode()
+    eager = load_model(checkpoint, dtype=torch.float32, device="cuda",
+                       paths=ForwardPaths.for_device("cuda").replace(decode_graphs="off"))
+    compiled = load_model(checkpoint, dtype=torch.float32, device="cuda",
+                          paths=ForwardPaths.for_device("cuda", compile_decode=True))
     ids = _tokens(eager, 150, 9)
     want_tokens, want = _greedy(eager, ids, 12)
     got_tokens, got = _greedy(compiled, ids, 12)

@@ -47,7 +47,7 @@ def test_reading_tokens_does_not_wait_for_work_queued_behind_them(model):
 
 
 def test_steps_queued_ahead_through_the_graphs_give_step_by_step_tokens(model):
-    assert model.use_graphs
+    assert model.paths.decode_graphs == "cuda"
     (plain, none_ahead), (ahead, steps_ahead) = step_by_step_and_ahead(model, 12)
     assert none_ahead == 0 and steps_ahead > 0
     assert ahead == plain

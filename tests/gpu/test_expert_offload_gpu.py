@@ -13,6 +13,7 @@ import torch
 
 from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
 from ds4d.models.deepseek_v4.offload import OffloadOptions
+from ds4d.models.deepseek_v4.paths import ForwardPaths
 from tests.unit.test_expert_offload import LAYERS, _steps
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -24,9 +25,11 @@ def checkpoint(tmp_path_factory):
 
 
 def _reference(checkpoint, dtype):
-    model = load_model(checkpoint, dtype=dtype, device="cuda")
-    model.use_graphs = False
-    return _steps(model)
+    return _steps(load_model(checkpoint, dtype=dtype, device="cuda", paths=_without_graphs()))
+
+
+def _without_graphs() -> ForwardPaths:
+    return ForwardPaths.for_device("cuda").replace(decode_graphs="off")
 
 
 def _half(offload) -> None:
@@ -39,8 +42,8 @@ def test_staged_and_device_experts_are_bit_identical(checkpoint, dtype):
     batch size, so there the rows agree to float32 rounding."""
     want = _reference(checkpoint, dtype)
     model = load_model(checkpoint, dtype=dtype, device="cuda",
-                       offload=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy"))
-    model.use_graphs = False  # eager, as the reference (graphs pad the batch: test_zero_copy_... below)
+                       offload=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy"),
+                       paths=_without_graphs())  # eager, as the reference (graphs pad the batch: test_zero_copy_...)
     offload = model.expert_offload
     assert offload.pinned.enabled
     _half(offload)

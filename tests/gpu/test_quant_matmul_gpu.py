@@ -17,7 +17,7 @@ import torch
 from ds4d.cuda import quant_matmul as qm
 from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4, quantize_fp8_block, quantize_mxfp4
-from ds4d.models.deepseek_v4.weights import Fp8Weight
+from ds4d.models.deepseek_v4.stored import Fp8Weight
 from tests.unit.test_dsv4_model import Driver
 
 pytestmark = [
@@ -156,9 +156,8 @@ def test_native_graph_decode_equals_eager(models):
     native, _ = models
     prompt = [(i * 31) % 9000 + 10 for i in range(150)]
     runs = []
-    for graphs in (True, False):
-        native.use_graphs = graphs
-        driver = Driver(native, seed=1)
+    for graphs in ("cuda", "off"):
+        driver = Driver(native.with_paths(native.paths.replace(decode_graphs=graphs)), seed=1)
         driver.start("a")
         last = driver.prefill("a", prompt, chunk=150)[-1:]
         tokens, logits = [], []
@@ -167,7 +166,6 @@ def test_native_graph_decode_equals_eager(models):
             last = driver.step([("a", tokens[-1:], 1)])[0]
             logits.append(last)
         runs.append((tokens, torch.cat(logits)))
-    native.use_graphs = True
     assert runs[0][0] == runs[1][0]
     assert (runs[0][1] - runs[1][1]).abs().max().item() < 1e-2 * runs[1][1].abs().max().item()
 

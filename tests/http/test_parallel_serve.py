@@ -21,9 +21,10 @@ import psutil
 import pytest
 import torch
 
-from ds4d.kernel import check_split_knobs, parse_gpus
 from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
-from ds4d.models.deepseek_v4.family import load_tokenizer
+from ds4d.models.deepseek_v4.knobs import check_split_knobs
+from ds4d.models.deepseek_v4.loader import load_tokenizer
+from ds4d.parallel.gpus import parse_gpus
 from ds4d.registry import PluginError
 from tests.daemon import Daemon
 

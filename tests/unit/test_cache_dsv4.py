@@ -187,13 +187,9 @@ def step_by_step_and_ahead(v4, max_tokens: int) -> list[tuple[dict, int]]:
 def test_lookahead_through_the_padded_decode_step(model):  # noqa: F811
     """The decode path the CUDA graphs replay (bucket-padded rows, tokens packed with positions and
     block tables), run eagerly on the CPU: tokens fed on the device give the tokens fed from the host."""
-    from ds4d.cuda.graphs import EagerBuckets
+    from ds4d.models.deepseek_v4.paths import ForwardPaths
 
-    saved = model.fast_path, model._graphs, model.use_graphs
-    try:
-        model.fast_path, model._graphs, model.use_graphs = True, EagerBuckets(model._decode_step), True
-        (plain, none_ahead), (ahead, steps_ahead) = step_by_step_and_ahead(model, 10)
-        assert none_ahead == 0 and steps_ahead > 0 and ahead == plain
-        assert len(model._graphs) > 0  # the padded decode step ran
-    finally:
-        model.fast_path, model._graphs, model.use_graphs = saved
+    padded = model.with_paths(ForwardPaths(fast_path=True, decode_graphs="padded"))
+    (plain, none_ahead), (ahead, steps_ahead) = step_by_step_and_ahead(padded, 10)
+    assert none_ahead == 0 and steps_ahead > 0 and ahead == plain
+    assert len(padded._graphs) > 0  # the padded decode step ran

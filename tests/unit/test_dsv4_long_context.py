@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ds4d.models.deepseek_v4 import attention, load_model, write_tiny_checkpoint
+from ds4d.models.deepseek_v4.paths import ForwardPaths
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -26,7 +27,7 @@ def model(tmp_path_factory):
 
 @pytest.mark.parametrize("local_window", [False, True])
 def test_blocked_sparse_csa_equals_dense(model, monkeypatch, local_window):
-    model.fast_path = local_window  # the block-by-block window path, as on the GPU
+    model = model.with_paths(ForwardPaths(fast_path=local_window))  # the block-by-block window path, as on the GPU
     prompt = [(i * 104729) % 30000 + 20 for i in range(700)]  # 175 CSA entries, 700 > the 128-token window
     dense = model.logits_for(prompt)
     calls = []
@@ -35,7 +36,6 @@ def test_blocked_sparse_csa_equals_dense(model, monkeypatch, local_window):
     monkeypatch.setattr(attention, "SPARSE_FROM", 0)
     monkeypatch.setattr(attention, "SCORE_BLOCK_BYTES", 4 * 8 * 175 * 100)  # 8 index heads: blocks of 100 queries
     sparse = model.logits_for(prompt)
-    model.fast_path = False
     assert calls, "the CSA layers went through the indexer"
     assert (sparse - dense).abs().max().item() < 1e-5 * dense.abs().max().item()
     assert torch.equal(sparse.argmax(-1), dense.argmax(-1))
@@ -46,7 +46,7 @@ def test_blocked_sparse_csa_equals_dense(model, monkeypatch, local_window):
 def test_attention_in_query_blocks_equals_one_block(model, monkeypatch, local_window, sparse):
     """A chunk whose scores would pass ``ATTEND_BLOCK_BYTES`` attends in query blocks (single queries,
     or whole windows on the block-by-block window path), with shared or per-query compressed entries."""
-    model.fast_path = local_window
+    model = model.with_paths(ForwardPaths(fast_path=local_window))
     if sparse:
         monkeypatch.setattr(attention, "SPARSE_FROM", 0)
     prompt = [(i * 7919) % 30000 + 20 for i in range(600)]
@@ -56,7 +56,6 @@ def test_attention_in_query_blocks_equals_one_block(model, monkeypatch, local_wi
     monkeypatch.setattr(attention, "_query_blocks", lambda *a, **k: blocks.append(real(*a, **k)) or blocks[-1])
     monkeypatch.setattr(attention, "ATTEND_BLOCK_BYTES", 1)
     blocked = model.logits_for(prompt)
-    model.fast_path = False
     window = model.cfg.sliding_window
     assert max(map(len, blocks)) == (-(-600 // window) if local_window else 600)
     assert (blocked - whole).abs().max().item() < 1e-5 * whole.abs().max().item()

@@ -18,14 +18,15 @@ import torch
 
 pytest.importorskip("triton")
 
-from ds4d.cuda.graphs import EagerBuckets
 from ds4d.models.deepseek_v4 import write_tiny_checkpoint
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
-from ds4d.models.deepseek_v4.family import native_weights
+from ds4d.models.deepseek_v4.knobs import native_weights
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
-from ds4d.models.deepseek_v4.weights import Fp8Weight, Mxfp4Matrices, read_weights
+from ds4d.models.deepseek_v4.paths import ForwardPaths
+from ds4d.models.deepseek_v4.stored import Fp8Weight, Mxfp4Matrices
+from ds4d.models.deepseek_v4.weights import read_weights
 from tests.unit.test_dsv4_model import Driver
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -36,16 +37,16 @@ def checkpoint(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), seed=11, layers=[0, 4, 128])
 
 
-def _load(path, native: bool) -> DeepseekV4Model:
+def _load(path, native: bool, padded: bool = False) -> DeepseekV4Model:
     cfg = DeepseekV4Config.from_file(path)
     checkpoint = SafetensorsCheckpoint(path)
     try:
         weights = read_weights(WeightReader(checkpoint, cfg, dtype=torch.float32, native=native))
     finally:
         checkpoint.close()
-    model = DeepseekV4Model(cfg, weights, tokenizer=None, dtype=torch.float32)
-    model.fast_path = True  # grouped experts and batched decode, the paths the GPU runs
-    return model
+    # grouped experts and batched decode (padded to buckets as the graphs run them: ``padded``)
+    return DeepseekV4Model(cfg, weights, tokenizer=None, dtype=torch.float32,
+                           paths=ForwardPaths(fast_path=True, decode_graphs="padded" if padded else "off"))
 
 
 def test_native_layout(checkpoint):
@@ -136,12 +137,11 @@ def test_offload_with_native_banks_equals_all_on_device(checkpoint, gather_cold)
 def test_zero_copy_counts_leave_out_bucket_padding(checkpoint):
     """Decode steps padded to a bucket (as the CUDA graphs run them): three sequences fill a bucket of
     four, and the padding row (scratch slot) is computed but neither counted nor read from the host."""
-    model = _load(checkpoint, native=True)
+    model = _load(checkpoint, native=True, padded=True)
     offload = ExpertOffload(model.weights, model.cfg, device="cpu", dtype=model.dtype,
                             options=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy", native=True))
     model.expert_offload = offload
     offload.set_placement([[e for e in range(8) if (e + layer) % 2] for layer in range(model.cfg.num_hidden_layers)])
-    model._graphs, model.use_graphs = EagerBuckets(model._decode_step), True
     driver = Driver(model)
     names = ("a", "b", "c")
     tokens = {}

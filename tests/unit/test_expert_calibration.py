@@ -20,7 +20,7 @@ import pytest
 
 from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
 from ds4d.models.deepseek_v4.calibrate import FORMAT, read_counts
-from ds4d.models.deepseek_v4.family import offload_options
+from ds4d.models.deepseek_v4.knobs import offload_options
 
 REPO = Path(__file__).resolve().parents[2]
 LAYERS = [0, 4, 128, 4]

@@ -17,6 +17,10 @@ import torch
 from ds4d.contracts import ForwardBatch, SeqChunk
 from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
+from ds4d.models.deepseek_v4.paths import ForwardPaths
+
+GROUPED = ForwardPaths(fast_path=True)
+"""Grouped experts and batched decode: the paths the GPU runs."""
 
 LAYERS = [0, 4, 128, 4]
 
@@ -32,14 +36,12 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    model = load_model(checkpoint)
-    model.fast_path = True
+    model = load_model(checkpoint, paths=GROUPED)
     return _steps(model)
 
 
 def _offloaded(checkpoint, vram_bytes: int = 0, **options) -> tuple:
-    model = load_model(checkpoint)
-    model.fast_path = True
+    model = load_model(checkpoint, paths=GROUPED)
     offload = ExpertOffload(model.weights, model.cfg, device="cpu", dtype=model.dtype,
                             options=OffloadOptions(vram_bytes=vram_bytes, stage_experts=2, **options))
     model.expert_offload = offload
@@ -175,7 +177,7 @@ RANDOM_LAYERS = [0, 0, 4, 128]
 def _random_model(options: OffloadOptions | None = None):
     """A random model of small widths with float experts (the bank kind whose device form is the stored
     form), its experts adopted layer by layer as they are drawn when ``options`` is given."""
-    from ds4d.bench.model import base_config
+    from ds4d.bench.random_v4 import base_config
     from ds4d.models.deepseek_v4.config import DeepseekV4Config
     from ds4d.models.deepseek_v4.model import DeepseekV4Model
     from ds4d.models.deepseek_v4.random_init import RandomReader
@@ -196,8 +198,7 @@ def _random_model(options: OffloadOptions | None = None):
     if offload:
         offload.finish()
         assert [layer for layer, _ in adopted] == list(range(len(RANDOM_LAYERS)))
-    model = DeepseekV4Model(cfg, weights, tokenizer=None, dtype=torch.float32, expert_offload=offload)
-    model.fast_path = True
+    model = DeepseekV4Model(cfg, weights, tokenizer=None, dtype=torch.float32, expert_offload=offload, paths=GROUPED)
     return model, offload
 
 

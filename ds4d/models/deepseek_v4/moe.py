@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from ds4d.cuda import moe_gemv, prefill_triton, quant_matmul
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.ops import linear, linear_f32
-from ds4d.models.deepseek_v4.weights import Linear, MoEWeights, Mxfp4Addresses, Mxfp4Matrices
+from ds4d.models.deepseek_v4.stored import Linear, Mxfp4Addresses, Mxfp4Matrices
+from ds4d.models.deepseek_v4.weights import MoEWeights
 
 
 def _gated(gate: torch.Tensor, up: torch.Tensor, limit: float, kernels: bool = False) -> torch.Tensor:
@@ -164,6 +165,23 @@ def _routed_grouped(
     if kernels and prefill_triton.usable(out):
         return prefill_triton.combine(out, order, expert_weights, x.dtype)
     return combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
+
+
+class RoutingTally:
+    """Per layer and routed expert, the (token, expert) pairs a model's steps routed (``calibrate.py``).
+
+    A model given one adds every routed pair of every layer to it, and runs every row through the
+    last layer (so the counts do not depend on which rows want logits)."""
+
+    def __init__(self, layers: int, experts: int, device: str | torch.device = "cpu") -> None:
+        self.counts = torch.zeros(layers, experts, dtype=torch.float32, device=device)
+
+    def layer(self, index: int) -> torch.Tensor:
+        """Layer ``index``'s float32 ``[experts]`` row, which :func:`tally_routing` adds to."""
+        return self.counts[index]
+
+    def as_lists(self) -> list[list[float]]:
+        return self.counts.cpu().tolist()
 
 
 def tally_routing(tally: torch.Tensor | None, indices: torch.Tensor) -> None:

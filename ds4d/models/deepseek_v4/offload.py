@@ -62,7 +62,8 @@ from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.moe import _swiglu, combine_sorted, expert_ffn, route, tally_routing
 from ds4d.models.deepseek_v4.placement import PlacementPolicy, capacity_for_budget
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4
-from ds4d.models.deepseek_v4.weights import ExpertBank, ModelWeights, MoEWeights, Mxfp4Addresses, Mxfp4Matrices
+from ds4d.models.deepseek_v4.stored import Mxfp4Addresses, Mxfp4Matrices
+from ds4d.models.deepseek_v4.weights import ExpertBank, ModelWeights, MoEWeights
 
 DECODE_COLD = ("auto", "cpu", "copy")
 

@@ -138,7 +138,7 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, split: torch.Tensor | None
 
 
 def linear(x: torch.Tensor, weight) -> torch.Tensor:
-    """``x @ weight^T`` for a decoded weight, or for an FP8 one kept as stored (``weights.Fp8Weight``)."""
+    """``x @ weight^T`` for a decoded weight, or for an FP8 one kept as stored (``stored.Fp8Weight``)."""
     if isinstance(weight, torch.Tensor):
         return torch.nn.functional.linear(x, weight)
     return weight.matmul(x)

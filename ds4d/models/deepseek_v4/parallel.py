@@ -48,7 +48,8 @@ import torch.distributed as dist
 from ds4d.contracts import ForwardBatch, ModelInfo
 from ds4d.models.deepseek_v4.cache import payload_rows
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
-from ds4d.models.deepseek_v4.family import _dtype, load_tokenizer
+from ds4d.models.deepseek_v4.knobs import torch_dtype
+from ds4d.models.deepseek_v4.loader import load_tokenizer
 from ds4d.models.deepseek_v4.model import check_batch
 from ds4d.models.deepseek_v4.offload import OffloadOptions
 from ds4d.models.deepseek_v4.random_init import RandomReader
@@ -153,7 +154,8 @@ def run_worker(
     if not isinstance(source, RandomWeights):
         source = Path(source)
     loaded = _attempt(
-        lambda: _load_runner(source, placement, groups, _dtype(dtype_name), fast_path, native, offload, padded_decode)
+        lambda: _load_runner(source, placement, groups, torch_dtype(dtype_name), fast_path, native, offload,
+                             padded_decode)
     )
     gather_objects((loaded[0], _facts(loaded[1]) if loaded[0] else loaded[1]), groups)
     runner = loaded[1] if loaded[0] else None
@@ -480,7 +482,7 @@ def build_parallel_model(
         stop_workers(workers, timeout_s=0)
         raise
     loaded = _attempt(
-        lambda: _load_runner(path, placement, groups, _dtype(dtype), fast_path, native, offload, padded_decode)
+        lambda: _load_runner(path, placement, groups, torch_dtype(dtype), fast_path, native, offload, padded_decode)
     )
     reports = gather_objects((loaded[0], _facts(loaded[1]) if loaded[0] else loaded[1]), groups)
     failures = {rank: detail for rank, (ok, detail) in enumerate(reports) if not ok}

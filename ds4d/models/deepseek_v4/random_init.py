@@ -30,6 +30,7 @@ import torch
 
 from ds4d.models.deepseek_v4.config import CSA_RATIO, DeepseekV4Config
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, quantize_fp8_block, quantize_mxfp4
+from ds4d.models.deepseek_v4.stored import Fp8Weight
 
 FP8_IN_RELEASE = re.compile(r"\.(wq_a|wq_b|wkv|wo_b|shared_experts\.w[123])\.weight$")
 """The linears the release stores as FP8 (CHECKPOINT.md); wo_a and weights_proj are bf16 there."""
@@ -77,8 +78,6 @@ class RandomReader:
 
     def fp8(self, name: str):
         """With ``native``: the random linear ``name`` quantised to FP8 as the release stores it."""
-        from ds4d.models.deepseek_v4.weights import Fp8Weight
-
         if not self.native or not FP8_IN_RELEASE.search(name):
             return None
         weight, scale = quantize_fp8_block(self.tensor(name, torch.float32))

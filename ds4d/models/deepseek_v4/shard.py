@@ -68,9 +68,10 @@ from ds4d.models.deepseek_v4.model import (
 from ds4d.models.deepseek_v4.moe import _routed_grouped, _swiglu, route
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
+from ds4d.models.deepseek_v4.paths import ForwardPaths
+from ds4d.models.deepseek_v4.stored import Fp8Weight
 from ds4d.models.deepseek_v4.weights import (
     F32,
-    Fp8Weight,
     HyperWeights,
     LayerWeights,
     ModelWeights,
@@ -207,14 +208,18 @@ class ShardRunner:
     ) -> None:
         self.cfg, self.layout, self.weights, self.groups, self.dtype = cfg, layout, weights, groups, dtype
         self.device = groups.device
-        self.fast_path = self.device.type == "cuda" if fast_path is None else fast_path
+        on_cuda = self.device.type == "cuda"
+        fast = on_cuda if fast_path is None else fast_path
         if self.device.type == "cuda" and dtype == torch.bfloat16 and _holds_bf16_values(weights.head):
             weights.head = weights.head.to(torch.bfloat16)
-        self.fused_hc = False
-        if self.fast_path and self.device.type == "cuda":
+        hc = "torch"
+        if fast and on_cuda:
             from ds4d.cuda.hc_kernels import available
 
-            self.fused_hc = available()
+            hc = "numba" if available() else "torch"
+        graphs = "cuda" if fast and on_cuda and use_graphs else "padded" if fast and padded_decode else "off"
+        self.paths = ForwardPaths(fast_path=fast, hc_kernels=hc, decode_graphs=graphs)
+        """The shard's forward paths: grouped experts, the Numba hyper-connection kernel, decode buckets."""
         self.native_weights = any(
             isinstance(layer.attn.wq_b, Fp8Weight) or layer.ffn.experts.native is not None for layer in weights.layers
         )
@@ -227,11 +232,11 @@ class ShardRunner:
             local_cfg = replace(self.stage_cfg, n_routed_experts=len(layout.experts))
             self.offload = ExpertOffload(weights, local_cfg, device=self.device, dtype=dtype, options=offload)
         self.graphs = None
-        if self.fast_path and self.device.type == "cuda" and use_graphs:
+        if graphs == "cuda":
             from ds4d.cuda.graphs import GraphCache
 
             self.graphs = GraphCache(self._decode_step)
-        elif self.fast_path and padded_decode:  # the same padded steps, run eagerly (CPU tests)
+        elif graphs == "padded":  # the same padded steps, run eagerly (CPU tests)
             from ds4d.cuda.graphs import EagerBuckets
 
             self.graphs = EagerBuckets(self._decode_step)
@@ -332,7 +337,7 @@ class ShardRunner:
         if not chunks:
             return None, None, None
         ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long, device=device)
-        if self.fast_path and all(len(c.token_ids) == c.logits_tokens == 1 for c in chunks):
+        if self.paths.fast_path and all(len(c.token_ids) == c.logits_tokens == 1 for c in chunks):
             trash = self.cache.trash_block
             width = max(len(c.block_ids) for c in chunks)
             table = [[*c.block_ids] + [trash] * (width - len(c.block_ids)) for c in chunks]
@@ -359,11 +364,11 @@ class ShardRunner:
         return ids, step, torch.tensor(keep, dtype=torch.long, device=device)
 
     def _layers(self, streams: torch.Tensor, token_ids: torch.Tensor, step) -> torch.Tensor:
-        cfg, eps, fused = self.cfg, self.cfg.rms_norm_eps, self.fused_hc
+        cfg, eps, fused = self.cfg, self.cfg.rms_norm_eps, self.paths.fused_hc
         if isinstance(step, DecodeInputs):
             attend = decode_attention
         else:
-            attend = partial(attention_forward, local_window=self.fast_path)
+            attend = partial(attention_forward, local_window=self.paths.fast_path)
         decode = isinstance(step, DecodeInputs)
         boundary = partial(hc_boundary, iterations=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=eps, fused=fused)
         output = post = comb = None
@@ -381,7 +386,7 @@ class ShardRunner:
         cfg, limit = self.cfg, self.cfg.swiglu_limit
         expert_weights, indices = route(x, token_ids, weights, cfg)
         first, end = self.layout.experts.start, self.layout.experts.stop
-        if self.fast_path or self.offload is not None:
+        if self.paths.fast_path or self.offload is not None:
             # fixed shapes (capturable): pairs routed elsewhere go to local expert 0 with weight 0
             mine = (indices >= first) & (indices < end)
             local = torch.where(mine, indices - first, torch.zeros_like(indices))

@@ -1,0 +1,73 @@
+"""Weights kept as the checkpoint stores them, read directly by the kernels of ``ds4d.cuda.quant_matmul``.
+
+FP8 linears (:class:`Fp8Weight`: e4m3 values with float32 scales per 128 x 128
+block) and MXFP4 expert matrices (:class:`Mxfp4Matrices`, and
+:class:`Mxfp4Addresses` when found by address).  Below both the checkpoint
+reader (``loader.py``), which makes them, and the weight records (``weights.py``),
+which hold them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ds4d.cuda import quant_matmul
+from ds4d.models.deepseek_v4.quant import decode_e8m0, dequant_fp8_block
+
+
+@dataclass
+class Fp8Weight:
+    """A linear's ``[out, in]`` FP8 e4m3 values with float32 scales per 128 x 128 block, kept as stored."""
+
+    data: torch.Tensor  # float8_e4m3fn [out, in]
+    scale: torch.Tensor  # float32 [ceil(out/128), ceil(in/128)]
+    dtype: torch.dtype  # the activations' dtype (and the result's)
+
+    @classmethod
+    def from_stored(cls, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Fp8Weight:
+        factors = decode_e8m0(scale) if scale.element_size() == 1 else scale.to(torch.float32)
+        return cls(weight.view(torch.float8_e4m3fn), factors.contiguous(), dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dense(self) -> torch.Tensor:
+        """The decoded ``[out, in]`` values in the activations' dtype (exact: every e4m3 value times a
+        power of two is a bf16 value)."""
+        return dequant_fp8_block(self.data, self.scale, (128, 128)).to(self.dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in] @ W^T``."""
+        if quant_matmul.available() and x.dtype == self.dtype:
+            flat = x.reshape(-1, x.shape[-1])
+            return quant_matmul.fp8_linear(flat, self.data, self.scale).view(*x.shape[:-1], -1)
+        return torch.nn.functional.linear(x, self.dense())  # no kernel here: decode, then the plain product
+
+
+Linear = torch.Tensor | Fp8Weight
+"""A linear's weight ``[out, in]``: decoded values, or FP8 as stored."""
+
+
+@dataclass
+class Mxfp4Matrices:
+    """One matrix per expert in MXFP4 as stored: e2m1 pairs ``[E, out, in/2]``, ue8m0 bytes ``[E, out, in/32]``."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+
+
+@dataclass
+class Mxfp4Addresses:
+    """MXFP4 expert matrices found by address: int64 ``[E]`` of each expert's ``[rows, inputs/2]`` bytes
+    and ``[rows, inputs/32]`` scales (rows contiguous), wherever they sit: device memory, or page-locked
+    host memory the GPU reads in place (``offload.py``).  ``aligned``: every address is a multiple of
+    16 bytes (the kernel then reads 16-byte vectors)."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    rows: int
+    inputs: int
+    aligned: bool = False

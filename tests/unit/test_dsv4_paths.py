@@ -1,0 +1,84 @@
+"""A DeepSeek-V4 model's forward paths are fixed when it is built.
+
+``ForwardPaths`` refuses values it does not know; the CPU's default is the
+reference path; ``with_paths`` gives a model over the very same weights whose
+logits equal the original's on the same path; a ``RoutingTally`` counts every
+routed pair of the model it is given and nothing of the others; a decode graph
+that fails to capture either runs eagerly from then on (logged, said by
+``graph_failure``) or raises, as the paths decided.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4d.cuda.graphs import EagerBuckets
+from ds4d.models.deepseek_v4 import ForwardPaths, load_model, write_tiny_checkpoint
+from ds4d.models.deepseek_v4.moe import RoutingTally
+from tests.unit.test_dsv4_model import Driver
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPT = [(i * 7919) % 30000 + 20 for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_model(write_tiny_checkpoint(tmp_path_factory.mktemp("paths"), seed=2, layers=[0, 4]))
+
+
+def test_paths_refuse_unknown_values_and_default_to_the_reference_on_the_cpu(model):
+    with pytest.raises(ValueError, match="hc_kernels"):
+        ForwardPaths(hc_kernels="cuda")
+    with pytest.raises(ValueError, match="decode_graphs"):
+        ForwardPaths(decode_graphs="on")
+    assert ForwardPaths.for_device("cpu", compile_decode=True) == ForwardPaths()
+    assert model.paths == ForwardPaths() and model.info.extra["forward_paths"] == ForwardPaths().as_dict()
+    with pytest.raises(ValueError, match="CUDA"):
+        model.with_paths(ForwardPaths(fast_path=True, decode_graphs="cuda"))
+
+
+def test_a_model_with_other_paths_shares_the_weights(model):
+    grouped = model.with_paths(ForwardPaths(fast_path=True))
+    assert grouped.weights is model.weights and grouped.paths.fast_path and not model.paths.fast_path
+    assert torch.equal(model.with_paths().logits_for(PROMPT), model.logits_for(PROMPT))
+    assert (grouped.logits_for(PROMPT) - model.logits_for(PROMPT)).abs().max().item() < 2e-4
+
+
+def test_a_routing_tally_counts_the_pairs_of_its_model_only(model):
+    cfg = model.cfg
+    tally = RoutingTally(cfg.num_hidden_layers, cfg.n_routed_experts)
+    model.with_paths(routing_tally=tally).logits_for(PROMPT)
+    assert all(sum(row) == len(PROMPT) * cfg.num_experts_per_tok for row in tally.as_lists())
+    model.logits_for(PROMPT)
+    assert all(sum(row) == len(PROMPT) * cfg.num_experts_per_tok for row in tally.as_lists())
+    assert model.routing_tally is None
+
+
+def _decode_two_steps(model) -> list[torch.Tensor]:
+    driver = Driver(model, num_blocks=8, max_seqs=2)
+    driver.start("a")
+    token = int(driver.prefill("a", PROMPT, chunk=len(PROMPT))[-1].argmax())
+    rows = []
+    for _ in range(2):
+        rows.append(driver.step([("a", [token], 1)])[0])
+        token = int(rows[-1][-1].argmax())
+    return rows
+
+
+def test_a_failed_capture_runs_eagerly_or_raises_as_decided(model, monkeypatch, caplog):
+    want = _decode_two_steps(model.with_paths(ForwardPaths(fast_path=True)))
+
+    def fail(self, key, *inputs):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(EagerBuckets, "run", fail)
+    falling_back = model.with_paths(ForwardPaths(fast_path=True, decode_graphs="padded"))
+    got = _decode_two_steps(falling_back)
+    assert falling_back.graph_failure == "RuntimeError: capture refused"
+    assert "decode graph capture failed" in caplog.text
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    strict = model.with_paths(ForwardPaths(fast_path=True, decode_graphs="padded", graph_fallback=False))
+    with pytest.raises(RuntimeError, match="capture refused"):
+        _decode_two_steps(strict)
