@@ -32,11 +32,21 @@ import math
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from ds4d.bench.model import Row, _say, measure_ceilings
+from ds4d.bench.random_v4 import measure_ceilings
+from ds4d.bench.random_v4 import say as _say
 
 DEFAULT_LAYERS = "0,0,2,2,1,1"
+
+
+@dataclass
+class Row:
+    case: str
+    ds4d: float | None = None
+    floor: float | None = None
+    note: str = ""
 DECODE_CONTEXT = 1024
 PREFILL_TOKENS = 2048
 
