@@ -18,8 +18,8 @@ TRACE = ("--trace", "--sessions", "2", "--steps", "2", "--subagents", "1", "--su
          "--max-tools", "0")
 
 
-def run_trace(url: str, out) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "ds4d.cli", "bench", "agent", "--url", url, *TRACE, "--json", str(out)],
+def run_trace(url: str, out, trace=TRACE) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "ds4d.cli", "bench", "agent", "--url", url, *trace, "--json", str(out)],
                           check=False, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| step kind | requests |" in proc.stdout
@@ -60,12 +60,21 @@ def tiny_v4(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tinyv4-trace"), layers=[0, 4, 128, 4], seed=7)
 
 
-def test_trace_on_a_tiny_deepseek_v4_reuses_the_previous_step(tiny_v4, tmp_path):
-    """DeepSeek-V4 resumes only at a state checkpoint: a next step (the previous request's end) is reused."""
+def test_trace_on_a_tiny_deepseek_v4_reuses_the_system_prompt_across_sessions(tiny_v4, tmp_path):
+    """DeepSeek-V4 resumes only at a state checkpoint.  With OpenCode's whole system prompt and its ten
+    tools (about 7.3K tokens), the engine checkpoints where they end: the second session's first step
+    and every subagent's reuse them, and a next step reuses the previous request."""
     daemon = Daemon("--model", str(tiny_v4), "--threads", "2", "--kv-cache-tokens", "32768", "--max-num-seqs", "2",
                     "--prefill-chunk", "512")
+    full = ("--trace", "--sessions", "2", "--steps", "2", "--subagents", "1", "--subagent-steps", "2",
+            "--tool-words", "40", "--min-tool-words", "10", "--max-tokens", "3")
     try:
-        summary = check_shape(run_trace(daemon.url, tmp_path / "trace.json"))
+        result = run_trace(daemon.url, tmp_path / "trace.json", full)
     finally:
         daemon.stop()
-    assert summary["next"]["cached_fraction"] > 0.5
+    summary = check_shape(result)
+    firsts = [r for r in result["requests"] if r["kind"] == "first"]
+    assert firsts[0]["cached_tokens"] == 0 and firsts[0]["prompt_tokens"] > 7000
+    assert firsts[1]["cached_tokens"] > 0.95 * firsts[1]["prompt_tokens"]  # all but the session's own task
+    assert summary["subagent first"]["cached_fraction"] > 0.95
+    assert summary["next"]["cached_fraction"] > 0.9 and summary["after first"]["cached_fraction"] > 0.9
