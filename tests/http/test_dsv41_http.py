@@ -55,7 +55,7 @@ def test_the_family_is_detected_and_the_engram_choice_logged(served):
     assert "Engram tables:" in daemon.log and "read into host memory" in daemon.log
     with urllib.request.urlopen(daemon.url + "/v1/ds4d/stats", timeout=30) as resp:
         stats = json.load(resp)
-    assert stats["model"]["family"] == "deepseek_v41"
+    assert stats["model"]["family"] == "deepseek_v41" and stats["model"]["engram_storage"] == "ram"
     assert {stats["plugins"][kind] for kind in ("chat_encoder", "reasoning_parser")} == {"deepseek_v41"}
     assert stats["plugins"]["tool_parser"] == "dsml_v41"
 

@@ -47,6 +47,21 @@ def test_echo_logprobs_match_hf(tiny):
     assert served[1:] == pytest.approx(expected, abs=2e-3, rel=1e-3)
 
 
+def test_stats_show_the_forward_paths_the_model_was_built_with(tiny):
+    """On the CPU the family builds the reference path (exact); /v1/ds4d/stats says so."""
+    import json
+    import urllib.request
+
+    from ds4d.models.deepseek_v4.paths import ForwardPaths
+
+    _, client, _ = tiny
+    url = str(client.base_url).rstrip("/") + "/ds4d/stats"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        model = json.load(resp)["model"]
+    assert model["forward_paths"] == ForwardPaths.for_device("cpu").as_dict()
+    assert model["forward_paths"]["fast_path"] is False and model["engram_storage"] is None
+
+
 def test_greedy_tokens_match_hf(tiny):
     path, client, model_id = tiny
     ids = list(range(1000, 1040))
