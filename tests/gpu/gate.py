@@ -12,7 +12,8 @@ attention, ...) are printed for reference and never gate: they are host-bound an
 than 10% between runs of the same tree on the H200 (the no-graphs decode row gave 48, 72 and 80
 tok/s).  A key without a baseline is reported as new.  ``--update`` writes every gated figure that
 is new or better into the baseline (regressions are never written) and exits 0 unless a regression
-was found.
+was found.  With results of two depths it also prints each decode row's cost per layer against
+that of its floor (the deeper run's step time minus the shallower's, over the layers between).
 """
 
 from __future__ import annotations
@@ -53,6 +54,42 @@ def compare(got: dict[str, float], baseline: dict[str, float], tolerance: float)
     return table
 
 
+def _depth(path: Path) -> int | None:
+    """4 for ``layers4.json``; None for a name that gives no depth."""
+    digits = path.stem.removeprefix("layers")
+    return int(digits) if digits.isdigit() else None
+
+
+def _batch(label: str) -> int | None:
+    """8 for ``decode b8 @1K ...``; None for a row that is not a decode row."""
+    if not label.startswith("decode b"):
+        return None
+    return int(label.split()[1][1:])
+
+
+def per_layer(results: list[Path]) -> list[tuple[str, float, float]]:
+    """(decode row, ms per layer, its floor in ms per layer) from the shallowest and deepest results:
+    the step time of the deeper run minus the shallower's, over the layers between them (the head, the
+    embedding and the sampler cancel out).  Needs two result files of different depths."""
+    runs = sorted((d, path) for path in results if (d := _depth(path)) is not None)
+    if len(runs) < 2 or runs[0][0] == runs[-1][0]:
+        return []
+    (low, shallow), (high, deep) = runs[0], runs[-1]
+    rows = {depth: {row["case"]: row for row in json.loads(path.read_text())["rows"]}
+            for depth, path in ((low, shallow), (high, deep))}
+    out = []
+    for label, row in rows[high].items():
+        batch, other = _batch(label), rows[low].get(label)
+        if batch is None or other is None or not (row.get("ds4d") and other.get("ds4d")):
+            continue
+        step = lambda r: batch / r  # seconds per step at r tok/s over the batch  # noqa: E731
+        ms = (step(row["ds4d"]) - step(other["ds4d"])) / (high - low) * 1e3
+        floor = ((step(row["floor"]) - step(other["floor"])) / (high - low) * 1e3
+                 if row.get("floor") and other.get("floor") else float("nan"))
+        out.append((label, ms, floor))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path)
@@ -73,6 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{now / before:6.2f}" if before else "     -"
         before_text = f"{before:10.1f}" if before else "         -"
         print(f"{key:<{width}}  {now:10.1f}  {before_text}  {ratio}  {verdict}")
+    layers = per_layer(args.results)
+    if layers:
+        print(f"\n{'per layer (decode step, from the two depths)':<{width}}  {'ms':>10}  {'floor ms':>10}  {'x floor':>7}")
+        for label, ms, floor in layers:
+            print(f"{label:<{width}}  {ms:10.3f}  {floor:10.3f}  {ms / floor:7.2f}")
     regressed = [key for key, *_, verdict in table if verdict == "REGRESSED"]
     if args.update:
         for key, now, before, verdict in table:

@@ -44,3 +44,25 @@ def test_gate_passes_within_tolerance_and_starts_a_missing_baseline(tmp_path):
     assert not baseline.exists()
     assert gate.main([str(result), "--baseline", str(baseline), "--update"]) == 0
     assert json.loads(baseline.read_text())["figures"] == {f"layers16: {B8}": 950.0}
+
+
+def test_per_layer_cost_from_two_depths(tmp_path, capsys):
+    """The session's figures (4 and 16 layers, decode b1 queued ahead: 820 and 238 tok/s, floors 2,013
+    and 798): (1/238 - 1/820) / 12 = 0.249 ms per layer against (1/798 - 1/2,013) / 12 = 0.063 ms.  A
+    batch-8 row's step is 8 tokens; prefill rows have no per-layer line."""
+    def rows(path, values):
+        path.write_text(json.dumps({"rows": [{"case": c, "ds4d": v, "floor": f} for c, (v, f) in values.items()]}))
+        return path
+
+    ahead = "decode b1 @1K (graphs, steps queued ahead)"
+    shallow = rows(tmp_path / "layers4.json", {ahead: (820.0, 2013.0), B8: (2400.0, 8000.0), PREFILL: (7e4, 3e5)})
+    deep = rows(tmp_path / "layers16.json", {ahead: (238.0, 798.0), B8: (800.0, 2400.0), PREFILL: (1.5e4, 8e4)})
+    got = {label: (ms, floor) for label, ms, floor in gate.per_layer([deep, shallow])}
+    assert set(got) == {ahead, B8}
+    assert abs(got[ahead][0] - (1 / 238 - 1 / 820) / 12 * 1e3) < 1e-9
+    assert abs(got[ahead][0] - 0.249) < 0.001 and abs(got[ahead][1] - 0.063) < 0.001
+    assert abs(got[B8][0] - (8 / 800 - 8 / 2400) / 12 * 1e3) < 1e-9
+    assert gate.per_layer([shallow]) == []
+    baseline = tmp_path / "h200.json"
+    assert gate.main([str(shallow), str(deep), "--baseline", str(baseline)]) == 0
+    assert "per layer (decode step, from the two depths)" in capsys.readouterr().out
