@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ds4d.bench.random_v4 import Floors, build, measure_ceilings, on_path, say
+from ds4d.bench.random_v4 import FLASH_RATIOS, Floors, build, measure_ceilings, on_path, say
 
 
 def add_parser(sub) -> None:
@@ -40,6 +40,9 @@ def add_parser(sub) -> None:
                    help="deepseek_v41: a random V4.1-Flash-width model (ds4d.bench.dsv41)")
     p.add_argument("--layers", default="",
                    help="compress ratio per layer (default: V4-Flash's first 4, 0,0,4,128; V4.1: 0,0,2,2,1,1)")
+    p.add_argument("--depth", default="", choices=["", "full"],
+                   help="full: the release's whole layer pattern (V4-Flash 43 layers, V4.1 40) instead of --layers; "
+                        "experts that do not fit the device need --expert-gpu-fraction (and --stream-experts)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--decode-tokens", type=int, default=32)
@@ -177,7 +180,18 @@ PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
               "reference": " (reference path)"}
 
 
+def full_depth_layers(family: str) -> str:
+    """The release's compress ratios for every layer, as ``--layers`` takes them."""
+    if family == "deepseek_v41":
+        from ds4d.models.deepseek_v41.config import RELEASE_RATIOS
+
+        return ",".join(map(str, RELEASE_RATIOS))
+    return ",".join(map(str, FLASH_RATIOS))
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.depth == "full":
+        args.layers = full_depth_layers(args.family)
     if args.family == "deepseek_v41":
         from ds4d.bench.dsv41 import run as run_v41
 

@@ -14,6 +14,10 @@ def say(*parts) -> None:
     print(*parts, flush=True)
 
 
+FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)
+"""V4-Flash's compress ratio per layer, all 43 (its config.json's list without the MTP layer's entry)."""
+
+
 def measure_ceilings(torch, device) -> tuple[float, float]:
     """(device-to-device copy bytes/s counting read + write, bf16 matmul FLOP/s) on random data."""
     if device.type != "cuda":

@@ -49,3 +49,19 @@ def test_floors_count_the_dense_weights_and_the_routed_experts():
     k, n = cfg.num_experts_per_tok, cfg.n_routed_experts
     one = 2 * (floors.dense_params + cfg.num_hidden_layers * k * per_expert) / 1e9
     assert floors.decode(1) == pytest.approx(1 / one)
+
+
+def test_depth_full_is_the_release_pattern():
+    """``bench model --depth full``: V4-Flash's 43 layers as its config.json lists them (without the MTP
+    layer's entry), V4.1's 40 as its release config does."""
+    from pathlib import Path
+
+    from ds4d.bench.model import full_depth_layers
+    from ds4d.models.deepseek_v41.config import RELEASE_RATIOS
+
+    flash = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "reference" / "dsv4" /
+                        "config.flash.json").read_text())
+    v4 = [int(x) for x in full_depth_layers("deepseek_v4").split(",")]
+    assert v4 == flash["compress_ratios"][: flash["num_hidden_layers"]] and len(v4) == 43
+    v41 = [int(x) for x in full_depth_layers("deepseek_v41").split(",")]
+    assert v41 == list(RELEASE_RATIOS) and len(v41) == 40
