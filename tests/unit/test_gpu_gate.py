@@ -47,7 +47,7 @@ def test_gate_passes_within_tolerance_and_starts_a_missing_baseline(tmp_path):
 
 
 def test_per_layer_cost_from_two_depths(tmp_path, capsys):
-    """The session's figures (4 and 16 layers, decode b1 queued ahead: 820 and 238 tok/s, floors 2,013
+    """The baseline's first run (4 and 16 layers, decode b1 queued ahead: 820 and 238 tok/s, floors 2,013
     and 798): (1/238 - 1/820) / 12 = 0.249 ms per layer against (1/798 - 1/2,013) / 12 = 0.063 ms.  A
     batch-8 row's step is 8 tokens; prefill rows have no per-layer line."""
     def rows(path, values):
