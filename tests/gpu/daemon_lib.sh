@@ -7,6 +7,8 @@ ds4d_setup() {  # OUT (logs, created), PY; installs the carried wheels from .whl
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
       || return 1
     export PYTHONPATH=/tmp/site:.
+  else
+    export PYTHONPATH=${PYTHONPATH:-.}
   fi
   export PYTHONUNBUFFERED=1
 }

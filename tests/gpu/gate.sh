@@ -10,14 +10,8 @@
 # and logs go to $OUT (or ./out).  Not yet in the gate: the full-depth offload rows and the agent step
 # of agent_bench.sh (each needs a call of its own).
 set -o pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:.
-else
-  export PYTHONPATH=.
-fi
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/daemon_lib.sh"
+ds4d_setup || exit 1
 COMMON="--native --compile --lookahead --no-hf --no-reference --batches 1,8 --decode-tokens 64"
 DEPTHS=("layers4:0,0,4,128")
 if [ "${1:-}" != "--quick" ]; then
