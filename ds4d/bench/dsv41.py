@@ -84,7 +84,7 @@ def bench_config(layers: list[int], tiny: bool, experts: int, engram_vocab: int)
 
 def random_tensors(torch, config: dict, device, seed: int) -> dict:
     """``{official name: tensor}`` drawn on ``device`` in bf16 (float32 where the model keeps float32);
-    Engram tables as FP8 with unit e8m0 scales, in host memory."""
+    Engram tables as FP8 with unit e8m0 scales, and the routed experts, in host memory."""
     from ds4d.models.deepseek_v41.layout import SCALE, TEXT, CheckpointLayout
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -109,6 +109,8 @@ def random_tensors(torch, config: dict, device, seed: int) -> dict:
             values = 0.1 * values
         elif not name.endswith(("attn_sink", "embed.weight")):
             values = values * shape[-1] ** -0.5
+        if ".ffn.experts." in name:
+            values = values.cpu()  # as a checkpoint hands them over: the model copies them into its banks
         out[name] = values
     return out
 
@@ -143,7 +145,7 @@ class Floors:
         self.expert_params = _numel((first.w1, first.w2, first.w3))
         dense = weights.head.numel()
         for layer in weights.layers:
-            routed = _numel(t for e in layer.ffn.experts for t in (e.w1, e.w2, e.w3))
+            routed = _numel(_tensors(layer.ffn.banks))
             tables = _numel((layer.engram.table, layer.engram.table_scale)) if layer.engram is not None else 0
             dense += _numel(_tensors(layer)) - routed - tables  # the tables' rows read are counted apart
         self.dense_params = dense
@@ -163,7 +165,8 @@ class Floors:
 
 
 def _tensors(obj):
-    """Every tensor reachable through a weights dataclass."""
+    """Every tensor reachable through a weights dataclass, each once (not the experts' views of the
+    banks again)."""
     import dataclasses
 
     import torch
@@ -172,7 +175,8 @@ def _tensors(obj):
         yield obj
     elif dataclasses.is_dataclass(obj):
         for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name))
+            if f.name != "experts":
+                yield from _tensors(getattr(obj, f.name))
     elif isinstance(obj, (tuple, list)):
         for item in obj:
             yield from _tensors(item)

@@ -1,10 +1,12 @@
 """DeepSeek-V4.1 on a CUDA GPU against the oracle's goldens (tests/fixtures/dsv41).
 
-The model has no GPU-specific paths yet: this checks that its torch forward runs on the device and
-what precision costs there.
+Each check runs on the reference path (plain torch) and on the paths the device picks
+(``ForwardPaths.for_device``: V4's Triton hyper-connection and expert kernels, the batched decode).
 
 * float32 (TF32 off): prompt and decode logits within 1e-4 of the oracle's, relative to the largest
   logit (as on the CPU), and the greedy tokens identical.
+* several sequences decoded together from the same states as the reference path decodes them one
+  by one: logits within 1e-4 in float32, the same picks.
 * bfloat16 weights and activations: the bound of tests/unit/test_dsv41_bf16.py (whose docstring says
   why it is not a small number on these random tiny fixtures): per position, the max |logit diff|
   over max |logit| against the oracle, median and max, at most twice those of the float32 model on
@@ -22,6 +24,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from ds4d.models.deepseek_v41 import DeepseekV41Config, DeepseekV41Model
+from ds4d.models.deepseek_v41.paths import ForwardPaths
 from ds4d.models.deepseek_v41.weights import read_safetensors
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "dsv41"
@@ -44,10 +47,13 @@ def per_position(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (got - want).abs().amax(-1) / want.abs().amax(-1)
 
 
-def run(directory: Path, dtype: torch.dtype, golden: dict) -> tuple[torch.Tensor, list[int]]:
+PATHS = {"reference": ForwardPaths(), "device": ForwardPaths.for_device("cuda")}
+
+
+def run(directory: Path, dtype: torch.dtype, golden: dict, paths: str = "device") -> tuple[torch.Tensor, list[int]]:
     """Prompt logits, then decode logits along the oracle's greedy tokens (teacher-forced), and the
     model's own greedy picks at each step."""
-    model = DeepseekV41Model.from_pretrained(directory, dtype=dtype, device="cuda")
+    model = DeepseekV41Model.from_pretrained(directory, dtype=dtype, device="cuda", paths=PATHS[paths])
     state = model.new_state()
     rows = [model.prefill(state, golden["prompt_ids"].tolist()).float().cpu()]
     for token in golden["greedy_ids"].tolist():
@@ -56,10 +62,11 @@ def run(directory: Path, dtype: torch.dtype, golden: dict) -> tuple[torch.Tensor
     return logits, logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("paths", sorted(PATHS))
 @pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
-def test_float32_on_the_device_matches_the_oracle(name):
+def test_float32_on_the_device_matches_the_oracle(name, paths):
     golden = load_file(str(FIXTURES / name / "goldens.safetensors"))
-    logits, _ = run(FIXTURES / name, torch.float32, golden)
+    logits, _ = run(FIXTURES / name, torch.float32, golden, paths)
     want = torch.cat([golden["prompt_logits"], golden["decode_logits"]])
     assert logits.shape == want.shape
     assert float((logits - want).abs().max() / want.abs().max()) < 1e-4
@@ -67,18 +74,19 @@ def test_float32_on_the_device_matches_the_oracle(name):
     assert picks.tolist() == golden["greedy_ids"].tolist()
 
 
+@pytest.mark.parametrize("paths", sorted(PATHS))
 @pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
-def test_bfloat16_on_the_device_within_its_bound(name):
+def test_bfloat16_on_the_device_within_its_bound(name, paths):
     golden = load_file(str(FIXTURES / name / "goldens.safetensors"))
     want = torch.cat([golden["prompt_logits"], golden["decode_logits"]])
-    logits, _ = run(FIXTURES / name, torch.bfloat16, golden)
+    logits, _ = run(FIXTURES / name, torch.bfloat16, golden, paths)
     assert logits.shape == want.shape and torch.isfinite(logits).all()
     error = per_position(logits, want)
     tensors = {k: v.bfloat16().float() if v.is_floating_point() else v
                for k, v in read_safetensors(FIXTURES / name).items()}
     cfg = DeepseekV41Config.from_file(FIXTURES / name)
     rounded = DeepseekV41Model.from_tensors(cfg, tensors, Tokenizer.from_file(str(FIXTURES / name / "tokenizer.json")),
-                                            device="cuda")
+                                            device="cuda", paths=ForwardPaths())
     state = rounded.new_state()
     rows = [rounded.prefill(state, golden["prompt_ids"].tolist()).float().cpu()]
     rows += [rounded.decode(state, token).float().cpu()[None] for token in golden["greedy_ids"].tolist()]
@@ -107,3 +115,23 @@ def test_served_on_the_device_the_engram_tables_stay_page_locked_on_the_host(tmp
     logits = model.forward(ForwardBatch((SeqChunk(0, tuple(ids), 0, blocks, len(ids)),))).float().cpu()
     want = golden["prompt_logits"]
     assert float((logits - want).abs().max() / want.abs().max()) < 1e-4
+
+
+@pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
+def test_sequences_decoded_together_equal_each_decoded_alone(name):
+    reference = DeepseekV41Model.from_pretrained(FIXTURES / name, device="cuda", paths=ForwardPaths())
+    batched = DeepseekV41Model(reference.cfg, reference.weights, reference.hasher, device="cuda",
+                               paths=PATHS["device"])
+    assert batched.paths.batched_decode and batched.paths.fused_hyper and batched.paths.expert_rows
+    gen = torch.Generator().manual_seed(4)
+    lengths = (3, 2 * reference.cfg.sliding_window + 1, 20, 7)
+    prompts = [torch.randint(3, reference.cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    states = [reference.new_state() for _ in prompts]
+    nxt = [int(reference.prefill(state, ids)[-1].argmax()) for state, ids in zip(states, prompts)]
+    for _ in range(4):
+        copies = [state.clone() for state in states]
+        want = torch.stack([reference.decode(state, token) for state, token in zip(states, nxt)]).cpu()
+        got = batched.decode_many(copies, nxt).cpu()
+        assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+        assert got.argmax(-1).tolist() == want.argmax(-1).tolist()
+        nxt = want.argmax(-1).tolist()

@@ -76,7 +76,10 @@ class StepRows:
         """The last ``count`` rows."""
         if count == self.positions.shape[0]:
             return self
-        cut = slice(self.positions.shape[0] - count, None)
+        return self.part(slice(self.positions.shape[0] - count, None))
+
+    def part(self, cut: slice) -> StepRows:
+        """The rows ``cut``."""
         return StepRows(self.positions[cut], (self.main[0][cut], self.main[1][cut]),
                         (self.compress[0][cut], self.compress[1][cut]), self.compress_rope)
 
@@ -203,15 +206,26 @@ def attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.
     return torch.matmul(probs.to(keys.dtype), kv4).transpose(1, 2)[0]  # [S, H, D]
 
 
-def attention_forward(x: torch.Tensor, plan: LayerPlan, w: AttentionWeights, cfg: DeepseekV41Config,
-                      state: SequenceState, shared: StepShared, rows: StepRows,
-                      queries: int | None = None) -> torch.Tensor:
-    """``x [n, hidden]``: the normed attention input of the step's positions ``rows.positions`` (the last
-    ``n`` of the step) -> the output ``[queries, hidden]`` of the last ``queries`` of them (all by default).
+@dataclass(frozen=True)
+class Projected:
+    """A step's attention projections: the query rows' ``q_residual`` and rotated ``q``, every row's
+    FP8-rounded window KV."""
 
-    Every row's window KV is computed (and the ring keeps the last ones); only the query rows attend."""
-    count, eps, window = x.shape[0], cfg.rms_norm_eps, cfg.sliding_window
-    queries = count if queries is None else queries
+    q_residual: torch.Tensor
+    q: torch.Tensor
+    """``[queries, heads, head_dim]``."""
+    kv: torch.Tensor
+    """``[rows, head_dim]``."""
+
+    def rows(self, index: slice) -> Projected:
+        return Projected(self.q_residual[index], self.q[index], self.kv[index])
+
+
+def project(x: torch.Tensor, plan: LayerPlan, w: AttentionWeights, cfg: DeepseekV41Config, rows: StepRows,
+            queries: int) -> Projected:
+    """The projections of ``x [n, hidden]`` (positions ``rows.positions``); queries for the last ``queries``.
+    Row by row: the rows may belong to different sequences."""
+    count, eps = x.shape[0], cfg.rms_norm_eps
     query_rows = rows.tail(queries)
     cos, sin = rows.compress if plan.ratio else rows.main
     cos_q, sin_q = query_rows.compress if plan.ratio else query_rows.main
@@ -219,7 +233,18 @@ def attention_forward(x: torch.Tensor, plan: LayerPlan, w: AttentionWeights, cfg
     q = F.linear(q_residual, w.wq_b).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim))
     q = apply_rope(q, cos_q, sin_q)
     kv = round_fp8_blocks(apply_rope(rms_norm(F.linear(x, w.wkv), w.kv_norm, eps), cos, sin))
+    return Projected(q_residual, q, kv)
 
+
+def attention_core(x: torch.Tensor, projected: Projected, plan: LayerPlan, w: AttentionWeights,
+                   cfg: DeepseekV41Config, state: SequenceState, shared: StepShared,
+                   rows: StepRows) -> torch.Tensor:
+    """One sequence's attention over its window and (by mode) its group's compressed KV: the query rows'
+    output ``[queries, heads, head_dim]``, RoPE channels still rotated.  Writes the window ring (and at a
+    KV source the group's entries and index keys)."""
+    window, queries = cfg.sliding_window, projected.q.shape[0]
+    query_rows = rows.tail(queries)
+    kv = projected.kv
     past = min(state.position, window - 1)
     keys = torch.cat([state.window_history(plan.layer, past), kv])
     key_positions = torch.cat([torch.arange(state.position - past, state.position, device=x.device),
@@ -230,16 +255,36 @@ def attention_forward(x: torch.Tensor, plan: LayerPlan, w: AttentionWeights, cfg
     mask = mask.masked_fill((distance < 0) | (distance >= window), NEG_INF)
 
     if plan.ratio:
-        entries, bias = compressed_branch(x, q_residual, plan, w, cfg, state, shared, rows)
+        entries, bias = compressed_branch(x, projected.q_residual, plan, w, cfg, state, shared, rows)
         if entries is not None:
             keys = torch.cat([keys, entries.to(keys.dtype)])
             extra = bias if bias is not None else mask.new_full((queries, entries.shape[0]), NEG_INF)
             mask = torch.cat([mask, extra.to(mask.dtype)], dim=-1)
+    return attend(projected.q, keys, mask, w.sink, cfg.head_dim**-0.5)
 
-    out = attend(q, keys, mask, w.sink, cfg.head_dim**-0.5)
+
+def output_projection(out: torch.Tensor, plan: LayerPlan, w: AttentionWeights, cfg: DeepseekV41Config,
+                      query_rows: StepRows) -> torch.Tensor:
+    """``out [queries, heads, head_dim]`` with its RoPE channels rotated back, through the grouped
+    low-rank output projection: ``[queries, hidden]``.  Row by row."""
+    queries = out.shape[0]
+    cos_q, sin_q = query_rows.compress if plan.ratio else query_rows.main
     out = apply_rope(out, cos_q, -sin_q)
     groups = cfg.o_groups
     per_group = out.reshape(queries, groups, -1).transpose(0, 1)  # [G, queries, heads * D / G]
     wo_a = w.wo_a.view(groups, -1, per_group.shape[-1]).transpose(1, 2)  # [G, in, o_lora]
     low_rank = torch.bmm(per_group, wo_a).transpose(0, 1).flatten(1)  # [queries, G * o_lora]
     return F.linear(low_rank, w.wo_b)
+
+
+def attention_forward(x: torch.Tensor, plan: LayerPlan, w: AttentionWeights, cfg: DeepseekV41Config,
+                      state: SequenceState, shared: StepShared, rows: StepRows,
+                      queries: int | None = None) -> torch.Tensor:
+    """``x [n, hidden]``: the normed attention input of the step's positions ``rows.positions`` (the last
+    ``n`` of the step) -> the output ``[queries, hidden]`` of the last ``queries`` of them (all by default).
+
+    Every row's window KV is computed (and the ring keeps the last ones); only the query rows attend."""
+    queries = x.shape[0] if queries is None else queries
+    projected = project(x, plan, w, cfg, rows, queries)
+    out = attention_core(x, projected, plan, w, cfg, state, shared, rows)
+    return output_projection(out, plan, w, cfg, rows.tail(queries))

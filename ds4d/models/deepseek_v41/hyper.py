@@ -35,9 +35,19 @@ def sinkhorn(logits: torch.Tensor, iterations: int, eps: float) -> torch.Tensor:
 
 
 def site_weights(streams: torch.Tensor, weights: HyperWeights, iterations: int, hc_eps: float,
-                 norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``streams [S, m, D]`` -> (pre ``[S, m]``, post ``[S, m]``, comb ``[S, m, m]``), all float32."""
+                 norm_eps: float, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``streams [S, m, D]`` -> (pre ``[S, m]``, post ``[S, m]``, comb ``[S, m, m]``), all float32.
+
+    ``fused``: the same values from V4's Triton kernels (``ds4d.cuda.hc_triton``: a few rows take the
+    norm inside the mixing dot products, more rows one matmul; then one kernel for the rest)."""
     m = streams.shape[-2]
+    if fused:
+        from ds4d.cuda import hc_triton
+
+        if hc_triton.usable(streams.shape[0], m):
+            return hc_triton.hc_mix(streams, weights.fn, weights.base, weights.scale, hc_eps, iterations, norm_eps)
+        mixes = F.linear(unweighted_rms_norm(streams.flatten(-2).float(), norm_eps), weights.fn)
+        return hc_triton.hc_weights(mixes, weights.base, weights.scale, hc_eps, iterations, m)
     flat = unweighted_rms_norm(streams.flatten(-2).float(), norm_eps)
     mixes = F.linear(flat, weights.fn)
     scale, base = weights.scale, weights.base

@@ -34,11 +34,19 @@ import torch
 import torch.nn.functional as F
 
 from ds4d.models.deepseek_v4.ops import Rope, plain_inv_freq, rms_norm, yarn_inv_freq
-from ds4d.models.deepseek_v41.attention import StepRows, StepShared, attention_forward
+from ds4d.models.deepseek_v41.attention import (
+    StepRows,
+    StepShared,
+    attention_core,
+    attention_forward,
+    output_projection,
+    project,
+)
 from ds4d.models.deepseek_v41.config import DeepseekV41Config
 from ds4d.models.deepseek_v41.engram import EngramHasher, engram_forward, gather_rows
 from ds4d.models.deepseek_v41.hyper import collapse, expand, site_weights
 from ds4d.models.deepseek_v41.moe import moe_forward
+from ds4d.models.deepseek_v41.paths import ForwardPaths
 from ds4d.models.deepseek_v41.state import SequenceState
 from ds4d.models.deepseek_v41.weights import ModelWeights, build_weights, read_safetensors
 
@@ -56,7 +64,8 @@ class DeepseekV41Model:
     """A V4.1 text model: weights, the per-layer plan and the Engram hasher; no per-sequence state."""
 
     def __init__(self, cfg: DeepseekV41Config, weights: ModelWeights, hasher: EngramHasher | None,
-                 *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> None:
+                 *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 paths: ForwardPaths | None = None) -> None:
         if cfg.engram_layer_ids and hasher is None:
             raise ValueError("this config has Engram layers: the model needs the tokenizer's EngramHasher")
         self.cfg = cfg
@@ -65,6 +74,8 @@ class DeepseekV41Model:
         self.plans = cfg.plan()
         self.device = torch.device(device)
         self.dtype = dtype
+        self.paths = ForwardPaths.for_device(self.device) if paths is None else paths
+        """How each piece of the forward runs (fixed for the model's life)."""
         main, compress = _inv_freqs(cfg)
         self.rope_main = Rope(main, self.device)
         self.rope_compress = Rope(compress, self.device)
@@ -74,13 +85,13 @@ class DeepseekV41Model:
     @classmethod
     def from_tensors(cls, cfg: DeepseekV41Config, tensors: Mapping[str, torch.Tensor], tokenizer=None, *,
                      hasher: EngramHasher | None = None, dtype: torch.dtype = torch.float32,
-                     device: str | torch.device = "cpu") -> DeepseekV41Model:
+                     device: str | torch.device = "cpu", paths: ForwardPaths | None = None) -> DeepseekV41Model:
         """From official (or HF ``save_pretrained``) names; ``tokenizer`` (a ``tokenizers.Tokenizer``)
         builds the Engram hasher when ``hasher`` is not given."""
         if hasher is None and cfg.engram_layer_ids and tokenizer is not None:
             hasher = EngramHasher.from_tokenizer(cfg, tokenizer)
         weights = build_weights(cfg, tensors, dtype=dtype, device=device)
-        return cls(cfg, weights, hasher, device=device, dtype=dtype)
+        return cls(cfg, weights, hasher, device=device, dtype=dtype, paths=paths)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, tokenizer=None, **kwargs) -> DeepseekV41Model:
@@ -107,14 +118,40 @@ class DeepseekV41Model:
         streams, pre_mix, rows, engram = self._start(state, token_ids)
         count = streams.shape[0]
         plan = row_plan(self.cfg, count) if last_only else [(count, count)] * self.cfg.num_hidden_layers
-        shared = StepShared()
+        sequence = [(state, StepShared())]
         for layer, (inputs, outputs) in enumerate(plan):
             if inputs < streams.shape[0]:
                 streams, pre_mix = streams[-inputs:], pre_mix[-inputs:]
             gathered = engram[layer][-inputs:] if engram and layer in engram else None
-            streams, pre_mix = self.layer_forward(layer, streams, pre_mix, gathered, state, shared,
+            streams, pre_mix = self.layer_forward(layer, streams, pre_mix, gathered, sequence,
                                                   rows.tail(inputs), outputs)
-        return self._finish(state, token_ids, streams, pre_mix)
+        self._advance(state, token_ids)
+        return self.logits(streams, pre_mix)
+
+    def decode_many(self, states: Sequence[SequenceState], token_ids: Sequence[int]) -> torch.Tensor:
+        """Logits ``[B, vocab]`` after one more token for each of ``B`` sequences; advances each state.
+
+        The rows go through every layer together; only the attention core runs per sequence.  Each
+        row's result is the one :meth:`decode` gives it, up to the rounding of a matmul over more rows."""
+        if len(states) != len(token_ids) or not states:
+            raise ValueError("decode_many takes one token per state, for at least one state")
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("decode_many takes each state once")
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long)
+        positions = torch.tensor([s.position for s in states], dtype=torch.long, device=self.device)
+        rows = StepRows.make(positions, self.rope_main, self.rope_compress)
+        streams, pre_mix = self._streams(ids)
+        engram = None
+        if self.hasher is not None:
+            row_ids = torch.cat([self.hasher.row_ids(s.engram_ids, ids[i:i + 1]) for i, s in enumerate(states)])
+            engram = self._gather_engram(row_ids)
+        sequences = [(state, StepShared()) for state in states]
+        for layer in range(self.cfg.num_hidden_layers):
+            gathered = engram.get(layer) if engram else None
+            streams, pre_mix = self.layer_forward(layer, streams, pre_mix, gathered, sequences, rows)
+        for i, state in enumerate(states):
+            self._advance(state, ids[i:i + 1])
+        return self.logits(streams, pre_mix)
 
     def prefill(self, state: SequenceState, token_ids: Sequence[int], chunk_size: int | None = None, *,
                 last_only: bool = False) -> torch.Tensor:
@@ -148,47 +185,74 @@ class DeepseekV41Model:
             raise ValueError("a step needs at least one token")
         positions = torch.arange(state.position, state.position + ids.numel(), device=self.device)
         rows = StepRows.make(positions, self.rope_main, self.rope_compress)
+        streams, pre_mix = self._streams(ids)
+        engram = None
+        if self.hasher is not None:
+            engram = self._gather_engram(self.hasher.row_ids(state.engram_ids, ids))
+        return streams, pre_mix, rows, engram
+
+    def _streams(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual copies of the tokens ``ids`` and the one-hot ``pre`` mix before layer 0."""
         hidden = F.embedding(ids.to(self.device), self.weights.embed)
         streams = hidden.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         pre_mix = torch.zeros(ids.numel(), self.cfg.hc_mult, dtype=torch.float32, device=self.device)
         pre_mix[:, 0] = 1.0
-        engram = None
-        if self.hasher is not None:  # every Engram layer's rows read (and sent over) before layer 0 runs
-            ids_of_rows = self.hasher.row_ids(state.engram_ids, ids)
-            engram = {layer: gather_rows(w.engram, ids_of_rows[:, plan.engram_slot], self.device)
-                      for layer, (plan, w) in enumerate(zip(self.plans, self.weights.layers)) if w.engram is not None}
-        return streams, pre_mix, rows, engram
+        return streams, pre_mix
 
-    def _finish(self, state: SequenceState, token_ids, streams: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
+    def _gather_engram(self, row_ids: torch.Tensor) -> dict[int, torch.Tensor]:
+        """Every Engram layer's rows for the row ids ``[S, layers, columns]``, read (and sent over) before
+        layer 0 runs."""
+        return {layer: gather_rows(w.engram, row_ids[:, plan.engram_slot], self.device)
+                for layer, (plan, w) in enumerate(zip(self.plans, self.weights.layers)) if w.engram is not None}
+
+    def _advance(self, state: SequenceState, token_ids) -> None:
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         state.position += ids.numel()
         if self.hasher is not None and self.hasher.history:
             seen = torch.cat([state.engram_ids, self.hasher.compress(ids)])
             state.engram_ids = seen[-self.hasher.history:].clone()
-        return self.logits(streams, pre_mix)
 
     def logits(self, streams: torch.Tensor, pre_mix: torch.Tensor) -> torch.Tensor:
         hidden = rms_norm(collapse(streams, pre_mix), self.weights.norm, self.cfg.rms_norm_eps)
         return F.linear(hidden.float(), self.weights.head)
 
     def layer_forward(self, layer: int, streams: torch.Tensor, pre_mix: torch.Tensor,
-                      engram: torch.Tensor | None, state: SequenceState, shared: StepShared,
+                      engram: torch.Tensor | None, sequences: Sequence[tuple[SequenceState, StepShared]],
                       rows: StepRows, outputs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer on the rows ``rows`` (the last of the step): (new copies of the last ``outputs`` rows
-        ``[outputs, m, D]``, their ``pre`` mix for the next site).  Every row's window KV is made."""
-        cfg, plan, w = self.cfg, self.plans[layer], self.weights.layers[layer]
+        """One layer on the rows ``rows``: (new copies of the last ``outputs`` rows ``[outputs, m, D]``,
+        their ``pre`` mix for the next site).  Every row's window KV is made.
+
+        ``sequences``: one (state, step hand-over) whose rows are the last of its step, or one per row
+        (a decode step of several sequences, all rows outputs)."""
+        cfg, plan, w, paths = self.cfg, self.plans[layer], self.weights.layers[layer], self.paths
         eps, iters, hc_eps = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps
         outputs = streams.shape[0] if outputs is None else outputs
         if w.engram is not None:
             streams = engram_forward(streams, engram, w.engram, eps)
         x = rms_norm(collapse(streams, pre_mix), w.attn_norm, eps)
         streams = streams[streams.shape[0] - outputs:]
-        attn_pre, post, comb = site_weights(streams, w.hc_attn, iters, hc_eps, eps)
-        attended = attention_forward(x, plan, w.attn, cfg, state, shared, rows, outputs)
+        attn_pre, post, comb = site_weights(streams, w.hc_attn, iters, hc_eps, eps, paths.fused_hyper)
+        if len(sequences) == 1:
+            state, shared = sequences[0]
+            attended = attention_forward(x, plan, w.attn, cfg, state, shared, rows, outputs)
+        else:
+            attended = self._attention_rows(x, layer, sequences, rows)
         streams = expand(attended, streams, post, comb)
-        ffn_pre, post, comb = site_weights(streams, w.hc_ffn, iters, hc_eps, eps)
+        ffn_pre, post, comb = site_weights(streams, w.hc_ffn, iters, hc_eps, eps, paths.fused_hyper)
         x = rms_norm(collapse(streams, attn_pre), w.ffn_norm, eps)
-        return expand(moe_forward(x, w.ffn, cfg), streams, post, comb), ffn_pre
+        return expand(moe_forward(x, w.ffn, cfg, paths.expert_rows), streams, post, comb), ffn_pre
+
+    def _attention_rows(self, x: torch.Tensor, layer: int, sequences: Sequence[tuple[SequenceState, StepShared]],
+                        rows: StepRows) -> torch.Tensor:
+        """The attention of one row per sequence: projections over all rows, the core per sequence."""
+        cfg, plan, w = self.cfg, self.plans[layer], self.weights.layers[layer].attn
+        if len(sequences) != x.shape[0]:
+            raise ValueError("a step of several sequences takes one row per sequence")
+        projected = project(x, plan, w, cfg, rows, x.shape[0])
+        out = [attention_core(x[i:i + 1], projected.rows(slice(i, i + 1)), plan, w, cfg, state, shared,
+                              rows.part(slice(i, i + 1)))
+               for i, (state, shared) in enumerate(sequences)]
+        return output_projection(torch.cat(out), plan, w, cfg, rows)
 
 
 def row_plan(cfg: DeepseekV41Config, count: int) -> list[tuple[int, int]]:

@@ -46,11 +46,42 @@ def route(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config) -> tuple[torch
     return weights * cfg.routed_scaling_factor, experts
 
 
-def moe_forward(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config) -> torch.Tensor:
+def moe_forward(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, expert_rows: bool = False) -> torch.Tensor:
+    """The feed-forward of the rows ``x [N, D]``.  ``expert_rows``: a few rows' routed experts as
+    expert-indexed GEMVs (:func:`routed_rows`), whenever the (row, expert) pairs fit the kernel."""
     weights, experts = route(x, w, cfg)
+    if expert_rows:
+        from ds4d.cuda import moe_gemv
+
+        if experts.numel() <= moe_gemv.MAX_ROWS:
+            out = routed_rows(x, w, cfg, weights, experts)
+            out += expert_forward(x, w.shared, cfg.swiglu_limit).float()
+            return out.to(x.dtype)
     out = torch.zeros_like(x, dtype=torch.float32)
     for expert in torch.unique(experts).tolist():
         rows, slot = torch.where(experts == expert)
         out[rows] += expert_forward(x[rows], w.experts[expert], cfg.swiglu_limit, weights[rows, slot, None]).float()
     out += expert_forward(x, w.shared, cfg.swiglu_limit).float()
     return out.to(x.dtype)
+
+
+def routed_rows(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, weights: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor:
+    """Float32 ``[N, D]``: the weighted routed experts of every row, one (row, expert) pair per kernel row.
+
+    The same roundings as :func:`expert_forward` (each projection's output in ``x``'s dtype, the
+    SwiGLU and the routing weight in float32); the pairs of a row are summed in float32."""
+    from ds4d.cuda.moe_gemv import expert_rows
+
+    rows, k = experts.shape
+    ids = experts.reshape(-1)
+    pairs = x.repeat_interleave(k, dim=0)
+    gate = expert_rows(pairs, w.banks.w1, ids).float()
+    up = expert_rows(pairs, w.banks.w3, ids).float()
+    limit = cfg.swiglu_limit
+    if limit > 0:
+        up = up.clamp(-limit, limit)
+        gate = gate.clamp(max=limit)
+    hidden = weights.reshape(-1, 1) * (F.silu(gate) * up)
+    out = expert_rows(hidden.to(x.dtype), w.banks.w2, ids).float()
+    return out.view(rows, k, -1).sum(dim=1)

@@ -16,10 +16,11 @@ What a V4.1 sequence leaves behind splits as V4's does (``deepseek_v4/cache.py``
   blocks that is everything needed to go on (prefix reuse at a state checkpoint).
 
 The forward runs the chunks of a step one after the other through
-:meth:`DeepseekV41Model.forward` (a sequence's result cannot depend on the others in the
-batch), a prefill chunk that wants at most its last logits on the triangle of rows they and the
-state depend on (``model.row_plan``); a chunk at position 0 starts a fresh state, any other continues its slot's state,
-which must stand exactly at the chunk's ``start_pos``.
+:meth:`DeepseekV41Model.forward`; with the model's ``batched_decode`` path (CUDA) the
+one-token chunks of a step go through :meth:`DeepseekV41Model.decode_many` together.  A
+prefill chunk that wants at most its last logits runs on the triangle of rows they and the
+state depend on (``model.row_plan``).  A chunk at position 0 starts a fresh state, any
+other continues its slot's state, which must stand exactly at the chunk's ``start_pos``.
 """
 
 from __future__ import annotations
@@ -166,17 +167,28 @@ class DeepseekV41Serving:
             raise RuntimeError("allocate_cache() must run before forward()")
         self._check(batch)
         tokens = batch.input_tokens.tolist() if batch.input_tokens is not None else None
-        out = []
+        steps = []
         for n, chunk in enumerate(batch.chunks):
             ids = [int(tokens[n])] if tokens is not None else list(chunk.token_ids)
             if not ids:
                 continue
             state = self._state_for(chunk.state_slot, chunk.start_pos)
             self._bind(state, chunk.block_ids)
-            last_only = self.triangular_prefill and chunk.logits_tokens <= 1 and len(ids) > 1
-            logits = self.model.forward(state, ids, last_only=last_only)
-            if chunk.logits_tokens:
-                out.append(logits[logits.shape[0] - chunk.logits_tokens:])
+            steps.append((n, state, ids))
+        results: dict[int, torch.Tensor] = {}
+        singles = [step for step in steps if len(step[2]) == 1] if self.model.paths.batched_decode else []
+        if len(singles) > 1:  # one-token chunks through the layers together
+            logits = self.model.decode_many([state for _, state, _ in singles], [ids[0] for *_, ids in singles])
+            results = {n: logits[i: i + 1] for i, (n, _, _) in enumerate(singles)}
+        for n, state, ids in steps:
+            if n not in results:
+                last_only = self.triangular_prefill and batch.chunks[n].logits_tokens <= 1 and len(ids) > 1
+                results[n] = self.model.forward(state, ids, last_only=last_only)
+        out = []
+        for n, _, _ in steps:
+            wanted, logits = batch.chunks[n].logits_tokens, results[n]
+            if wanted:
+                out.append(logits[logits.shape[0] - wanted:])
         if not out:
             return torch.zeros(0, self.cfg.vocab_size, dtype=torch.float32, device=self.model.device)
         return torch.cat(out).float()

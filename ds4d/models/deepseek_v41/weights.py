@@ -73,11 +73,28 @@ class ExpertWeights:
 
 
 @dataclass(frozen=True)
+class ExpertBanks:
+    """Every routed expert's projections, one tensor per projection; expert ``e`` is row ``e``."""
+
+    w1: torch.Tensor
+    """``[experts, intermediate, hidden]`` (the gate branch)."""
+    w2: torch.Tensor
+    """``[experts, hidden, intermediate]``."""
+    w3: torch.Tensor
+    """``[experts, intermediate, hidden]`` (the up branch)."""
+
+    def expert(self, e: int) -> ExpertWeights:
+        return ExpertWeights(self.w1[e], self.w2[e], self.w3[e])
+
+
+@dataclass(frozen=True)
 class MoEWeights:
     gate: torch.Tensor
     bias: torch.Tensor
     """Added to the scores for choosing experts only."""
+    banks: ExpertBanks
     experts: tuple[ExpertWeights, ...]
+    """Views of :attr:`banks`, one per expert."""
     shared: ExpertWeights
 
 
@@ -125,6 +142,8 @@ class _Reader:
 
     def host(self, name: str) -> torch.Tensor:
         """As stored and where it is (Engram tables stay in host memory, whatever the device)."""
+        if name not in self.tensors:
+            raise KeyError(f"checkpoint has no tensor {name!r}")
         self.used.add(name)
         return self.tensors[name]
 
@@ -134,6 +153,18 @@ class _Reader:
 
 def _expert(read: _Reader, prefix: str) -> ExpertWeights:
     return ExpertWeights(read(f"{prefix}.w1.weight"), read(f"{prefix}.w2.weight"), read(f"{prefix}.w3.weight"))
+
+
+def _banks(read: _Reader, prefix: str, experts: int) -> ExpertBanks:
+    """Each projection of the ``experts`` routed experts copied into one tensor on the model's device."""
+    banks = {}
+    for part in ("w1", "w2", "w3"):
+        first = read.host(f"{prefix}.0.{part}.weight")
+        bank = torch.empty(experts, *first.shape, dtype=read.dtype, device=read.device)
+        for e in range(experts):
+            bank[e].copy_(read.host(f"{prefix}.{e}.{part}.weight"))
+        banks[part] = bank
+    return ExpertBanks(**banks)
 
 
 def _hyper(read: _Reader, prefix: str) -> HyperWeights:
@@ -185,10 +216,12 @@ def build_weights(cfg: DeepseekV41Config, tensors: Mapping[str, torch.Tensor], *
     layers = []
     for i, plan in enumerate(cfg.plan()):
         p = f"layers.{i}"
+        banks = _banks(read, f"{p}.ffn.experts", cfg.n_routed_experts)
         ffn = MoEWeights(
             gate=read(f"{p}.ffn.gate.weight", torch.float32),
             bias=read(f"{p}.ffn.gate.bias", torch.float32),
-            experts=tuple(_expert(read, f"{p}.ffn.experts.{e}") for e in range(cfg.n_routed_experts)),
+            banks=banks,
+            experts=tuple(banks.expert(e) for e in range(cfg.n_routed_experts)),
             shared=_expert(read, f"{p}.ffn.shared_experts"),
         )
         layers.append(LayerWeights(

@@ -1,0 +1,54 @@
+"""Which implementation of each piece of the forward pass a DeepSeek-V4.1 model runs.
+
+Every path computes the same arithmetic per token; they differ in how the work
+is laid out on the device.  A model is given its :class:`ForwardPaths` when it
+is built and keeps them: :meth:`ForwardPaths.for_device` picks what the device
+can run (on the CPU the reference path, which the float32 goldens pin), and a
+test or benchmark that wants another mix passes its own.
+
+The kernels are V4's (``ds4d.cuda.hc_triton``, ``ds4d.cuda.moe_gemv``): V4.1's
+hyper-connection weights are V4's formulas, and its routed experts are SwiGLUs
+over one bank per projection as V4's are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ForwardPaths:
+    fused_hyper: bool = False
+    """Each site's ``pre``, ``post`` and Sinkhorn ``comb`` from two Triton kernels (``hc_triton``) instead
+    of about 150 small torch operations; a step of more than ``hc_triton.MAX_TOKENS`` rows takes the
+    mixing logits from one matmul and the rest from the same kernel."""
+    expert_rows: bool = False
+    """Steps of at most ``moe_gemv.MAX_ROWS`` (token, expert) pairs run the routed experts as three
+    expert-indexed GEMVs over the layer's banks (no host round trip, no loop over experts)."""
+    batched_decode: bool = False
+    """The one-token chunks of a step go through the layers together: every projection, norm,
+    hyper-connection and expert sees all their rows at once, only the attention core (each
+    sequence's window and compressed entries) runs per sequence."""
+
+    @classmethod
+    def for_device(cls, device: str | torch.device) -> ForwardPaths:
+        """On CUDA every path whose kernels can launch; elsewhere the reference path."""
+        if torch.device(device).type != "cuda":
+            return cls()
+        from ds4d.cuda import hc_triton, moe_gemv
+
+        return cls(fused_hyper=hc_triton.available(), expert_rows=moe_gemv.available(), batched_decode=True)
+
+    @classmethod
+    def all_kernels(cls) -> ForwardPaths:
+        """Every path on, wherever the kernels can run (the CPU through Triton's interpreter)."""
+        return cls(fused_hyper=True, expert_rows=True, batched_decode=True)
+
+    def replace(self, **changes) -> ForwardPaths:
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,145 @@
+"""DeepSeek-V4.1 forward paths: the kernel paths compute what the reference path computes.
+
+On the oracle fixtures' tiny models, V4's Triton kernels (here in Triton's CPU
+interpreter) and the batched decode of several sequences, against the same
+weights on the reference path.  These random models amplify any rounding
+difference (tests/unit/test_dsv41_bf16.py says how: a flipped FP8/FP4 code, a
+changed top-k pick), so whole prompts through two paths that round differently
+do not stay within 1e-5; each piece is compared on the same inputs instead,
+and decode steps from the same states (taken from the reference after each
+step), which is where a decode step's own error shows.  The serving step runs
+the batched decode only, so its prefill chunks are the reference's own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds4d.contracts import ForwardBatch, SeqChunk
+from ds4d.models.deepseek_v41 import DeepseekV41Model
+from ds4d.models.deepseek_v41.paths import ForwardPaths
+from ds4d.models.deepseek_v41.serving import DeepseekV41Serving
+from ds4d.models.deepseek_v41.weights import read_safetensors
+
+pytest.importorskip("triton")
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "dsv41"
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+@pytest.fixture(scope="module", params=("tiny_a", "tiny_b"))
+def models(request) -> tuple[DeepseekV41Model, DeepseekV41Model]:
+    from ds4d.cuda import hc_triton, moe_gemv
+
+    if not (hc_triton.available() and moe_gemv.available()):
+        pytest.skip("the Triton kernels cannot run here (no CUDA device, no interpreter)")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: tests/gpu/test_dsv41_gpu.py runs the compiled kernels")
+    reference = DeepseekV41Model.from_pretrained(FIXTURES / request.param)
+    kernels = DeepseekV41Model(reference.cfg, reference.weights, reference.hasher, paths=ForwardPaths.all_kernels())
+    return reference, kernels
+
+
+def prompt(model: DeepseekV41Model, length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.cfg.vocab_size, (length,), generator=gen).tolist()
+
+
+def test_the_cpu_keeps_the_reference_path():
+    assert ForwardPaths.for_device("cpu") == ForwardPaths()
+    model = DeepseekV41Model.from_pretrained(FIXTURES / "tiny_a")
+    assert model.paths == ForwardPaths() and not any(model.paths.as_dict().values())
+
+
+def test_the_hyper_connection_kernels_equal_the_reference(models):
+    from ds4d.models.deepseek_v41.hyper import site_weights
+
+    reference, _ = models
+    cfg = reference.cfg
+    gen = torch.Generator().manual_seed(1)
+    for rows in (5, 80):  # the few-rows kernel and, past hc_triton.MAX_TOKENS, the matmul
+        streams = torch.randn(rows, cfg.hc_mult, cfg.hidden_size, generator=gen)
+        for layer in reference.weights.layers:
+            for weights in (layer.hc_attn, layer.hc_ffn):
+                want = site_weights(streams, weights, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+                got = site_weights(streams, weights, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps, True)
+                for a, b in zip(got, want):
+                    assert a.shape == b.shape and (a - b).abs().max() < 1e-6
+
+
+def test_the_expert_kernel_equals_the_reference(models):
+    from ds4d.cuda import moe_gemv
+    from ds4d.models.deepseek_v41.moe import moe_forward
+
+    reference, _ = models
+    cfg = reference.cfg
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, cfg.hidden_size, generator=gen)
+    assert x.shape[0] * cfg.num_experts_per_tok <= moe_gemv.MAX_ROWS
+    for layer in reference.weights.layers[:2]:
+        want = moe_forward(x, layer.ffn, cfg)
+        got = moe_forward(x, layer.ffn, cfg, expert_rows=True)
+        assert relative_error(got, want) < 1e-5
+
+
+def test_decode_steps_on_every_path_equal_the_reference(models):
+    """Three sequences at different depths (one past two windows, where the top-k selects), decoded
+    together from the reference's states, step after step."""
+    reference, kernels = models
+    prompts = [prompt(reference, n, seed=n) for n in (3, 2 * reference.cfg.sliding_window + 1, 20)]
+    states = [reference.new_state() for _ in prompts]
+    nxt = [int(reference.prefill(state, ids)[-1].argmax()) for state, ids in zip(states, prompts)]
+    for _ in range(2):
+        copies = [state.clone() for state in states]
+        want = torch.stack([reference.decode(state, token) for state, token in zip(states, nxt)])
+        got = kernels.decode_many(copies, nxt)
+        assert got.shape == want.shape and relative_error(got, want) < 1e-5
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        for a, b in zip(states, copies):
+            assert a.position == b.position and torch.equal(a.engram_ids, b.engram_ids)
+            assert max(relative_error(rb, ra) for ra, rb in zip(a.windows, b.windows)) < 1e-5
+            for source, group in a.groups.items():
+                assert group.entries.count == b.groups[source].entries.count
+        nxt = want.argmax(-1).tolist()
+
+
+def test_decode_many_refuses_a_state_twice(models):
+    _, kernels = models
+    state = kernels.new_state()
+    kernels.prefill(state, [5, 6])
+    with pytest.raises(ValueError, match="each state once"):
+        kernels.decode_many([state, state], [1, 2])
+    with pytest.raises(ValueError, match="one token per state"):
+        kernels.decode_many([state], [1, 2])
+
+
+def test_a_serving_step_of_decodes_and_a_prefill_keeps_chunk_order(models):
+    reference, _ = models
+    batched = DeepseekV41Model(reference.cfg, reference.weights, reference.hasher,
+                               paths=ForwardPaths(batched_decode=True))
+    servings = [DeepseekV41Serving(model, tokenizer=None, block_tokens=16) for model in (reference, batched)]
+    prompts = [prompt(reference, n, seed=10 + n) for n in (9, 17, 30)]
+    late = prompt(reference, 12, seed=99)
+    tables = [tuple(range(8 * s, 8 * s + 8)) for s in range(4)]
+    outputs = []
+    for serving in servings:
+        serving.allocate_cache(32, 4)
+        firsts = []
+        for slot, ids in enumerate(prompts):
+            logits = serving.forward(ForwardBatch((SeqChunk(slot, tuple(ids), 0, tables[slot], 1),)))
+            firsts.append(int(logits[-1].argmax()))
+        chunks = (SeqChunk(0, (firsts[0],), len(prompts[0]), tables[0], 1),
+                  SeqChunk(3, tuple(late), 0, tables[3], 2),
+                  SeqChunk(1, (firsts[1],), len(prompts[1]), tables[1], 1),
+                  SeqChunk(2, (firsts[2],), len(prompts[2]), tables[2], 0))
+        outputs.append(serving.forward(ForwardBatch(chunks)))
+    want, got = outputs
+    assert got.shape == want.shape == (4, reference.cfg.vocab_size)
+    assert relative_error(got, want) < 1e-5
