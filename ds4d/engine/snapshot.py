@@ -13,12 +13,23 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from ds4d.engine.request import Sequence
     from ds4d.engine.scheduler import Scheduler
     from ds4d.engine.stats import EngineStats
+
+
+@runtime_checkable
+class DecodeGraphModel(Protocol):
+    """A model that captures decode steps in graphs and may fall back to running them eagerly
+    (``DeepseekV4Model``, with ``ForwardPaths.graph_fallback``)."""
+
+    @property
+    def graph_failure(self) -> str | None:
+        """The first decode graph capture failure (``"Type: message"``) after which decode ran eagerly;
+        None while decode runs as built."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +95,9 @@ class EngineSnapshot:
     experts: Mapping[str, Any] | None
     """Expert-offload counters when the model offloads experts, else None."""
     steps_ahead_total: int
+    decode_graph_failure: str | None = None
+    """The first decode graph capture failure (``"Type: message"``) of a model that then ran decode
+    eagerly (``DecodeGraphModel``); None when decode runs as built."""
 
 
 def capabilities_of(scheduler: Scheduler, lookahead: bool) -> EngineCapabilities:
@@ -109,7 +123,8 @@ def take_snapshot(scheduler: Scheduler, seqs: Iterable[Sequence], stats: EngineS
         total_blocks=pool.num_blocks, free_blocks=pool.num_free, used_blocks=pool.num_used,
         cached_blocks=pool.num_cached, block_size_tokens=pool.block_size,
         cache_hits=pool.hits, cache_misses=pool.misses, evictions=pool.evictions, cache=scheduler.cache.stats(),
-        experts=(expert_stats() if expert_stats is not None else None) or None, steps_ahead_total=steps_ahead)
+        experts=(expert_stats() if expert_stats is not None else None) or None, steps_ahead_total=steps_ahead,
+        decode_graph_failure=model.graph_failure if isinstance(model, DecodeGraphModel) else None)
 
 
 def _view(scheduler: Scheduler, seq: Sequence, now: float) -> RequestView:

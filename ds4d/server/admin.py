@@ -94,6 +94,7 @@ def snapshot(state: ServingState, engine: EngineSnapshot | None = None) -> dict:
                   "max_context_tokens": state.max_context_tokens,
                   "parallel": state.info.extra.get("parallel"), "tokenizer": state.info.extra.get("tokenizer"),
                   "forward_paths": state.info.extra.get("forward_paths"),
+                  "decode_graph_fallback": engine.decode_graph_failure,
                   "engram_storage": state.info.extra.get("engram_storage")},
         "requests": {"running": engine.running, "waiting": engine.waiting,
                      "finished_total": engine.finished_total, "active": [asdict(r) for r in engine.active]},

@@ -60,6 +60,7 @@ def test_stats_show_the_forward_paths_the_model_was_built_with(tiny):
         model = json.load(resp)["model"]
     assert model["forward_paths"] == ForwardPaths.for_device("cpu").as_dict()
     assert model["forward_paths"]["fast_path"] is False and model["engram_storage"] is None
+    assert model["decode_graph_fallback"] is None  # no decode graphs on the CPU, so none fell back
 
 
 def test_greedy_tokens_match_hf(tiny):

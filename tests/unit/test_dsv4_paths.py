@@ -5,7 +5,8 @@ reference path; ``with_paths`` gives a model over the very same weights whose
 logits equal the original's on the same path; a ``RoutingTally`` counts every
 routed pair of the model it is given and nothing of the others; a decode graph
 that fails to capture either runs eagerly from then on (logged, said by
-``graph_failure``) or raises, as the paths decided.
+``graph_failure``, the engine snapshot and ``/v1/ds4d/stats``) or raises, as
+the paths decided.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import pytest
 import torch
 
 from ds4d.cuda.graphs import EagerBuckets
+from ds4d.engine.offline import OfflineEngine
+from ds4d.engine.request import EngineRequest, SamplingParams
+from ds4d.kernel import Kernel
 from ds4d.models.deepseek_v4 import ForwardPaths, load_model, write_tiny_checkpoint
 from ds4d.models.deepseek_v4.moe import RoutingTally
 from tests.unit.test_dsv4_model import Driver
+from tests.unit.test_memory_plan import _build
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -82,3 +87,23 @@ def test_a_failed_capture_runs_eagerly_or_raises_as_decided(model, monkeypatch, 
     strict = model.with_paths(ForwardPaths(fast_path=True, decode_graphs="padded", graph_fallback=False))
     with pytest.raises(RuntimeError, match="capture refused"):
         _decode_two_steps(strict)
+
+
+def test_a_fallback_to_eager_decode_shows_in_the_snapshot_and_the_stats(model, monkeypatch, tmp_path):
+    def fail(self, key, *inputs):
+        raise RuntimeError("capture refused")
+
+    monkeypatch.setattr(EagerBuckets, "run", fail)
+    falling_back = model.with_paths(ForwardPaths(fast_path=True, decode_graphs="padded"))
+    engine = OfflineEngine(falling_back, max_num_seqs=1, prefill_chunk=64, context_tokens=256)
+    assert engine.snapshot().decode_graph_failure is None  # before any decode step
+    engine.submit(EngineRequest("a", tuple(PROMPT), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
+    engine.run_until_idle()
+    assert sum(len(o.new_token_ids) for o in engine.outputs) == 3
+    assert engine.snapshot().decode_graph_failure == "RuntimeError: capture refused"
+    assert OfflineEngine(model, max_num_seqs=1, prefill_chunk=64, context_tokens=256).snapshot() \
+        .decode_graph_failure is None  # a model whose decode runs as built
+    from ds4d.server.admin import snapshot
+
+    _, state = _build(tmp_path, falling_back, Kernel.device_memory)
+    assert snapshot(state)["model"]["decode_graph_fallback"] == "RuntimeError: capture refused"

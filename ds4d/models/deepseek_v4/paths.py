@@ -44,7 +44,8 @@ class ForwardPaths:
     path the graphs replay, on the CPU); ``off`` runs each decode step at its own shapes."""
     graph_fallback: bool = True
     """A decode step whose graph capture fails: True runs it and every later decode step eagerly
-    (logged once, ``ForwardPaths`` in ``ModelInfo.extra`` says so); False raises."""
+    (logged once; the model's ``graph_failure`` and ``/v1/ds4d/stats``' ``model.decode_graph_fallback``
+    give the first failure); False raises."""
     compile_decode: bool = False
     """Decode steps go through ``torch.compile`` inside their CUDA graphs (each new bucket compiles once)."""
     last_layer_rows_only: bool = True

@@ -63,7 +63,7 @@ class Mxfp4Matrices:
 class Mxfp4Addresses:
     """MXFP4 expert matrices found by address: int64 ``[E]`` of each expert's ``[rows, inputs/2]`` bytes
     and ``[rows, inputs/32]`` scales (rows contiguous), wherever they sit: device memory, or page-locked
-    host memory the GPU reads in place (``offload.py``).  ``aligned``: every address is a multiple of
+    host memory the GPU reads in place (``offload_zero_copy.py``).  ``aligned``: every address is a multiple of
     16 bytes (the kernel then reads 16-byte vectors)."""
 
     packed: torch.Tensor

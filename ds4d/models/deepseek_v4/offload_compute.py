@@ -1,0 +1,211 @@
+"""The routed experts of one MoE call, with the routing counts read back to the host.
+
+:meth:`StagedCompute.routed`:
+
+1. counts tokens per expert and reads the counts back (the one host read per
+   layer), and hands them to the placement policy;
+2. experts with zero tokens cost nothing: a cold one is never copied (counted
+   as a skipped transfer);
+3. hot experts run as one grouped matmul over the device bank;
+4. used cold experts stream through the two staging banks on a copy stream,
+   batch ``j + 1`` copying while batch ``j`` computes; quantised ones are
+   decoded on the device after the copy, except with ``native`` MXFP4, where
+   staging holds the stored bytes and the ``quant_matmul`` kernels read them as
+   copied;
+5. in decode steps, cold experts with at most ``cpu_max_rows`` tokens may run on
+   the host instead (threads reading the host copy while the device works),
+   when the copy bandwidth and the CPU expert time measured at start
+   (:meth:`StagedCompute.measure`) say that is cheaper (``decode_cold``:
+   ``auto`` | ``cpu`` | ``copy``).
+
+The pieces come out in the order hot, copied, host, and ``moe.combine_sorted``
+puts every (token, expert) row back, as the all-on-device path does.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from ds4d.cuda.host_memory import CopyStream
+from ds4d.models.deepseek_v4.config import DeepseekV4Config
+from ds4d.models.deepseek_v4.moe import combine_sorted, expert_ffn
+from ds4d.models.deepseek_v4.offload_parts import ExpertForm, StagingBank, bank_slots, decode_parts
+from ds4d.models.deepseek_v4.offload_residency import ExpertResidency
+from ds4d.models.deepseek_v4.offload_stats import LayerStats
+from ds4d.models.deepseek_v4.placement import PlacementPolicy
+
+
+class StagedCompute:
+    """Hot experts from the device banks, used cold ones through the staging banks or on host threads."""
+
+    def __init__(
+        self, cfg: DeepseekV4Config, form: ExpertForm, residency: ExpertResidency, stats: list[LayerStats],
+        policy: PlacementPolicy, stages: list[StagingBank], *, decode_cold: str, cpu_max_rows: int, cpu_threads: int,
+    ) -> None:
+        self.cfg, self.form = cfg, form
+        self.residency, self.stats, self.policy, self.stages = residency, stats, policy, stages
+        # when cold experts of a decode step run on host threads (``OffloadOptions``)
+        self.decode_cold, self.cpu_max_rows, self.cpu_threads = decode_cold, cpu_max_rows, cpu_threads
+        self.copier = CopyStream(form.device)
+        self.pool = ThreadPoolExecutor(max(1, cpu_threads), thread_name_prefix="ds4d-expert")
+        self.pcie_bytes_s = 0.0
+        """Host -> device copy bandwidth for staged experts (set by :meth:`measure`)."""
+        self.cpu_expert_s = 0.0
+        """Seconds for one expert on one row on the host (set by :meth:`measure`)."""
+
+    def measure(self) -> None:
+        """Time a host -> device copy of a staging bank and one expert on one row on the host."""
+        stage, slots = self.stages[0], self.residency.slots
+        # any slots will do for timing; they are all in the first chunk until a placement change grows it
+        sources = [slots.parts((0, row)) for row in range(min(bank_slots(stage.gate_up), slots.slots))]
+        seconds = []
+        for _ in range(4):  # a whole staging bank per copy; the first one warms up
+            began = time.perf_counter()
+            self._issue(sources, stage)
+            self.copier.synchronize()
+            seconds.append(time.perf_counter() - began)
+        self.pcie_bytes_s = len(sources) * self.form.host_expert_bytes / max(sorted(seconds[1:])[1], 1e-9)
+        rows = torch.randn(1, self.cfg.hidden_size, dtype=self.form.dtype)
+        self._cpu_expert(sources[0], rows)
+        began = time.perf_counter()
+        for _ in range(3):
+            self._cpu_expert(sources[0], rows)
+        self.cpu_expert_s = (time.perf_counter() - began) / 3
+
+    def split_cold(self, cold: list[int], counts: list[int], decode: bool) -> tuple[list[int], list[int]]:
+        """(experts for the host, experts to copy)."""
+        mode = self.decode_cold
+        if not decode or mode == "copy" or not cold:
+            return [], cold
+        eligible = [e for e in cold if counts[e] <= self.cpu_max_rows]
+        if mode == "auto" and eligible:
+            cpu_s = math.ceil(len(eligible) / self.cpu_threads) * self.cpu_expert_s
+            if cpu_s >= len(eligible) * self.form.host_expert_bytes / self.pcie_bytes_s:
+                return [], cold
+        return eligible, [e for e in cold if e not in eligible]
+
+    def routed(self, layer, x, expert_weights, indices, limit, decode) -> torch.Tensor:
+        """The routed experts' weighted output of one layer for routing already done."""
+        tokens, k = indices.shape
+        experts = self.form.experts
+        flat = indices.reshape(-1)
+        counts = torch.bincount(flat, minlength=experts).tolist()
+        self.policy.observe(layer, counts)
+        bank, stats = self.residency.banks[layer], self.stats[layer]
+        cold = [e for e in range(experts) if counts[e] and bank.slot_of[e] < 0]
+        on_host, copied = self.split_cold(cold, counts, decode)
+        key = list(bank.slot_of)
+        base = len(bank.ids)
+        for position, expert in enumerate(copied + on_host):
+            key[expert] = base + position
+        sorted_key, order = torch.sort(torch.tensor(key, device=x.device)[flat], stable=True)
+        rows = x[order // k]
+        hot_rows = sum(counts[e] for e in bank.ids)
+        stats.calls += 1
+        stats.pairs += tokens * k
+        stats.hot_pairs += hot_rows
+        skipped = experts - len(bank.ids) - len(cold)
+        stats.skipped_transfers += skipped
+        stats.bytes_skipped += skipped * self.form.host_expert_bytes
+
+        begin = hot_rows + sum(counts[e] for e in copied)
+        host_rows = rows[begin:].to("cpu") if on_host else None
+        pieces = []
+        if hot_rows:
+            offsets = self._offsets([counts[e] for e in bank.ids], len(bank.ids), x.device)
+            pieces.append(expert_ffn(rows[:hot_rows], bank.gate_up, bank.down, offsets, sorted_key[:hot_rows],
+                                     limit, step_rows=tokens * k))
+        pieces.extend(self._staged(layer, copied, counts, rows[hot_rows:begin], sorted_key[hot_rows:begin] - base,
+                                   limit, tokens * k))
+        if on_host:  # the device works through the launches above meanwhile
+            began = time.perf_counter()
+            pieces.append(self._host_experts(layer, on_host, counts, host_rows).to(x.device))
+            stats.cpu_expert_s += time.perf_counter() - began
+            stats.cpu_experts += len(on_host)
+            stats.cpu_pairs += host_rows.shape[0]
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
+
+    @staticmethod
+    def _offsets(counts: list[int], groups: int, device) -> torch.Tensor:
+        ends, total = [], 0
+        for count in counts + [0] * (groups - len(counts)):
+            total += count
+            ends.append(total)
+        return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+
+    def _issue(self, sources: list[dict[str, torch.Tensor]], stage: StagingBank) -> None:
+        """Copy experts' stored parts (host slots) into ``stage`` on the copy stream."""
+        self.copier.wait(stage.free)
+        for slot, parts in enumerate(sources):
+            for name, tensor in parts.items():
+                self.copier.copy(stage.packed[name][slot], tensor)
+        stage.ready = self.copier.record()
+
+    def _issue_experts(self, layer: int, experts: list[int], stage: StagingBank) -> None:
+        self._issue([self.residency.expert_parts(layer, expert) for expert in experts], stage)
+        stage.experts = experts
+        stats = self.stats[layer]
+        stats.copied_experts += len(experts)
+        stats.bytes_copied += len(experts) * self.form.host_expert_bytes
+
+    def _staged(self, layer, copied, counts, rows, slots, limit, step_rows) -> list[torch.Tensor]:
+        """Cold experts through the double-buffered staging banks, copy of batch j + 1 under compute of j."""
+        form = self.form
+        size = bank_slots(self.stages[0].gate_up)
+        batches = [copied[at : at + size] for at in range(0, len(copied), size)]
+        out, row = [], 0
+        if batches:
+            self._issue_experts(layer, batches[0], self.stages[0])
+        for index, batch in enumerate(batches):
+            if index + 1 < len(batches):
+                self._issue_experts(layer, batches[index + 1], self.stages[(index + 1) % 2])
+            stage = self.stages[index % 2]
+            self.copier.compute_waits(stage.ready)
+            if form.decodes:  # decode after the copy (native: read as copied)
+                for slot in range(len(batch)):
+                    gate_up, down = decode_parts(form.kind, {n: t[slot] for n, t in stage.packed.items()},
+                                                 form.dtype, form.block)
+                    stage.gate_up[slot].copy_(gate_up)
+                    stage.down[slot].copy_(down)
+            n = sum(counts[e] for e in batch)
+            offsets = self._offsets([counts[e] for e in batch], size, rows.device)
+            out.append(expert_ffn(rows[row : row + n], stage.gate_up, stage.down, offsets,
+                                  slots[row : row + n] - index * size, limit, step_rows=step_rows))
+            stage.free = self.copier.compute_event()
+            row += n
+        return out
+
+    def _cpu_expert(self, parts: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """One expert (its stored parts in host memory) on ``rows``, on the host."""
+        gate_up, down = decode_parts(self.form.kind, parts, self.form.dtype, self.form.block)
+        if rows.shape[0] == 1:  # as moe._grouped_linear: a lone bmm product rounds differently
+            return self._cpu_expert(parts, rows.expand(2, -1))[:1]
+        n = rows.shape[0]
+        hidden = torch.bmm(gate_up.expand(n, -1, -1), rows.unsqueeze(-1)).squeeze(-1)
+        gate, up = hidden.chunk(2, dim=-1)
+        limit = self.cfg.swiglu_limit
+        if limit > 0:
+            gate = gate.clamp(max=limit)
+            up = up.clamp(min=-limit, max=limit)
+        act = torch.nn.functional.silu(gate) * up
+        return torch.bmm(down.expand(n, -1, -1), act.unsqueeze(-1)).squeeze(-1)
+
+    def _host_experts(self, layer: int, experts: list[int], counts: list[int], rows: torch.Tensor) -> torch.Tensor:
+        parts_of = self.residency.expert_parts
+        spans, at = [], 0
+        for expert in experts:
+            spans.append((expert, at, at + counts[expert]))
+            at += counts[expert]
+        if len(experts) == 1:
+            return self._cpu_expert(parts_of(layer, experts[0]), rows)
+        futures = [self.pool.submit(self._cpu_expert, parts_of(layer, e), rows[a:b]) for e, a, b in spans[1:]]
+        first = self._cpu_expert(parts_of(layer, spans[0][0]), rows[spans[0][1] : spans[0][2]])
+        return torch.cat([first] + [f.result() for f in futures])
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
