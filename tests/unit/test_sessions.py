@@ -223,3 +223,42 @@ def test_common_prefix_matches_an_id_by_id_scan():
         assert _common_prefix(base, base[:cut]) == cut
     assert _common_prefix(base, list(base)) == len(base)
     assert _common_prefix([], base) == 0
+
+
+@pytest.mark.parametrize("spelling", ["deepseek_v4", "deepseek_v41"])
+def test_a_replayed_tool_call_keeps_its_generated_dsml_ids(tok, spelling):
+    """The model's DSML tool call, generated in a split the tokenizer would not choose, comes back
+    as the agent's ``tool_calls`` with the tool's result: the next prompt starts with the ids the model
+    generated (V4's ``<｜DSML｜function_calls>`` and V4.1's spaced ``<｜DSML｜ calls>`` markup alike)."""
+    import logging
+
+    from ds4d.plugins.dsv41_encoder import DeepseekV41ChatEncoder
+
+    ctx = PluginContext(types.SimpleNamespace(), logging.getLogger("t"))
+    cls = DeepseekV41ChatEncoder if spelling == "deepseek_v41" else DeepseekV4ChatEncoder
+    encoder = cls(ctx, {}, tok, None)
+    tools = ({"type": "function", "function": {"name": "read", "description": "Read a file.", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}, "limit": {"type": "integer"}},
+        "required": ["path"]}}},)
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
+        "name": "read", "arguments": '{"path": "src/main.py", "limit": 40}'}}]}
+    messages = [SYSTEM, {"role": "user", "content": "Open the main file."}]
+    prompt = encoder.render(ChatRenderRequest(messages=tuple(messages), tools=tools, thinking=False))
+    with_call = encoder.render(ChatRenderRequest(messages=(*messages, call), tools=tools, thinking=False,
+                                                 add_generation_prompt=False))
+    assert with_call.text.startswith(prompt.text)
+    generated = with_call.text[len(prompt.text):]  # the reply exactly as the encoder replays it
+    assert "｜DSML｜" in generated and generated.endswith("<｜end▁of▁sentence｜>")
+    body = generated[:-len("<｜end▁of▁sentence｜>")]
+    output = [i for ch in body for i in tok.encode(ch)]  # one character at a time
+    assert tok.decode(output) == body and output != tok.encode(body)
+    output.append(tok.token_to_id("<｜end▁of▁sentence｜>"))
+    memory = SessionMemory(tok, block_size=128)
+    memory.remember(("", "s1"), "r1", messages, prompt.text, prompt.token_ids, output)
+    result = {"role": "tool", "tool_call_id": "call_0", "content": "print('hello')"}
+    second = encoder.render(ChatRenderRequest(messages=(*messages, call, result), tools=tools, thinking=False))
+    assert second.text.startswith(prompt.text + tok.decode(output))
+    got = memory.tokenize(("", "s1"), second.text, second.token_ids)
+    head = [*prompt.token_ids, *output]
+    assert got.reused_tokens == len(head) and list(got.token_ids[:len(head)]) == head
+    assert tok.decode(list(got.token_ids)) == second.text
