@@ -425,9 +425,15 @@ def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
 
 
 def _checkpoint_identity(path: Path) -> list:
-    """Sizes and modification times of the checkpoint's files: a replaced checkpoint at the
-    same path gets another cache namespace, so blocks saved on disk for the old one never match."""
-    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    """Sizes and modification times of the checkpoint's files (every shard of a GGUF split set named
+    by its first): a replaced checkpoint at the same path gets another cache namespace, so blocks saved
+    on disk for the old one never match."""
+    if path.is_file():
+        from ds4d.models.gguf_file import split_set_files
+
+        files = split_set_files(path)
+    else:
+        files = sorted(p for p in path.iterdir() if p.is_file())
     return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 

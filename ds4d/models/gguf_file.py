@@ -17,6 +17,7 @@ a type it cannot decode raises ``NotImplementedError`` naming the tensor.
 
 from __future__ import annotations
 
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ import numpy as np
 import torch
 
 GGUF_MAGIC_BYTES = b"GGUF"
+SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+"""llama.cpp's names for the shards of a split set: ``NAME-00001-of-00003.gguf`` ..."""
 
 _TORCH_DTYPES = {
     "float32": torch.float32,
@@ -238,3 +241,14 @@ class GGUFFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def split_set_files(path: Path) -> list[Path]:
+    """The shard files of the split set whose first shard is ``path`` (those that exist, in order),
+    or ``[path]`` for a file that is not a split set's first shard."""
+    match = SPLIT_NAME.match(path.name)
+    if match is None or int(match.group("no")) != 1:
+        return [path]
+    count = int(match.group("count"))
+    shards = (path.with_name(f"{match.group('stem')}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1))
+    return [shard for shard in shards if shard.is_file()]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +43,10 @@ from ds4d.models.deepseek_v4.gguf_names import (
 from ds4d.models.deepseek_v4.loader import CheckpointError, expected_tensors
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
 from ds4d.models.deepseek_v4.weights import read_weights
-from ds4d.models.gguf_file import GGUFFile, is_gguf_file, peek_string
+from ds4d.models.gguf_file import SPLIT_NAME, GGUFFile, is_gguf_file, peek_string
 
 log = logging.getLogger(__name__)
 
-SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
