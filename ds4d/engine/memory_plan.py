@@ -142,7 +142,9 @@ def profile_activations(model: Model, info: ModelInfo, chunks: list[int], memory
 def _profile_step(model: Model, info: ModelInfo, chunks: list[int], memory: DeviceMemory, context: int) -> int:
     """One profiling forward at the end of a ``context``-token prompt.  The blocks before a chunk's own
     are one shared block (the values do not matter, the shapes do), so the cache holds just the blocks
-    the chunks write plus that one (the caller allocates the real cache afterwards)."""
+    the chunks write plus that one (the caller allocates the real cache afterwards).  A model whose
+    sequences carry a state that a chunk must continue from exactly its start (DeepSeek-V4.1) is asked
+    for one standing there (``place_probe_state(slot, position)``: shapes right, values anything)."""
     first = min(100, max(info.vocab_size - 1, 0))
     span = max(info.vocab_size - first, 1)
     block = info.block_size_tokens
@@ -155,6 +157,10 @@ def _profile_step(model: Model, info: ModelInfo, chunks: list[int], memory: Devi
         seqs.append(SeqChunk(slot, ids, start, table, 1))
         next_block += own
     model.allocate_cache(next_block, len(chunks))
+    place = getattr(model, "place_probe_state", None)
+    for chunk in seqs:
+        if place is not None and chunk.start_pos:
+            place(chunk.state_slot, chunk.start_pos)
     base = memory.allocated()
     memory.reset_peak()
     model.forward(ForwardBatch(tuple(seqs)))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,7 @@ from ds4d.engine.memory_plan import (
     profile_activations,
     step_chunks,
 )
+from ds4d.contracts import ForwardBatch, SeqChunk
 from ds4d.kernel import Kernel, LoadedModel
 from tests.toy_model import ToyModel
 
@@ -204,3 +206,39 @@ def test_profiling_step_runs_on_a_v4_model_at_the_end_of_its_context(tmp_path):
     assert logits[0].shape == (2, model.info.vocab_size) and torch.isfinite(logits[0]).all()
     assert model.info.block_size_tokens == 128 and context % 128 == 0
     assert model.cache.max_seqs == 2 and model.cache.num_blocks == 3  # the shared block, one block per chunk
+
+
+def test_profiling_step_runs_on_a_v41_model_at_the_end_of_its_context(tmp_path):
+    """A V4.1 chunk must continue a state standing exactly at its start: the profiling step asks the
+    model for one (``place_probe_state``) and attends over a full window, a context's worth of
+    compressed entries and index keys, and the Engram rows of the chunk."""
+    import torch
+
+    from ds4d.models.deepseek_v41.family import load_model
+
+    source = Path(__file__).resolve().parents[1] / "fixtures" / "dsv41" / "tiny_b"
+    for file in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / file).symlink_to(source / file)
+    model = load_model(tmp_path, block_tokens=16)
+    logits = []
+    forward = model.forward
+    model.forward = lambda batch: logits.append(forward(batch)) or logits[-1]
+
+    class Quiet:  # the CPU has no allocator peak to read
+        def total(self): return GIB
+        def allocated(self): return 0
+        def reset_peak(self): pass
+        def peak(self): return 0
+
+    context = model.info.max_context_tokens
+    assert profile_activations(model, model.info, [48, 17], Quiet(), [context]) == 0
+    assert logits[0].shape == (2, model.info.vocab_size) and torch.isfinite(logits[0]).all()
+    for slot, chunk in enumerate((48, 17)):
+        state = model.slots[slot]
+        assert state.position == context
+        for plan in model.model.plans:
+            if plan.is_kv_source:
+                assert state.groups[plan.layer].entries.count == context // plan.ratio
+    # a state that does not stand at the chunk's start is still refused outside the profiling step
+    with pytest.raises(ValueError, match="starts at"):
+        model.forward(ForwardBatch((SeqChunk(0, (5,), 3, (1,), 1),)))

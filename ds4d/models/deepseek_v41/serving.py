@@ -237,6 +237,29 @@ class DeepseekV41Serving:
                 if isinstance(rows, PagedRows):
                     rows.blocks = table
 
+    def place_probe_state(self, slot: int, position: int) -> None:
+        """Put in ``slot`` a state standing at ``position`` whose contents are zeros: the window rings
+        full, every source holding the entries (and index keys) of ``position`` tokens, a ratio-2
+        tail where the position is odd.  For the GPU memory plan's profiling step, which only needs a
+        forward at the end of a long prompt to allocate what a real one would."""
+        counts = {}
+        for plan in self.model.plans:
+            if plan.is_kv_source:
+                entries = position // plan.ratio
+                counts[plan.layer] = (entries, entries if plan.is_index_source else 0)
+        state = self._fresh_state(counts)
+        state.position = position
+        cfg, device = self.cfg, self.model.device
+        for plan in self.model.plans:
+            if plan.is_kv_source and plan.ratio > 1:
+                tail = position % plan.ratio
+                group = state.groups[plan.layer]
+                group.tail_kv = torch.zeros(tail, cfg.head_dim, dtype=torch.float32, device=device)
+                group.tail_gate = torch.zeros(tail, cfg.head_dim, dtype=torch.float32, device=device)
+        if self.model.hasher is not None:
+            state.engram_ids = torch.zeros(min(position, self.model.hasher.history), dtype=torch.int64)
+        self.slots[slot] = state
+
     # ------------------------------------------------------------------ StatefulModel
 
     def save_state(self, slot: int) -> list[torch.Tensor]:
