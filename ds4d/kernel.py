@@ -255,7 +255,7 @@ class Kernel:
 
             if isinstance(exc, torch.OutOfMemoryError):
                 raise MemoryPlanError(f"one engine step of {sum(chunks)} prompt tokens does not fit on {info.device} "
-                                      f"next to the weights ({exc}): lower step_tokens or prefill_chunk") from exc
+                                      f"next to the weights ({exc}): lower step_tokens, prefill_chunk or max_context") from exc
             log.warning("GPU memory plan skipped: the profiling step failed: %s: %s", type(exc).__name__, exc)
             return None
         return GpuMemoryPlan(str(info.device), memory.total(), cfg.gpu_memory_utilization, weights, activations,
