@@ -151,7 +151,7 @@ class DeepseekV41Serving:
             parameter_bytes=parameter_bytes,
             extra={"compress_ratios": [plan.ratio for plan in model.plans],
                    "kv_source_layers": list(cfg.kv_source_layer_ids),
-                   "sliding_window": cfg.sliding_window, **(extra or {})},
+                   "sliding_window": cfg.sliding_window, "forward_paths": model.paths.as_dict(), **(extra or {})},
         )
 
     # ------------------------------------------------------------------ Model
