@@ -89,6 +89,24 @@ def test_the_expert_kernel_equals_the_reference(models):
         assert relative_error(got, want) < 1e-5
 
 
+def test_grouped_experts_equal_the_reference(models):
+    """More (row, expert) pairs than the row kernel takes: sorted by expert, one grouped matmul per
+    projection (and the row kernel's path declines them)."""
+    from ds4d.cuda import moe_gemv
+    from ds4d.models.deepseek_v41.moe import grouped_available, moe_forward
+
+    reference, _ = models
+    cfg = reference.cfg
+    x = torch.randn(moe_gemv.MAX_ROWS // cfg.num_experts_per_tok + 7, cfg.hidden_size,
+                    generator=torch.Generator().manual_seed(3))
+    assert grouped_available(x)
+    for layer in reference.weights.layers:
+        want = moe_forward(x, layer.ffn, cfg)
+        assert relative_error(moe_forward(x, layer.ffn, cfg, grouped=True), want) < 1e-5
+        assert relative_error(moe_forward(x, layer.ffn, cfg, expert_rows=True, grouped=True), want) < 1e-5
+        assert torch.equal(moe_forward(x, layer.ffn, cfg, expert_rows=True), want)  # too many pairs: the loop
+
+
 def test_decode_steps_on_every_path_equal_the_reference(models):
     """Three sequences at different depths (one past two windows, where the top-k selects), decoded
     together from the reference's states, step after step."""

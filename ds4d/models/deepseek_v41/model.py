@@ -240,7 +240,8 @@ class DeepseekV41Model:
         streams = expand(attended, streams, post, comb)
         ffn_pre, post, comb = site_weights(streams, w.hc_ffn, iters, hc_eps, eps, paths.fused_hyper)
         x = rms_norm(collapse(streams, attn_pre), w.ffn_norm, eps)
-        return expand(moe_forward(x, w.ffn, cfg, paths.expert_rows), streams, post, comb), ffn_pre
+        ffn = moe_forward(x, w.ffn, cfg, paths.expert_rows, paths.grouped_experts)
+        return expand(ffn, streams, post, comb), ffn_pre
 
     def _attention_rows(self, x: torch.Tensor, layer: int, sequences: Sequence[tuple[SequenceState, StepShared]],
                         rows: StepRows) -> torch.Tensor:

@@ -6,7 +6,7 @@ is built and keeps them: :meth:`ForwardPaths.for_device` picks what the device
 can run (on the CPU the reference path, which the float32 goldens pin), and a
 test or benchmark that wants another mix passes its own.
 
-The kernels are V4's (``ds4d.cuda.hc_triton``, ``ds4d.cuda.moe_gemv``): V4.1's
+The kernels are V4's (``ds4d.cuda.hc_triton``, ``ds4d.cuda.moe_gemv``, torch's ``grouped_mm``): V4.1's
 hyper-connection weights are V4's formulas, and its routed experts are SwiGLUs
 over one bank per projection as V4's are.
 """
@@ -28,6 +28,9 @@ class ForwardPaths:
     expert_rows: bool = False
     """Steps of at most ``moe_gemv.MAX_ROWS`` (token, expert) pairs run the routed experts as three
     expert-indexed GEMVs over the layer's banks (no host round trip, no loop over experts)."""
+    grouped_experts: bool = False
+    """Steps with more pairs than that sort the pairs by expert and run each projection as one grouped
+    matmul over the bank (torch's ``grouped_mm``; bf16 on CUDA) instead of one expert at a time."""
     batched_decode: bool = False
     """The one-token chunks of a step go through the layers together: every projection, norm,
     hyper-connection and expert sees all their rows at once, only the attention core (each
@@ -40,12 +43,15 @@ class ForwardPaths:
             return cls()
         from ds4d.cuda import hc_triton, moe_gemv
 
-        return cls(fused_hyper=hc_triton.available(), expert_rows=moe_gemv.available(), batched_decode=True)
+        from ds4d.models.deepseek_v41.moe import GROUPED_MM_AVAILABLE
+
+        return cls(fused_hyper=hc_triton.available(), expert_rows=moe_gemv.available(),
+                   grouped_experts=GROUPED_MM_AVAILABLE, batched_decode=True)
 
     @classmethod
     def all_kernels(cls) -> ForwardPaths:
         """Every path on, wherever the kernels can run (the CPU through Triton's interpreter)."""
-        return cls(fused_hyper=True, expert_rows=True, batched_decode=True)
+        return cls(fused_hyper=True, expert_rows=True, grouped_experts=True, batched_decode=True)
 
     def replace(self, **changes) -> ForwardPaths:
         return dataclasses.replace(self, **changes)
