@@ -28,6 +28,7 @@ step; what outlives a step is in :class:`~ds4d.models.deepseek_v41.state.Sequenc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,10 +68,12 @@ class StepRows:
     compress: tuple[torch.Tensor, torch.Tensor]
     compress_rope: Rope
     """For the compressed entries and index keys, which sit at multiples of the ratio."""
+    host: Sequence[int]
+    """The same positions on the host (a ``range`` for one sequence's rows), so no step reads them back."""
 
     @classmethod
-    def make(cls, positions: torch.Tensor, rope_main: Rope, rope_compress: Rope) -> StepRows:
-        return cls(positions, rope_main.cos_sin(positions), rope_compress.cos_sin(positions), rope_compress)
+    def make(cls, positions: torch.Tensor, host: Sequence[int], rope_main: Rope, rope_compress: Rope) -> StepRows:
+        return cls(positions, rope_main.cos_sin(positions), rope_compress.cos_sin(positions), rope_compress, host)
 
     def tail(self, count: int) -> StepRows:
         """The last ``count`` rows."""
@@ -81,7 +84,7 @@ class StepRows:
     def part(self, cut: slice) -> StepRows:
         """The rows ``cut``."""
         return StepRows(self.positions[cut], (self.main[0][cut], self.main[1][cut]),
-                        (self.compress[0][cut], self.compress[1][cut]), self.compress_rope)
+                        (self.compress[0][cut], self.compress[1][cut]), self.compress_rope, self.host[cut])
 
 
 def compress(x: torch.Tensor, w: CompressorWeights, ratio: int, group: GroupState,
@@ -175,7 +178,7 @@ def compressed_branch(x: torch.Tensor, q_residual: torch.Tensor, plan: LayerPlan
     queries = q_residual.shape[0]
     latent, first = None, 0
     if plan.is_kv_source:
-        if int(rows.positions[0]) != state.position:
+        if rows.host[0] != state.position:
             raise ValueError("a KV source compresses every row of the step")
         latent, first = compress(x, w.compressor, plan.ratio, group, cfg.rms_norm_eps)
     if plan.is_index_source:
@@ -247,12 +250,15 @@ def attention_core(x: torch.Tensor, projected: Projected, plan: LayerPlan, w: At
     kv = projected.kv
     past = min(state.position, window - 1)
     keys = torch.cat([state.window_history(plan.layer, past), kv])
-    key_positions = torch.cat([torch.arange(state.position - past, state.position, device=x.device),
-                               rows.positions])
-    state.write_window(plan.layer, kv, int(rows.positions[0]))
-    distance = query_rows.positions.view(-1, 1) - key_positions.view(1, -1)
-    mask = torch.zeros(distance.shape, dtype=torch.float32, device=x.device)
-    mask = mask.masked_fill((distance < 0) | (distance >= window), NEG_INF)
+    if kv.shape[0] == 1:  # one token: it sees itself and the window before it, all of it
+        mask = torch.zeros(1, keys.shape[0], dtype=torch.float32, device=x.device)
+    else:
+        key_positions = torch.cat([torch.arange(state.position - past, state.position, device=x.device),
+                                   rows.positions])
+        distance = query_rows.positions.view(-1, 1) - key_positions.view(1, -1)
+        mask = torch.zeros(distance.shape, dtype=torch.float32, device=x.device)
+        mask = mask.masked_fill((distance < 0) | (distance >= window), NEG_INF)
+    state.write_window(plan.layer, kv, rows.host[0])
 
     if plan.ratio:
         entries, bias = compressed_branch(x, projected.q_residual, plan, w, cfg, state, shared, rows)

@@ -138,8 +138,9 @@ class DeepseekV41Model:
         if len({id(s) for s in states}) != len(states):
             raise ValueError("decode_many takes each state once")
         ids = torch.as_tensor(list(token_ids), dtype=torch.long)
-        positions = torch.tensor([s.position for s in states], dtype=torch.long, device=self.device)
-        rows = StepRows.make(positions, self.rope_main, self.rope_compress)
+        host = tuple(s.position for s in states)
+        positions = torch.tensor(host, dtype=torch.long, device=self.device)
+        rows = StepRows.make(positions, host, self.rope_main, self.rope_compress)
         streams, pre_mix = self._streams(ids)
         engram = None
         if self.hasher is not None:
@@ -183,8 +184,9 @@ class DeepseekV41Model:
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         if ids.numel() == 0:
             raise ValueError("a step needs at least one token")
-        positions = torch.arange(state.position, state.position + ids.numel(), device=self.device)
-        rows = StepRows.make(positions, self.rope_main, self.rope_compress)
+        host = range(state.position, state.position + ids.numel())
+        positions = torch.arange(host.start, host.stop, device=self.device)
+        rows = StepRows.make(positions, host, self.rope_main, self.rope_compress)
         streams, pre_mix = self._streams(ids)
         engram = None
         if self.hasher is not None:

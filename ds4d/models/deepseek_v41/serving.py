@@ -51,9 +51,10 @@ class PagedRows:
 
     def append(self, rows: torch.Tensor) -> None:
         per_block = self.pool.shape[1]
-        index = torch.arange(self.count, self.count + rows.shape[0], device=self.pool.device)
-        if index.numel() and int(index[-1]) // per_block >= self.blocks.numel():
-            raise ValueError(f"entry {int(index[-1])} lies past the sequence's {self.blocks.numel()} blocks")
+        last = self.count + rows.shape[0] - 1
+        if rows.shape[0] and last // per_block >= self.blocks.numel():
+            raise ValueError(f"entry {last} lies past the sequence's {self.blocks.numel()} blocks")
+        index = torch.arange(self.count, last + 1, device=self.pool.device)
         self.pool[self.blocks[index // per_block], index % per_block] = rows.to(self.pool.dtype)
         self.count += rows.shape[0]
 

@@ -100,13 +100,18 @@ class SequenceState:
     def window_history(self, layer: int, count: int) -> torch.Tensor:
         """The window KV of the ``count`` positions before :attr:`position`, oldest first."""
         ring = self.windows[layer]
-        slots = torch.arange(self.position - count, self.position, device=ring.device) % ring.shape[0]
-        return ring[slots]
+        if count == 0:
+            return ring[:0]
+        start = (self.position - count) % ring.shape[0]
+        return ring.roll(-start, 0)[:count]  # row i: the slot of position ``position - count + i``
 
     def write_window(self, layer: int, kv: torch.Tensor, first_position: int) -> None:
         """Store the window KV ``[n, D]`` of positions ``first_position ..`` (the last ring-full of them)."""
         ring = self.windows[layer]
         size = ring.shape[0]
+        if kv.shape[0] == 1:
+            ring[first_position % size] = kv[0].to(ring.dtype)
+            return
         keep = min(kv.shape[0], size)
         first = first_position + kv.shape[0] - keep
         slots = torch.arange(first, first + keep, device=ring.device) % size
