@@ -52,6 +52,22 @@ class FakeMemory:
         return self.peak_bytes + self.step * (self.model.forwards - self.forwards_seen)
 
 
+class QuietMemory:
+    """A device with no allocator peak to read (the CPU): the profiling step runs, its peak is 0."""
+
+    def total(self) -> int:
+        return GIB
+
+    def allocated(self) -> int:
+        return 0
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak(self) -> int:
+        return 0
+
+
 class CountingToy(ToyModel):
     """Counts its forwards; its cache reads unwritten slots as token 0, as a GPU pool reads whatever
     it holds (the profiling step attends over a context nobody wrote)."""
@@ -192,17 +208,11 @@ def test_profiling_step_runs_on_a_v4_model_at_the_end_of_its_context(tmp_path):
     forward = model.forward
     model.forward = lambda batch: logits.append(forward(batch)) or logits[-1]
 
-    class Quiet:  # the CPU has no allocator peak to read
-        def total(self): return GIB
-        def allocated(self): return 0
-        def reset_peak(self): pass
-        def peak(self): return 0
-
     context = model.info.max_context_tokens
     # the longest context, and the last one whose CSA entries (ratio 4) go through the dense score block
     assert model.activation_probe_contexts(context) == [4 * SPARSE_FROM, context]
     assert model.activation_probe_contexts(1000) == [1000]
-    assert profile_activations(model, model.info, [48, 16], Quiet(), [context]) == 0
+    assert profile_activations(model, model.info, [48, 16], QuietMemory(), [context]) == 0
     assert logits[0].shape == (2, model.info.vocab_size) and torch.isfinite(logits[0]).all()
     assert model.info.block_size_tokens == 128 and context % 128 == 0
     assert model.cache.max_seqs == 2 and model.cache.num_blocks == 3  # the shared block, one block per chunk
@@ -224,14 +234,8 @@ def test_profiling_step_runs_on_a_v41_model_at_the_end_of_its_context(tmp_path):
     forward = model.forward
     model.forward = lambda batch: logits.append(forward(batch)) or logits[-1]
 
-    class Quiet:  # the CPU has no allocator peak to read
-        def total(self): return GIB
-        def allocated(self): return 0
-        def reset_peak(self): pass
-        def peak(self): return 0
-
     context = model.info.max_context_tokens
-    assert profile_activations(model, model.info, [48, 17], Quiet(), [context]) == 0
+    assert profile_activations(model, model.info, [48, 17], QuietMemory(), [context]) == 0
     assert logits[0].shape == (2, model.info.vocab_size) and torch.isfinite(logits[0]).all()
     for slot, chunk in enumerate((48, 17)):
         state = model.slots[slot]

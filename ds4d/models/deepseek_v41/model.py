@@ -9,6 +9,9 @@ Build a model from ``{official tensor name: float tensor}`` with
 any number of tokens at a time: a prefill chunk of any length or one decode
 token go through the same code, and a prompt split into chunks gives the
 logits of the whole prompt at once (up to float rounding).
+:meth:`~DeepseekV41Model.decode_many` takes one token for each of several
+states at once; how each piece runs is the model's
+:class:`~ds4d.models.deepseek_v41.paths.ForwardPaths`, fixed when it is built.
 
 One step, per layer: the Engram lookup joins the residual copies (at its
 layers), the attention input is collapsed from the copies with the previous
