@@ -141,7 +141,7 @@ class Floors:
         self.k = cfg.num_experts_per_tok
         self.experts = cfg.n_routed_experts
         self.layers = cfg.num_hidden_layers
-        first = weights.layers[0].ffn.experts[0]
+        first = weights.layers[0].ffn.banks.expert(0)
         self.expert_params = _numel((first.w1, first.w2, first.w3))
         dense = weights.head.numel()
         for layer in weights.layers:
@@ -165,8 +165,7 @@ class Floors:
 
 
 def _tensors(obj):
-    """Every tensor reachable through a weights dataclass, each once (not the experts' views of the
-    banks again)."""
+    """Every tensor reachable through a weights dataclass."""
     import dataclasses
 
     import torch
@@ -175,8 +174,7 @@ def _tensors(obj):
         yield obj
     elif dataclasses.is_dataclass(obj):
         for f in dataclasses.fields(obj):
-            if f.name != "experts":
-                yield from _tensors(getattr(obj, f.name))
+            yield from _tensors(getattr(obj, f.name))
     elif isinstance(obj, (tuple, list)):
         for item in obj:
             yield from _tensors(item)

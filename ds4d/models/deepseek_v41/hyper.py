@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ds4d.cuda import hc_triton
 from ds4d.models.deepseek_v4.ops import unweighted_rms_norm
 from ds4d.models.deepseek_v41.weights import HyperWeights
 
@@ -41,15 +42,11 @@ def site_weights(streams: torch.Tensor, weights: HyperWeights, iterations: int, 
     ``fused``: the same values from V4's Triton kernels (``ds4d.cuda.hc_triton``: a few rows take the
     norm inside the mixing dot products, more rows one matmul; then one kernel for the rest)."""
     m = streams.shape[-2]
+    if fused and hc_triton.usable(streams.shape[0], m):
+        return hc_triton.hc_mix(streams, weights.fn, weights.base, weights.scale, hc_eps, iterations, norm_eps)
+    mixes = F.linear(unweighted_rms_norm(streams.flatten(-2).float(), norm_eps), weights.fn)
     if fused:
-        from ds4d.cuda import hc_triton
-
-        if hc_triton.usable(streams.shape[0], m):
-            return hc_triton.hc_mix(streams, weights.fn, weights.base, weights.scale, hc_eps, iterations, norm_eps)
-        mixes = F.linear(unweighted_rms_norm(streams.flatten(-2).float(), norm_eps), weights.fn)
         return hc_triton.hc_weights(mixes, weights.base, weights.scale, hc_eps, iterations, m)
-    flat = unweighted_rms_norm(streams.flatten(-2).float(), norm_eps)
-    mixes = F.linear(flat, weights.fn)
     scale, base = weights.scale, weights.base
     pre = torch.sigmoid(mixes[..., :m] * scale[0] + base[:m]) + hc_eps
     post = 2 * torch.sigmoid(mixes[..., m: 2 * m] * scale[1] + base[m: 2 * m])

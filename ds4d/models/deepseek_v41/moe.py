@@ -11,20 +11,27 @@ whose up branch is clamped to ``[-limit, limit]`` and gate branch to
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
+from ds4d.cuda import moe_gemv
 from ds4d.models.deepseek_v41.config import DeepseekV41Config
 from ds4d.models.deepseek_v41.weights import ExpertWeights, MoEWeights
 
 
-def expert_forward(x: torch.Tensor, w: ExpertWeights, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    gate = F.linear(x, w.w1).float()
-    up = F.linear(x, w.w3).float()
+def gated(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(gate) * up`` in float32, up clamped to ``[-limit, limit]`` and gate to ``<= limit`` (limit > 0)."""
+    gate, up = gate.float(), up.float()
     if limit > 0:
         up = up.clamp(-limit, limit)
         gate = gate.clamp(max=limit)
-    hidden = F.silu(gate) * up
+    return F.silu(gate) * up
+
+
+def expert_forward(x: torch.Tensor, w: ExpertWeights, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
+    hidden = gated(F.linear(x, w.w1), F.linear(x, w.w3), limit)
     if weight is not None:
         hidden = weight * hidden
     return F.linear(hidden.to(x.dtype), w.w2)
@@ -64,66 +71,51 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, expert_r
     (:func:`routed_rows`); ``grouped``: otherwise the pairs sorted by expert, each projection one
     grouped matmul over the bank (:func:`grouped_rows`).  Neither waits for the host."""
     weights, experts = route(x, w, cfg)
-    routed = None
-    if expert_rows:
-        from ds4d.cuda import moe_gemv
-
-        if experts.numel() <= moe_gemv.MAX_ROWS:
-            routed = routed_rows(x, w, cfg, weights, experts)
-    if routed is None and grouped and grouped_available(x):
-        routed = grouped_rows(x, w, cfg, weights, experts)
-    if routed is not None:
-        routed += expert_forward(x, w.shared, cfg.swiglu_limit).float()
-        return routed.to(x.dtype)
-    out = torch.zeros_like(x, dtype=torch.float32)
-    for expert in torch.unique(experts).tolist():
-        rows, slot = torch.where(experts == expert)
-        out[rows] += expert_forward(x[rows], w.experts[expert], cfg.swiglu_limit, weights[rows, slot, None]).float()
+    if expert_rows and experts.numel() <= moe_gemv.MAX_ROWS:
+        out = routed_rows(x, w, cfg, weights, experts)
+    elif grouped and grouped_available(x):
+        out = grouped_rows(x, w, cfg, weights, experts)
+    else:
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for expert in torch.unique(experts).tolist():
+            rows, slot = torch.where(experts == expert)
+            out[rows] += expert_forward(x[rows], w.banks.expert(expert), cfg.swiglu_limit,
+                                        weights[rows, slot, None]).float()
     out += expert_forward(x, w.shared, cfg.swiglu_limit).float()
     return out.to(x.dtype)
 
 
+def _pairs_forward(pairs: torch.Tensor, pair_weights: torch.Tensor, w: MoEWeights, limit: float,
+                   project: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Float32 output of each (row, expert) pair: ``project(inputs, bank)`` multiplies every pair's
+    inputs by its own expert's matrix in ``bank``.  The same roundings as :func:`expert_forward` (each
+    projection's output in the inputs' dtype, the SwiGLU and the routing weight in float32)."""
+    hidden = pair_weights[:, None] * gated(project(pairs, w.banks.w1), project(pairs, w.banks.w3), limit)
+    return project(hidden.to(pairs.dtype), w.banks.w2).float()
+
+
 def routed_rows(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, weights: torch.Tensor,
                 experts: torch.Tensor) -> torch.Tensor:
-    """Float32 ``[N, D]``: the weighted routed experts of every row, one (row, expert) pair per kernel row.
-
-    The same roundings as :func:`expert_forward` (each projection's output in ``x``'s dtype, the
-    SwiGLU and the routing weight in float32); the pairs of a row are summed in float32."""
-    from ds4d.cuda.moe_gemv import expert_rows
-
+    """Float32 ``[N, D]``: the weighted routed experts of every row, one (row, expert) pair per kernel row
+    (``moe_gemv.expert_rows``); the pairs of a row are summed in float32."""
     rows, k = experts.shape
     ids = experts.reshape(-1)
-    pairs = x.repeat_interleave(k, dim=0)
-    gate = expert_rows(pairs, w.banks.w1, ids).float()
-    up = expert_rows(pairs, w.banks.w3, ids).float()
-    limit = cfg.swiglu_limit
-    if limit > 0:
-        up = up.clamp(-limit, limit)
-        gate = gate.clamp(max=limit)
-    hidden = weights.reshape(-1, 1) * (F.silu(gate) * up)
-    out = expert_rows(hidden.to(x.dtype), w.banks.w2, ids).float()
+    out = _pairs_forward(x.repeat_interleave(k, dim=0), weights.reshape(-1), w, cfg.swiglu_limit,
+                         lambda inputs, bank: moe_gemv.expert_rows(inputs, bank, ids))
     return out.view(rows, k, -1).sum(dim=1)
 
 
 def grouped_rows(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, weights: torch.Tensor,
                  experts: torch.Tensor) -> torch.Tensor:
     """Float32 ``[N, D]``: the weighted routed experts of every row, the (row, expert) pairs sorted by
-    expert and each projection one grouped matmul over the layer's bank (the same roundings as
-    :func:`expert_forward`); the pairs of a row are summed in float32."""
+    expert and each projection one grouped matmul over the layer's bank; the pairs of a row are summed
+    in float32."""
     rows, k = experts.shape
     flat = experts.reshape(-1)
     _, order = torch.sort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w.banks.w1.shape[0])
-    offsets = torch.cumsum(counts, 0).to(torch.int32)
-    pairs = x[order // k]
-    gate = _GROUPED_MM(pairs, w.banks.w1.transpose(-2, -1), offs=offsets).float()
-    up = _GROUPED_MM(pairs, w.banks.w3.transpose(-2, -1), offs=offsets).float()
-    limit = cfg.swiglu_limit
-    if limit > 0:
-        up = up.clamp(-limit, limit)
-        gate = gate.clamp(max=limit)
-    hidden = weights.reshape(-1)[order, None] * (F.silu(gate) * up)
-    out = _GROUPED_MM(hidden.to(x.dtype), w.banks.w2.transpose(-2, -1), offs=offsets).float()
+    offsets = torch.cumsum(torch.bincount(flat, minlength=w.banks.w1.shape[0]), 0).to(torch.int32)
+    out = _pairs_forward(x[order // k], weights.reshape(-1)[order], w, cfg.swiglu_limit,
+                         lambda inputs, bank: _GROUPED_MM(inputs, bank.transpose(-2, -1), offs=offsets))
     unsorted = torch.empty_like(out)
     unsorted[order] = out
     return unsorted.view(rows, k, -1).sum(dim=1)

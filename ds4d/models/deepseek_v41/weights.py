@@ -93,8 +93,7 @@ class MoEWeights:
     bias: torch.Tensor
     """Added to the scores for choosing experts only."""
     banks: ExpertBanks
-    experts: tuple[ExpertWeights, ...]
-    """Views of :attr:`banks`, one per expert."""
+    """The routed experts (``banks.expert(e)``: expert ``e``'s three matrices)."""
     shared: ExpertWeights
 
 
@@ -135,10 +134,7 @@ class _Reader:
         self.used: set[str] = set()
 
     def __call__(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        if name not in self.tensors:
-            raise KeyError(f"checkpoint has no tensor {name!r}")
-        self.used.add(name)
-        return self.tensors[name].to(device=self.device, dtype=dtype or self.dtype)
+        return self.host(name).to(device=self.device, dtype=dtype or self.dtype)
 
     def host(self, name: str) -> torch.Tensor:
         """As stored and where it is (Engram tables stay in host memory, whatever the device)."""
@@ -216,12 +212,10 @@ def build_weights(cfg: DeepseekV41Config, tensors: Mapping[str, torch.Tensor], *
     layers = []
     for i, plan in enumerate(cfg.plan()):
         p = f"layers.{i}"
-        banks = _banks(read, f"{p}.ffn.experts", cfg.n_routed_experts)
         ffn = MoEWeights(
             gate=read(f"{p}.ffn.gate.weight", torch.float32),
             bias=read(f"{p}.ffn.gate.bias", torch.float32),
-            banks=banks,
-            experts=tuple(banks.expert(e) for e in range(cfg.n_routed_experts)),
+            banks=_banks(read, f"{p}.ffn.experts", cfg.n_routed_experts),
             shared=_expert(read, f"{p}.ffn.shared_experts"),
         )
         layers.append(LayerWeights(
