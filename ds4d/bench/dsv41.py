@@ -291,7 +291,10 @@ def run(args: argparse.Namespace) -> int:
     config, tokenizer = bench_config(layers, args.tiny, args.experts, args.engram_vocab)
     cfg = DeepseekV41Config.from_dict(config, name="random-v41")
     tensors = random_tensors(torch, config, device, args.seed)
-    model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, dtype=dtype, device=device)
+    from ds4d.models.deepseek_v41.paths import ForwardPaths
+
+    paths = ForwardPaths.for_device(device).replace(compile_decode=bool(getattr(args, "compile", False)))
+    model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, dtype=dtype, device=device, paths=paths)
     del tensors
     serving = DeepseekV41Serving(model, tokenizer, parameter_bytes=0)
     context = args.context or (64 if args.tiny else DECODE_CONTEXT)

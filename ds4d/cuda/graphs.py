@@ -23,6 +23,21 @@ from dataclasses import dataclass
 import torch
 
 
+def bucket(n: int) -> int:
+    """The next power of two (decode batches and block tables are padded to these sizes)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def compiled(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``step`` through ``torch.compile`` for capture in graphs: inductor fuses the many small
+    elementwise kernels of a step (Triton kernels the step calls stay calls of their own); each new
+    bucket compiles once, tens of seconds, on first use."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    return torch.compile(step, dynamic=False)
+
+
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph

@@ -25,6 +25,7 @@ from ds4d.cache.ram import RamTier
 from ds4d.contracts import BlockCopyModel, ForwardBatch, Model, SeqChunk, StatefulModel
 from ds4d.engine.offline import OfflineEngine
 from ds4d.models.deepseek_v41.family import load_model
+from ds4d.models.deepseek_v41.paths import ForwardPaths
 from tests.unit.test_engine import req, run
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "dsv41"
@@ -40,10 +41,15 @@ def checkpoint_dir(name: str, into: Path) -> Path:
     return into
 
 
-@pytest.fixture(scope="module", params=["tiny_a", "tiny_b"])
+@pytest.fixture(scope="module", params=[("tiny_a", "off"), ("tiny_b", "off"), ("tiny_a", "padded"), ("tiny_b", "padded")],
+                ids=lambda param: "-".join(param))
 def case(request, tmp_path_factory):
-    path = checkpoint_dir(request.param, tmp_path_factory.mktemp(request.param))
-    return load_model(path, block_tokens=BLOCK), load_file(str(FIXTURES / request.param / "goldens.safetensors"))
+    """A fixture served with its decode steps on the per-sequence path (off) or the fixed-shape step
+    (padded: what a CUDA graph captures, run eagerly)."""
+    name, decode_graphs = request.param
+    path = checkpoint_dir(name, tmp_path_factory.mktemp(name))
+    model = load_model(path, block_tokens=BLOCK, paths=ForwardPaths(decode_graphs=decode_graphs))
+    return model, load_file(str(FIXTURES / name / "goldens.safetensors"))
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -242,10 +248,10 @@ def test_unserved_knobs_are_refused():
                                  compile_decode=False)
     refuse_unserved(base)
     for served in ({"device": "cuda:0"}, {"device": "cuda"}, {"dtype": "bfloat16"}, {"dtype": "float16"},
-                   {"dtype": "auto"}):
+                   {"dtype": "auto"}, {"device": "cuda", "compile_decode": True}):
         refuse_unserved(types.SimpleNamespace(**{**vars(base), **served}))
     for change in ({"device": "mps"}, {"dtype": "float64"}, {"expert_vram_gib": 8}, {"gpus": "0,1"},
-                   {"weight_format": "native"}, {"compile_decode": True}):
+                   {"weight_format": "native"}, {"compile_decode": True}):  # compile_decode: on the CPU
         with pytest.raises(PluginError, match="DeepSeek-V4.1"):
             refuse_unserved(types.SimpleNamespace(**{**vars(base), **change}))
 

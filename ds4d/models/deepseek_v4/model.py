@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from ds4d.contracts import ForwardBatch, ModelInfo, SeqChunk, Tokenizer
 from ds4d.cuda.devices import to_device_async
+from ds4d.cuda.graphs import bucket as _bucket
 from ds4d.models.deepseek_v4.attention import ChunkRows, StepInputs, attention_forward
 from ds4d.models.deepseek_v4.cache import DeepseekV4Cache
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
@@ -131,19 +132,11 @@ class DeepseekV4Model:
         paths = self.paths
         if not paths.fast_path or paths.decode_graphs == "off":
             return None
-        from ds4d.cuda.graphs import EagerBuckets, GraphCache
+        from ds4d.cuda.graphs import EagerBuckets, GraphCache, compiled
 
         if paths.decode_graphs == "padded":
             return EagerBuckets(self._decode_step)
-        step = self._decode_step
-        if paths.compile_decode:
-            # inductor fuses the many small elementwise kernels of a step; each new bucket compiles
-            # once (tens of seconds); the hyper-connection kernels stay calls of their own
-            import torch._dynamo
-
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            step = torch.compile(self._decode_step, dynamic=False)
-        return GraphCache(step)
+        return GraphCache(compiled(self._decode_step) if paths.compile_decode else self._decode_step)
 
     @property
     def graph_failure(self) -> str | None:
@@ -414,11 +407,6 @@ def counted_rows(offload, real: torch.Tensor):
         yield
     finally:
         offload.row_valid = None
-
-
-def _bucket(n: int) -> int:
-    """The next power of two (decode batches and block tables are padded to these sizes)."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 def check_batch(batch: ForwardBatch, cfg, max_seqs: int, num_blocks: int | None = None) -> None:

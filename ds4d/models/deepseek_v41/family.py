@@ -40,6 +40,7 @@ from ds4d.models.deepseek_v41.checkpoint import OfficialCheckpoint
 from ds4d.models.deepseek_v41.config import DeepseekV41Config
 from ds4d.models.deepseek_v41.layout import SCALE
 from ds4d.models.deepseek_v41.model import DeepseekV41Model
+from ds4d.models.deepseek_v41.paths import ForwardPaths
 from ds4d.models.deepseek_v41.serving import DEFAULT_BLOCK_TOKENS, DeepseekV41Serving
 from ds4d.models.deepseek_v41.tokenizer import load_tokenizer
 from ds4d.registry import PluginError
@@ -85,10 +86,10 @@ def read_tensors(checkpoint: OfficialCheckpoint, engram_storage: str, pin: bool 
 
 def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_bytes: int = 0,
                available_bytes: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
-               device: str = "cpu", dtype: torch.dtype = torch.float32,
+               device: str = "cpu", dtype: torch.dtype = torch.float32, paths: ForwardPaths | None = None,
                log: logging.Logger | None = None) -> DeepseekV41Serving:
     """A servable V4.1 model from a checkpoint directory (weights and state on ``device`` in ``dtype``,
-    the Engram tables in host memory)."""
+    the Engram tables in host memory; ``paths``: the device's by default)."""
     log = log or logging.getLogger("ds4d")
     path = Path(path)
     cfg = DeepseekV41Config.from_file(path)
@@ -109,7 +110,7 @@ def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_
     finally:
         checkpoint.shards.close()  # the mapped views handed out keep their maps
     dense_bytes = sum(t.nbytes for name, t in tensors.items() if not is_engram_table(name))
-    model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, device=device, dtype=dtype)
+    model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, device=device, dtype=dtype, paths=paths)
     del tensors
     return DeepseekV41Serving(model, tokenizer, block_tokens=block_tokens, parameter_bytes=dense_bytes + table_bytes,
                               extra={"engram_storage": storage, "engram_table_bytes": table_bytes,
@@ -130,8 +131,8 @@ def refuse_unserved(config: Any) -> None:
         problems.append("gpus (no split over processes for V4.1 yet)")
     if getattr(config, "weight_format", "auto") not in ("auto", "dense"):
         problems.append(f"weight_format = {config.weight_format} (V4.1 weights are decoded: auto or dense)")
-    if getattr(config, "compile_decode", False):
-        problems.append("compile_decode (no compiled V4.1 decode yet)")
+    if getattr(config, "compile_decode", False) and not device.startswith("cuda"):
+        problems.append("compile_decode off CUDA (it compiles the step the decode graphs capture)")
     if problems:
         raise PluginError("DeepSeek-V4.1 runs its torch forward on one device in float32, bfloat16 or float16; "
                           "unsupported: " + "; ".join(problems))
@@ -164,8 +165,9 @@ class DeepseekV41Family:
         self.ctx.log.info("loading DeepSeek-V4.1 checkpoint %s (%s on %s)", path, str(dtype).removeprefix("torch."),
                           device)
         watermark = int(float(getattr(config, "mem_watermark_gib", 15)) * GIB)
+        paths = ForwardPaths.for_device(device).replace(compile_decode=bool(getattr(config, "compile_decode", False)))
         model = load_model(path, engram_storage=str(getattr(config, "engram_storage", "auto")),
-                           mem_watermark_bytes=watermark, log=self.ctx.log, device=device, dtype=dtype,
+                           mem_watermark_bytes=watermark, log=self.ctx.log, device=device, dtype=dtype, paths=paths,
                            block_tokens=int(self.options.get("block_tokens", DEFAULT_BLOCK_TOKENS)))
         self.ctx.log.info("loaded %s: %d layers, ratios %s, KV sources %s, %.1f MiB of parameters",
                           model.info.name, model.cfg.num_hidden_layers, model.info.extra["compress_ratios"],

@@ -35,6 +35,19 @@ class ForwardPaths:
     """The one-token chunks of a step go through the layers together: every projection, norm,
     hyper-connection and expert sees all their rows at once, only the attention core (each
     sequence's window and compressed entries) runs per sequence."""
+    decode_graphs: str = "off"
+    """How the engine's one-token chunks run: ``off``, as above; ``padded``, the fixed-shape step of
+    ``decode.py`` (every row's attention batched, state in the slots' arrays and the block pool) at
+    bucket-padded shapes, eagerly; ``cuda``, that step captured in a CUDA graph per bucket and replayed
+    (eagerly where the routed experts of a bucket would leave the row kernel)."""
+
+    compile_decode: bool = False
+    """With ``decode_graphs = cuda``: the step goes through ``torch.compile`` before its capture
+    (``ds4d.cuda.graphs.compiled``)."""
+
+    def __post_init__(self) -> None:
+        if self.decode_graphs not in ("off", "padded", "cuda"):
+            raise ValueError(f"decode_graphs is off, padded or cuda, not {self.decode_graphs!r}")
 
     @classmethod
     def for_device(cls, device: str | torch.device) -> ForwardPaths:
@@ -46,7 +59,7 @@ class ForwardPaths:
         from ds4d.models.deepseek_v41.moe import GROUPED_MM_AVAILABLE
 
         return cls(fused_hyper=hc_triton.available(), expert_rows=moe_gemv.available(),
-                   grouped_experts=GROUPED_MM_AVAILABLE, batched_decode=True)
+                   grouped_experts=GROUPED_MM_AVAILABLE, batched_decode=True, decode_graphs="cuda")
 
     @classmethod
     def all_kernels(cls) -> ForwardPaths:

@@ -20,6 +20,8 @@ input) neither the official float path nor the HF model rounds them.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from ds4d.models.deepseek_v4.quant import E2M1_MAX, E2M1_TABLE, FP8_E4M3_MAX
@@ -57,12 +59,19 @@ def round_fp8_blocks(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (codes.float() * scale).reshape(x.shape).to(x.dtype)
 
 
+@lru_cache(maxsize=8)
+def _e2m1_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tie points rounding down, tie points rounding up, magnitudes) on ``device``, copied there once
+    (a copy from host memory per call would wait for the device, and cannot be captured in a graph)."""
+    return tuple(t.to(device) for t in (_ROUND_DOWN_AT_TIE, _ROUND_UP_AT_TIE, _E2M1_MAGNITUDES))
+
+
 def round_e2m1(q: torch.Tensor) -> torch.Tensor:
     """Nearest e2m1 value (ties to the even code) of values already inside [-6, 6]."""
     magnitude = q.abs().unsqueeze(-1)
-    down, up = _ROUND_DOWN_AT_TIE.to(q.device), _ROUND_UP_AT_TIE.to(q.device)
+    down, up, magnitudes = _e2m1_tables(q.device)
     code = (magnitude > down).sum(-1) + (magnitude >= up).sum(-1)
-    return torch.copysign(_E2M1_MAGNITUDES.to(q.device)[code], q)
+    return torch.copysign(magnitudes[code], q)
 
 
 def round_fp4_blocks(x: torch.Tensor, block: int, *, e4m3_scales: bool = False) -> torch.Tensor:

@@ -25,17 +25,23 @@ other continues its slot's state, which must stand exactly at the chunk's ``star
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ds4d.contracts import ForwardBatch, ModelInfo, Tokenizer
+from ds4d.cuda import moe_gemv
+from ds4d.cuda.devices import to_device_async
+from ds4d.cuda.graphs import EagerBuckets, GraphCache, bucket, compiled
 from ds4d.models.deepseek_v4.cache import payload_rows
+from ds4d.models.deepseek_v41.decode import FixedDecode, SlotArrays, pack_rows
 from ds4d.models.deepseek_v41.model import DeepseekV41Model
 from ds4d.models.deepseek_v41.state import GroupState, GrowingRows, SequenceState
 
 DEFAULT_BLOCK_TOKENS = 128
+log = logging.getLogger("ds4d")
 
 
 class PagedRows:
@@ -70,21 +76,24 @@ class PagedRows:
 
 
 class DeepseekV41Pool:
-    """The tensors of ``num_blocks`` blocks: per KV source its entry pool and (index sources) key pool."""
+    """The tensors of ``num_blocks`` blocks: per KV source its entry pool and (index sources) key pool,
+    each with one more block at the end (:attr:`trash_block`: the fixed-shape decode's writes of
+    steps that complete no entry, and its padding rows' block tables)."""
 
     def __init__(self, model: DeepseekV41Model, num_blocks: int, block_tokens: int) -> None:
         cfg = model.cfg
         self.num_blocks = num_blocks
+        self.trash_block = num_blocks
         self.entries: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
         for plan in model.plans:
             if not plan.is_kv_source:
                 continue
             per_block = block_tokens // plan.ratio
-            self.entries[plan.layer] = torch.zeros(num_blocks, per_block, cfg.head_dim, dtype=model.dtype,
+            self.entries[plan.layer] = torch.zeros(num_blocks + 1, per_block, cfg.head_dim, dtype=model.dtype,
                                                    device=model.device)
             if plan.is_index_source:
-                self.index_keys[plan.layer] = torch.zeros(num_blocks, per_block, cfg.index_head_dim,
+                self.index_keys[plan.layer] = torch.zeros(num_blocks + 1, per_block, cfg.index_head_dim,
                                                           dtype=model.dtype, device=model.device)
 
     def pools(self) -> list[torch.Tensor]:
@@ -134,6 +143,12 @@ class DeepseekV41Serving:
         self.tokenizer = tokenizer
         self.block_tokens = block_tokens
         self.pool: DeepseekV41Pool | None = None
+        self.arrays: SlotArrays | None = None
+        """The slots' window rings and compressor tails: each slot's state reads and writes them there."""
+        self.fixed: FixedDecode | None = None
+        self.graphs: GraphCache | EagerBuckets | None = None
+        """What runs the fixed-shape decode step per bucket (``paths.decode_graphs``; None: off)."""
+        self._graph_failure: str | None = None
         self.slots: list[SequenceState | None] = []
         self.triangular_prefill = True
         """A prefill chunk that wants at most its last logits runs the layers after the last KV source
@@ -158,9 +173,26 @@ class DeepseekV41Serving:
     # ------------------------------------------------------------------ Model
 
     def allocate_cache(self, num_blocks: int, max_seqs: int) -> None:
-        self.pool = None
+        if self.graphs is not None:
+            self.graphs.clear()  # they hold the old tensors' addresses
+        self.pool = self.arrays = self.fixed = self.graphs = None
         self.pool = DeepseekV41Pool(self.model, num_blocks, self.block_tokens)
+        self.arrays = SlotArrays(self.model, max_seqs)
         self.slots = [None] * max_seqs
+        mode = self.model.paths.decode_graphs
+        if mode != "off":
+            self.fixed = FixedDecode(self.model, self.arrays, self.pool.entries, self.pool.index_keys,
+                                     self.pool.trash_block)
+            if mode == "cuda":
+                step = compiled(self.fixed.step) if self.model.paths.compile_decode else self.fixed.step
+                self.graphs = GraphCache(step)
+            else:
+                self.graphs = EagerBuckets(self.fixed.step)
+
+    @property
+    def graph_failure(self) -> str | None:
+        """Why a decode graph capture failed, if one did (decode has run the same step eagerly since)."""
+        return self._graph_failure
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -177,14 +209,24 @@ class DeepseekV41Serving:
             self._bind(state, chunk.block_ids)
             steps.append((n, state, ids))
         results: dict[int, torch.Tensor] = {}
-        singles = [step for step in steps if len(step[2]) == 1] if self.model.paths.batched_decode else []
-        if len(singles) > 1:  # one-token chunks through the layers together
+        singles = [step for step in steps if len(step[2]) == 1]
+        if self.graphs is not None and singles:  # one-token chunks: the fixed-shape step of all of them
+            logits = self._decode_fixed(singles, batch)
+            results = {n: logits[i: i + 1] for i, (n, _, _) in enumerate(singles)}
+        elif self.model.paths.batched_decode and len(singles) > 1:  # through the layers together
+            for n, state, _ in singles:
+                self._enter(batch.chunks[n].state_slot, state)
             logits = self.model.decode_many([state for _, state, _ in singles], [ids[0] for *_, ids in singles])
             results = {n: logits[i: i + 1] for i, (n, _, _) in enumerate(singles)}
+            for n, state, _ in singles:
+                self._leave(batch.chunks[n].state_slot, state)
         for n, state, ids in steps:
             if n not in results:
                 last_only = self.triangular_prefill and batch.chunks[n].logits_tokens <= 1 and len(ids) > 1
+                slot = batch.chunks[n].state_slot
+                self._enter(slot, state)
                 results[n] = self.model.forward(state, ids, last_only=last_only)
+                self._leave(slot, state)
         out = []
         for n, _, _ in steps:
             wanted, logits = batch.chunks[n].logits_tokens, results[n]
@@ -213,23 +255,101 @@ class DeepseekV41Serving:
         if batch.input_tokens is not None and any(len(c.token_ids) != 1 for c in batch.chunks):
             raise ValueError("input_tokens feeds one token per chunk")
 
+    def _decode_fixed(self, singles: list[tuple[int, SequenceState, list[int]]], batch: ForwardBatch) -> torch.Tensor:
+        """Logits ``[len(singles), vocab]`` of one-token chunks through the fixed-shape step, at the
+        bucket of their count and block-table width; advances their states."""
+        count = len(singles)
+        rows = bucket(count)
+        width = max(8, bucket(max(len(batch.chunks[n].block_ids) for n, _, _ in singles)))
+        packed = pack_rows([(ids[0], state.position, batch.chunks[n].state_slot, batch.chunks[n].block_ids)
+                            for n, state, ids in singles], rows, width, self.arrays.scratch, self.pool.trash_block)
+        packed = to_device_async(packed, self.model.device)
+        engram = self._engram_rows(singles, rows)
+        mode = self.model.paths.decode_graphs
+        if mode == "cuda" and (self._graph_failure is not None or not self._capturable(rows)):
+            logits = self.fixed.step(packed, *engram)
+        else:
+            try:
+                logits = self.graphs.run((rows, width), packed, *engram)
+            except RuntimeError as exc:
+                if mode != "cuda":
+                    raise
+                # the step writes each row's state where its position says: running it again is exact
+                log.warning("decode graph capture failed; decode steps run eagerly from now on: %s", exc)
+                self._graph_failure = f"{type(exc).__name__}: {exc}"
+                self.graphs.clear()
+                logits = self.fixed.step(packed, *engram)
+        logits = logits[:count].clone()
+        for _, state, ids in singles:
+            self.model._advance(state, ids)
+        return logits
+
+    def _capturable(self, rows: int) -> bool:
+        """Whether a step of ``rows`` rows can be captured: its routed experts take the row kernel (the
+        grouped matmuls count each expert's rows on the host)."""
+        return self.model.paths.expert_rows and rows * self.cfg.num_experts_per_tok <= moe_gemv.MAX_ROWS
+
+    def _engram_rows(self, singles, rows: int) -> tuple[torch.Tensor, ...]:
+        """Each Engram layer's gathered rows ``[rows, columns, head_dim]`` for the chunks' tokens, in layer
+        order (padding rows look up row 0)."""
+        hasher = self.model.hasher
+        if hasher is None:
+            return ()
+        row_ids = torch.cat([hasher.row_ids(state.engram_ids, torch.tensor(ids, dtype=torch.long))
+                             for _, state, ids in singles])
+        row_ids = torch.cat([row_ids, row_ids.new_zeros(rows - row_ids.shape[0], *row_ids.shape[1:])])
+        gathered = self.model._gather_engram(row_ids)
+        return tuple(gathered[layer] for layer in sorted(gathered))
+
     def _state_for(self, slot: int, start_pos: int) -> SequenceState:
         if start_pos == 0:
-            self.slots[slot] = self._fresh_state(counts={})
+            self.slots[slot] = self._fresh_state(slot)
         state = self.slots[slot]
         if state is None or state.position != start_pos:
             where = "empty" if state is None else f"at position {state.position}"
             raise ValueError(f"state slot {slot} is {where}, the chunk starts at {start_pos}")
         return state
 
-    def _fresh_state(self, counts: dict[int, tuple[int, int]]) -> SequenceState:
-        state = SequenceState.empty(self.cfg, self.model.device, self.model.dtype)
-        for source, group in state.groups.items():
-            entries, keys = counts.get(source, (0, 0))
-            group.entries = PagedRows(self.pool.entries[source], entries)
-            if source in self.pool.index_keys:
-                group.index_keys = PagedRows(self.pool.index_keys[source], keys)
-        return state
+    def _fresh_state(self, slot: int, position: int = 0) -> SequenceState:
+        """A state at ``position`` whose rings are the slot's (zeroed) and whose entries are in the pool."""
+        rings = self.arrays.ring_views(slot)
+        for ring in rings:
+            ring.zero_()
+        groups = {}
+        for plan in self.model.plans:
+            if plan.is_kv_source:
+                empty = torch.empty(0, self.cfg.head_dim, dtype=torch.float32, device=self.model.device)
+                keys = self.pool.index_keys.get(plan.layer)
+                groups[plan.layer] = GroupState(
+                    tail_kv=empty, tail_gate=empty, entries=PagedRows(self.pool.entries[plan.layer]),
+                    index_keys=PagedRows(keys) if keys is not None else GrowingRows(
+                        self.cfg.index_head_dim, self.model.dtype, self.model.device))
+        return SequenceState(position=position, windows=rings, groups=groups)
+
+    def _enter(self, slot: int, state: SequenceState) -> None:
+        """Before the per-sequence forward runs ``state``: its entry counts and compressor tails from
+        where the slot keeps them (all the fixed-shape step updates)."""
+        for plan in self.model.plans:
+            if not plan.is_kv_source:
+                continue
+            group = state.groups[plan.layer]
+            group.entries.count = state.position // plan.ratio
+            if isinstance(group.index_keys, PagedRows):
+                group.index_keys.count = group.entries.count
+            if plan.ratio > 1:
+                tail, pending = self.arrays.tail_index[plan.layer], state.position % plan.ratio
+                group.tail_kv = self.arrays.tail_kv[slot, tail, None][:pending]
+                group.tail_gate = self.arrays.tail_gate[slot, tail, None][:pending]
+
+    def _leave(self, slot: int, state: SequenceState) -> None:
+        """After it: the compressor tails back into the slot."""
+        for plan in self.model.plans:
+            if plan.is_kv_source and plan.ratio > 1:
+                group = state.groups[plan.layer]
+                if group.tail_kv.shape[0]:
+                    tail = self.arrays.tail_index[plan.layer]
+                    self.arrays.tail_kv[slot, tail] = group.tail_kv[-1]
+                    self.arrays.tail_gate[slot, tail] = group.tail_gate[-1]
 
     def _bind(self, state: SequenceState, block_ids: Sequence[int]) -> None:
         table = torch.tensor(list(block_ids), dtype=torch.long, device=self.model.device)
@@ -243,20 +363,9 @@ class DeepseekV41Serving:
         full, every source holding the entries (and index keys) of ``position`` tokens, a ratio-2
         tail where the position is odd.  For the GPU memory plan's profiling step, which only needs a
         forward at the end of a long prompt to allocate what a real one would."""
-        counts = {}
-        for plan in self.model.plans:
-            if plan.is_kv_source:
-                entries = position // plan.ratio
-                counts[plan.layer] = (entries, entries if plan.is_index_source else 0)
-        state = self._fresh_state(counts)
-        state.position = position
-        cfg, device = self.cfg, self.model.device
-        for plan in self.model.plans:
-            if plan.is_kv_source and plan.ratio > 1:
-                tail = position % plan.ratio
-                group = state.groups[plan.layer]
-                group.tail_kv = torch.zeros(tail, cfg.head_dim, dtype=torch.float32, device=device)
-                group.tail_gate = torch.zeros(tail, cfg.head_dim, dtype=torch.float32, device=device)
+        state = self._fresh_state(slot, position)
+        self.arrays.tail_kv[slot].zero_()
+        self.arrays.tail_gate[slot].zero_()
         if self.model.hasher is not None:
             state.engram_ids = torch.zeros(min(position, self.model.hasher.history), dtype=torch.int64)
         self.slots[slot] = state
@@ -270,6 +379,7 @@ class DeepseekV41Serving:
         state = self.slots[slot]
         if state is None:
             raise ValueError(f"state slot {slot} holds no sequence")
+        self._enter(slot, state)
         header = [state.position]
         tails = []
         for _, group in sorted(state.groups.items()):
@@ -283,19 +393,23 @@ class DeepseekV41Serving:
         if len(snapshot) != 2 + layers + 2 * len(sources) or snapshot[0].numel() != 1 + 2 * len(sources):
             raise ValueError("state snapshot does not match this model's state layout")
         header = snapshot[0].tolist()
-        counts = {source: (header[1 + 2 * i], header[2 + 2 * i]) for i, source in enumerate(sources)}
-        state = self._fresh_state(counts)
-        state.position = header[0]
-        state.engram_ids = snapshot[1].clone()
-        device = self.model.device
-        for layer in range(layers):
-            if snapshot[2 + layer].shape != state.windows[layer].shape:
-                raise ValueError("state snapshot does not match this model's state layout")
-            state.windows[layer] = snapshot[2 + layer].to(device, copy=True)
+        ratios = {plan.layer: plan.ratio for plan in self.model.plans}
         for i, source in enumerate(sources):
-            group: GroupState = state.groups[source]
-            group.tail_kv = snapshot[2 + layers + 2 * i].to(device, copy=True)
-            group.tail_gate = snapshot[3 + layers + 2 * i].to(device, copy=True)
+            if header[1 + 2 * i] != header[0] // ratios[source]:
+                raise ValueError("state snapshot does not match this model's state layout")
+        rings = snapshot[2: 2 + layers]
+        if any(ring.shape != (self.cfg.sliding_window, self.cfg.head_dim) for ring in rings):
+            raise ValueError("state snapshot does not match this model's state layout")
+        state = self._fresh_state(slot, header[0])
+        state.engram_ids = snapshot[1].clone()
+        for window, ring in zip(state.windows, rings):
+            window.copy_(ring)
+        for i, source in enumerate(sources):
+            tail_kv, tail_gate = snapshot[2 + layers + 2 * i], snapshot[3 + layers + 2 * i]
+            if tail_kv.shape[0]:
+                tail = self.arrays.tail_index[source]
+                self.arrays.tail_kv[slot, tail] = tail_kv[-1].to(self.model.device)
+                self.arrays.tail_gate[slot, tail] = tail_gate[-1].to(self.model.device)
         self.slots[slot] = state
 
     # ------------------------------------------------------------------ BlockCopyModel
