@@ -17,6 +17,21 @@ def test_e2m1_rounds_ties_to_the_even_code():
     assert round_e2m1(q).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 0.5, 6.0, -1.0, -2.0, 6.0]
 
 
+def test_e2m1_is_the_nearest_code_with_ties_to_even_everywhere():
+    """Every float32 in [-6, 6] on a fine grid (all the midpoints on it, and their neighbours one ulp
+    away) against the nearest of the eight magnitudes by distance, a tie going to the even code."""
+    magnitudes = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    grid = torch.linspace(0, 6, 48_001)
+    q = torch.cat([grid, torch.nextafter(grid, torch.tensor(7.0)), torch.nextafter(grid, torch.tensor(-1.0))])
+    q = torch.cat([q, -q]).clamp(-6, 6)
+    distance = (q.abs().unsqueeze(-1) - magnitudes).abs()
+    nearest = distance == distance.min(-1, keepdim=True).values
+    odd = torch.arange(8) % 2 == 1
+    code = torch.where(nearest & ~odd, 0, 1).argmin(-1)  # an even code among the nearest if there is one
+    code = torch.where(nearest.sum(-1) > 1, code, nearest.int().argmax(-1))
+    assert torch.equal(round_e2m1(q), torch.copysign(magnitudes[code], q))
+
+
 def test_fp4_with_power_of_two_scales():
     x = torch.zeros(32)
     x[:4] = torch.tensor([12.0, 1.0, -3.0, 5.0])  # amax 12 -> scale 2: 6, 0.5, -1.5, 2.5 -> 2

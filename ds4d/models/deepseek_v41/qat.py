@@ -20,19 +20,9 @@ input) neither the official float path nor the HF model rounds them.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 
-from ds4d.models.deepseek_v4.quant import E2M1_MAX, E2M1_TABLE, FP8_E4M3_MAX
-
-_E2M1_MAGNITUDES = E2M1_TABLE[:8]
-# Midpoints between neighbouring e2m1 magnitudes.  Round-to-nearest-even: a value exactly on a
-# midpoint goes to the neighbour with the even code, i.e. down at 0.25, 1.25, 2.5, 5 (codes 0, 2,
-# 4, 6 below them) and up at 0.75, 1.75, 3.5 (codes 2, 4, 6 above them).
-_ROUND_DOWN_AT_TIE = torch.tensor([0.25, 1.25, 2.5, 5.0])
-_ROUND_UP_AT_TIE = torch.tensor([0.75, 1.75, 3.5])
-
+from ds4d.models.deepseek_v4.quant import E2M1_MAX, FP8_E4M3_MAX
 
 def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
     """``2 ** ceil(log2(t))`` for positive normal float32 ``t``, exactly (a ue8m0 scale)."""
@@ -59,19 +49,16 @@ def round_fp8_blocks(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (codes.float() * scale).reshape(x.shape).to(x.dtype)
 
 
-@lru_cache(maxsize=8)
-def _e2m1_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tie points rounding down, tie points rounding up, magnitudes) on ``device``, copied there once
-    (a copy from host memory per call would wait for the device, and cannot be captured in a graph)."""
-    return tuple(t.to(device) for t in (_ROUND_DOWN_AT_TIE, _ROUND_UP_AT_TIE, _E2M1_MAGNITUDES))
-
-
 def round_e2m1(q: torch.Tensor) -> torch.Tensor:
-    """Nearest e2m1 value (ties to the even code) of values already inside [-6, 6]."""
-    magnitude = q.abs().unsqueeze(-1)
-    down, up, magnitudes = _e2m1_tables(q.device)
-    code = (magnitude > down).sum(-1) + (magnitude >= up).sum(-1)
-    return torch.copysign(magnitudes[code], q)
+    """Nearest e2m1 value (ties to the even code) of values already inside [-6, 6].
+
+    The e2m1 magnitudes are spaced 0.5 below 2, 1 from 2 to 4 and 2 from 4 to 6, and within each
+    range an even code is an even multiple of the spacing: so the nearest value is the magnitude
+    over its range's spacing rounded half to even, times the spacing (all exact in float32).  No
+    table: nothing to copy to the device, in a graph or out of it."""
+    magnitude = q.abs()
+    step = torch.where(magnitude < 2, 0.5, torch.where(magnitude < 4, 1.0, 2.0))
+    return torch.copysign(torch.round(magnitude / step) * step, q)
 
 
 def round_fp4_blocks(x: torch.Tensor, block: int, *, e4m3_scales: bool = False) -> torch.Tensor:
