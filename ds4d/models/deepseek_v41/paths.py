@@ -32,9 +32,10 @@ class ForwardPaths:
     """Steps with more pairs than that sort the pairs by expert and run each projection as one grouped
     matmul over the bank (torch's ``grouped_mm``; bf16 on CUDA) instead of one expert at a time."""
     batched_decode: bool = False
-    """The one-token chunks of a step go through the layers together: every projection, norm,
-    hyper-connection and expert sees all their rows at once, only the attention core (each
-    sequence's window and compressed entries) runs per sequence."""
+    """With ``decode_graphs = off``: the one-token chunks of a step go through the layers together
+    (``DeepseekV41Model.decode_many``): every projection, norm, hyper-connection and expert sees all
+    their rows at once, only the attention core (each sequence's window and compressed entries) runs
+    per sequence."""
     decode_graphs: str = "off"
     """How the engine's one-token chunks run: ``off``, as above; ``padded``, the fixed-shape step of
     ``decode.py`` (every row's attention batched, state in the slots' arrays and the block pool) at

@@ -11,16 +11,20 @@ What a V4.1 sequence leaves behind splits as V4's does (``deepseek_v4/cache.py``
 * **State slot** (one per running sequence): the forward's
   :class:`~ds4d.models.deepseek_v41.state.SequenceState` minus the entries: the window
   ring of every layer, the ratio-2 compressor tails, the last Engram token ids, the
-  position, and how many entries each source holds.  ``save_state`` copies it
-  (a list of tensors), ``load_state`` restores it into any slot; with the sequence's
-  blocks that is everything needed to go on (prefix reuse at a state checkpoint).
+  position, and how many entries each source holds (``position // ratio``).  The rings and
+  tails live in :class:`~ds4d.models.deepseek_v41.decode.SlotArrays` (the state's rings
+  are views into it).  ``save_state`` copies a slot (a list of tensors), ``load_state``
+  restores it into any slot; with the sequence's blocks that is everything needed to go on
+  (prefix reuse at a state checkpoint).
 
-The forward runs the chunks of a step one after the other through
-:meth:`DeepseekV41Model.forward`; with the model's ``batched_decode`` path (CUDA) the
-one-token chunks of a step go through :meth:`DeepseekV41Model.decode_many` together.  A
-prefill chunk that wants at most its last logits runs on the triangle of rows they and the
-state depend on (``model.row_plan``).  A chunk at position 0 starts a fresh state, any
-other continues its slot's state, which must stand exactly at the chunk's ``start_pos``.
+The one-token chunks of a step go, by the model's ``decode_graphs`` path, through the
+fixed-shape step of ``decode.py`` together (CUDA graphs per bucket on CUDA), or through
+:meth:`DeepseekV41Model.decode_many` (``batched_decode``), or one by one; every other chunk
+runs :meth:`DeepseekV41Model.forward`, its entry counts and compressor tail read from the
+slot first (``_enter``) and the tail written back after (``_leave``).  A prefill chunk that
+wants at most its last logits runs on the triangle of rows they and the state depend on
+(``model.row_plan``).  A chunk at position 0 starts a fresh state, any other continues its
+slot's state, which must stand exactly at the chunk's ``start_pos``.
 """
 
 from __future__ import annotations
