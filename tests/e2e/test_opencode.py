@@ -179,6 +179,24 @@ def test_opencode_on_a_tiny_deepseek_v41(tmp_path, opencode_binary):
     print(f"tiny V4.1 session: first agent prompt {first_prompt} tokens, second turn reused {reused}")
 
 
+def test_opencode_on_a_tiny_deepseek_v4_gguf(tmp_path, opencode_binary):
+    """The same session on a tiny DeepSeek-V4 GGUF file as llama.cpp's converter writes it (the BF16
+    fixture of tests/fixtures/gguf_v4) grown to the real V4 vocabulary, so the daemon takes the V4
+    tokenizer from the file's metadata and OpenCode's prompts tokenise as on the release."""
+    from tests.unit.test_dsv4_gguf import FIXTURES, with_the_v4_vocabulary
+
+    model = with_the_v4_vocabulary(FIXTURES / "bf16.gguf", tmp_path / "tiny-v4.gguf")
+    report = run_scenario(tmp_path, opencode_binary, ["--model", str(model), "--threads", "2", "--max-num-seqs", "4"],
+                          [["--thinking", "Reply", "with", "one", "short", "sentence."],
+                           ["--thinking", "--continue", "Once", "more."]])
+    first_prompt, reused = check_session(report)
+    assert reused > first_prompt // 2, describe(report)
+    assert "the vocabulary is DeepSeek-V4's: using the V4 tokenizer" in report["daemon_log"], describe(report)
+    for run in report["runs"]:
+        assert ANSI.sub("", run["stdout"]).strip(), describe(report)  # the model's answer was printed
+    print(f"tiny V4 GGUF session: first agent prompt {first_prompt} tokens, second turn reused {reused}")
+
+
 # --------------------------------------------------------------------------- driver (inside the namespace)
 
 

@@ -259,6 +259,35 @@ def rewrite(source: Path, out: Path, *, tensors: dict | None = None, drop: tuple
     return out
 
 
+def with_the_v4_vocabulary(source: Path, out: Path, seed: int = 0) -> Path:
+    """A copy of the fixture GGUF ``source`` (cut to 512 ids) for the real DeepSeek-V4 vocabulary: the
+    tokenizer metadata of the converter's ``--vocab-only`` file (129,280 ids) and the embedding, head
+    and hash-routing tables grown to it, their rows drawn from the fixture's (BF16 tables)."""
+    import lzma
+
+    vocab = out.with_name(out.stem + ".vocab-only.gguf")
+    vocab.write_bytes(lzma.decompress((FIXTURES / "vocab-only.gguf.xz").read_bytes()))
+    keys = {}
+    for field in gguf.GGUFReader(vocab).fields.values():
+        if field.name.startswith("tokenizer.ggml."):
+            sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+            keys[field.name] = (field.contents(), field.types[0], sub)
+    vocab.unlink()
+    size = len(keys["tokenizer.ggml.tokens"][0])
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for tensor in gguf.GGUFReader(source).tensors:
+        if tensor.name in ("token_embd.weight", "output.weight"):
+            assert tensor.tensor_type == gguf.GGMLQuantizationType.BF16, tensor.name
+            rows = np.array(tensor.data).reshape(-1, tensor.data.shape[-1])
+            tensors[tensor.name] = (rows[rng.integers(0, rows.shape[0], size)], tensor.tensor_type)
+        elif tensor.name.endswith("ffn_gate_tid2eid.weight"):  # a hash layer's expert ids per token
+            experts = int(np.array(tensor.data).max()) + 1
+            tensors[tensor.name] = (rng.integers(0, experts, (size, tensor.data.shape[-1])).astype(np.int32),
+                                    tensor.tensor_type)
+    return rewrite(source, out, tensors=tensors, keys=keys)
+
+
 def test_a_type_the_gguf_package_cannot_decode_is_refused_naming_the_tensor(tmp_path):
     Q = gguf.GGMLQuantizationType
     block, size = gguf.GGML_QUANT_SIZES[Q.Q8_K]
