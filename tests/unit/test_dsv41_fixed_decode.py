@@ -143,3 +143,33 @@ def test_decode_graphs_takes_off_padded_or_cuda():
     assert ForwardPaths().decode_graphs == "off" and ForwardPaths.for_device("cpu").decode_graphs == "off"
     with pytest.raises(ValueError, match="off, padded or cuda"):
         ForwardPaths(decode_graphs="on")
+
+
+def test_a_failed_graph_capture_is_recorded_and_the_same_step_runs_eagerly(caplog):
+    """``decode_graphs = cuda`` where no graph can be captured (here: no CUDA device; on a GPU, any
+    capture error): the failure is logged and kept for ``/v1/ds4d/stats``, the step runs eagerly and
+    gives the per-sequence forward's logits, and later steps do not try to capture again."""
+    pytest.importorskip("triton")
+    from ds4d.cuda import moe_gemv
+
+    if torch.cuda.is_available() or not moe_gemv.available():
+        pytest.skip("needs the CPU with Triton's interpreter (the row kernel makes the bucket capturable)")
+    reference = DeepseekV41Model.from_pretrained(FIXTURES / "tiny_a", paths=ForwardPaths())
+    graphs = DeepseekV41Model(reference.cfg, reference.weights, reference.hasher,
+                              paths=ForwardPaths(expert_rows=True, decode_graphs="cuda"))
+    servings = [DeepseekV41Serving(model, tokenizer=None, block_tokens=BLOCK) for model in (reference, graphs)]
+    ids = prompt(reference.cfg, 20, seed=2)
+    table = tuple(range(4))
+    outputs = []
+    for serving in servings:
+        serving.allocate_cache(8, 1)
+        assert serving.graph_failure is None
+        serving.forward(ForwardBatch((SeqChunk(0, tuple(ids), 0, table, 1),)))
+        outputs.append([serving.forward(ForwardBatch((SeqChunk(0, (token,), len(ids) + i, table, 1),)))
+                        for i, token in enumerate((5, 6))])
+    assert "decode graph capture failed" in caplog.text
+    fixed = servings[1]
+    assert fixed.graph_failure.startswith("RuntimeError") and len(fixed.graphs) == 0
+    assert caplog.text.count("decode graph capture failed") == 1
+    for got, want in zip(outputs[1], outputs[0]):
+        assert relative_error(got, want) < 1e-5
