@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,9 @@ from ds4d.models.deepseek_v41.hyper import collapse, expand, site_weights
 from ds4d.models.deepseek_v41.moe import moe_forward
 from ds4d.models.deepseek_v41.qat import round_fp4_blocks
 
+if TYPE_CHECKING:
+    from ds4d.models.deepseek_v41.model import DeepseekV41Model
+
 HEADER = 3
 """Packed row: token, position, slot, then the block table."""
 
@@ -58,7 +62,7 @@ class SlotArrays:
     per ratio-2 KV source, the compressor's pending row (kv and gate, float32).  The last slot is scratch:
     the padding rows of a step write there."""
 
-    def __init__(self, model, slots: int) -> None:
+    def __init__(self, model: DeepseekV41Model, slots: int) -> None:
         cfg = model.cfg
         ratios = {plan.ratio for plan in model.plans if plan.is_kv_source}
         if ratios - {1, 2}:
@@ -106,8 +110,7 @@ class _GroupStep:
 class FixedDecode:
     """The fixed-shape decode step of a model over its slots' arrays and its block pool's tensors."""
 
-    model: object
-    """The :class:`~ds4d.models.deepseek_v41.model.DeepseekV41Model`."""
+    model: DeepseekV41Model
     arrays: SlotArrays
     entries: dict[int, torch.Tensor]
     """KV source -> entry pool ``[blocks + 1, per_block, head_dim]`` (the last block is trash)."""
