@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,9 +46,6 @@ from ds4d.models.deepseek_v41.attention import (
     top_k,
 )
 from ds4d.models.deepseek_v41.config import LayerPlan
-from ds4d.models.deepseek_v41.engram import engram_forward
-from ds4d.models.deepseek_v41.hyper import collapse, expand, site_weights
-from ds4d.models.deepseek_v41.moe import moe_forward
 from ds4d.models.deepseek_v41.qat import round_fp4_blocks
 
 if TYPE_CHECKING:
@@ -124,24 +122,15 @@ class FixedDecode:
     def step(self, packed: torch.Tensor, *engram: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, vocab]`` (float32) of the packed rows; ``engram``: each Engram layer's gathered rows
         ``[B, columns, head_dim]`` in layer order.  Capturable: no host reads, shapes from the inputs'."""
-        model, cfg = self.model, self.model.cfg
+        model = self.model
         positions, slots, table = packed[:, 1], packed[:, 2], packed[:, HEADER:]
         rows = StepRows.make(positions, (), model.rope_main, model.rope_compress)
         streams, pre_mix = model._streams(packed[:, 0])
         gathered = dict(zip(self.engram_layers, engram))
         shared = _GroupStep()
-        eps, iters, hc_eps, fused = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps, model.paths.fused_hyper
         for layer, (plan, w) in enumerate(zip(model.plans, model.weights.layers)):
-            if w.engram is not None:
-                streams = engram_forward(streams, gathered[layer], w.engram, eps)
-            x = rms_norm(collapse(streams, pre_mix), w.attn_norm, eps)
-            attn_pre, post, comb = site_weights(streams, w.hc_attn, iters, hc_eps, eps, fused)
-            attended = self._attention(x, plan, w.attn, rows, slots, table, shared)
-            streams = expand(attended, streams, post, comb)
-            ffn_pre, post, comb = site_weights(streams, w.hc_ffn, iters, hc_eps, eps, fused)
-            x = rms_norm(collapse(streams, attn_pre), w.ffn_norm, eps)
-            ffn = moe_forward(x, w.ffn, cfg, model.paths.expert_rows, model.paths.grouped_experts)
-            streams, pre_mix = expand(ffn, streams, post, comb), ffn_pre
+            attend = partial(self._attention, plan=plan, w=w.attn, rows=rows, slots=slots, table=table, shared=shared)
+            streams, pre_mix = model.layer_around(layer, streams, pre_mix, gathered.get(layer), attend)
         return model.logits(streams, pre_mix)
 
     # ------------------------------------------------------------ attention
@@ -178,7 +167,7 @@ class FixedDecode:
     def _compress(self, x, plan: LayerPlan, w, rows: StepRows, slots, table, shared: _GroupStep) -> None:
         """At a KV source: this step's entry (and index key), written where it belongs, then every row's
         entries and keys as far as its table reaches."""
-        cfg, ratio, eps = self.model.cfg, plan.ratio, self.model.cfg.rms_norm_eps
+        ratio, eps = plan.ratio, self.model.cfg.rms_norm_eps
         positions = rows.positions
         if ratio == 1:
             latent = rms_norm(F.linear(x, w.compressor.wkv), w.compressor.norm, eps)

@@ -30,7 +30,7 @@ selects (more visible entries than ``index_topk``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -229,7 +229,24 @@ class DeepseekV41Model:
 
         ``sequences``: one (state, step hand-over) whose rows are the last of its step, or one per row
         (a decode step of several sequences, all rows outputs)."""
-        cfg, plan, w, paths = self.cfg, self.plans[layer], self.weights.layers[layer], self.paths
+        outputs = streams.shape[0] if outputs is None else outputs
+        if len(sequences) == 1:
+            state, shared = sequences[0]
+            plan, w = self.plans[layer], self.weights.layers[layer].attn
+
+            def attend(x: torch.Tensor) -> torch.Tensor:
+                return attention_forward(x, plan, w, self.cfg, state, shared, rows, outputs)
+        else:
+            def attend(x: torch.Tensor) -> torch.Tensor:
+                return self._attention_rows(x, layer, sequences, rows)
+        return self.layer_around(layer, streams, pre_mix, engram, attend, outputs)
+
+    def layer_around(self, layer: int, streams: torch.Tensor, pre_mix: torch.Tensor, engram: torch.Tensor | None,
+                     attend: Callable[[torch.Tensor], torch.Tensor],
+                     outputs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`layer_forward` with the attention given: ``attend`` takes the normed attention input of
+        every row and returns the attention output of the last ``outputs`` rows ``[outputs, hidden]``."""
+        cfg, w, paths = self.cfg, self.weights.layers[layer], self.paths
         eps, iters, hc_eps = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps
         outputs = streams.shape[0] if outputs is None else outputs
         if w.engram is not None:
@@ -237,12 +254,7 @@ class DeepseekV41Model:
         x = rms_norm(collapse(streams, pre_mix), w.attn_norm, eps)
         streams = streams[streams.shape[0] - outputs:]
         attn_pre, post, comb = site_weights(streams, w.hc_attn, iters, hc_eps, eps, paths.fused_hyper)
-        if len(sequences) == 1:
-            state, shared = sequences[0]
-            attended = attention_forward(x, plan, w.attn, cfg, state, shared, rows, outputs)
-        else:
-            attended = self._attention_rows(x, layer, sequences, rows)
-        streams = expand(attended, streams, post, comb)
+        streams = expand(attend(x), streams, post, comb)
         ffn_pre, post, comb = site_weights(streams, w.hc_ffn, iters, hc_eps, eps, paths.fused_hyper)
         x = rms_norm(collapse(streams, attn_pre), w.ffn_norm, eps)
         ffn = moe_forward(x, w.ffn, cfg, paths.expert_rows, paths.grouped_experts)
