@@ -15,11 +15,14 @@ bf16, on the device, and times what the engine runs:
   from a memory-mapped file of the same bytes.
 
 Each figure comes with its floor from BENCH.md: the bytes a step must read (every dense weight
-of the layers, the head, the experts the step's tokens route to, 2 bytes per parameter) over
-the copy bandwidth measured at the start of the same run, and for prefill the larger of that
-and its matmul work over the measured bf16 rate.  ``--experts`` keeps fewer routed experts per
-layer than the release's 384 so more layers fit (decode reads the top-6 either way); the Engram
-tables are smaller than the release's 384M rows (``--engram-vocab``; a row costs the same to read).
+of the layers, the head, the experts the step's tokens route to, as held: 2 bytes per bf16
+parameter, FP4 codes and scales with ``--native``) over the copy bandwidth measured at the start
+of the same run, and for prefill the larger of that and its matmul work over the measured bf16
+rate.  ``--native`` draws the FP8 linears and the routed experts as the release stores them
+(random e4m3 values and FP4 codes with e8m0 scales) and keeps them so (``weight_format = native``:
+V4's FP8 and MXFP4 kernels); without it they are bf16.  ``--experts`` keeps fewer routed experts per layer than the release's 384 so more layers
+fit in bf16 (decode reads the top-6 either way); the Engram tables are smaller than the release's
+384M rows (``--engram-vocab``; a row costs the same to read).
 No peer runs in this benchmark: the HF oracle needs transformers >= 5.24 and its own copy of the
 weights.
 """
@@ -82,14 +85,24 @@ def bench_config(layers: list[int], tiny: bool, experts: int, engram_vocab: int)
     return config, tokenizer
 
 
-def random_tensors(torch, config: dict, device, seed: int) -> dict:
+def random_tensors(torch, config: dict, device, seed: int, native: bool = False) -> dict:
     """``{official name: tensor}`` drawn on ``device`` in bf16 (float32 where the model keeps float32);
-    Engram tables as FP8 with unit e8m0 scales, and the routed experts, in host memory."""
-    from ds4d.models.deepseek_v41.layout import SCALE, TEXT, CheckpointLayout
+    Engram tables as FP8 with unit e8m0 scales, and the routed experts, in host memory; with ``native``
+    the FP8 linears as e4m3 values and the routed experts as FP4 codes, each with e8m0 scales that
+    make a row's weights about ``1 / sqrt(inputs)``, on ``device``."""
+    from ds4d.models.deepseek_v41.layout import FP4, FP8, SCALE, TEXT, CheckpointLayout
 
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for spec in CheckpointLayout(config).select((TEXT,)):
+        if native and spec.quant == FP4:
+            out[spec.name] = torch.randint(-128, 128, spec.shape, generator=gen, device=device, dtype=torch.int8)
+            inputs = spec.dense_shape[1]
+            exponent = 127 - 2 - round(math.log2(inputs) / 2)  # codes reach 6: scale ~ 1 / (4 sqrt(inputs))
+            scale_shape = (spec.shape[0], inputs // 32)
+            out[spec.scale_name] = torch.full(scale_shape, exponent, dtype=torch.uint8, device=device).view(
+                torch.float8_e8m0fnu)
+            continue
         if spec.quant == SCALE:
             continue
         shape = spec.dense_shape or spec.shape
@@ -98,6 +111,15 @@ def random_tensors(torch, config: dict, device, seed: int) -> dict:
             values = torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
             out[name] = values.to(torch.float8_e4m3fn).cpu()
             out[spec.scale_name] = torch.ones(shape[0], shape[1] // 32, dtype=torch.float8_e8m0fnu)
+            del values
+            continue
+        if native and spec.quant == FP8:
+            values = torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
+            out[name] = values.to(torch.float8_e4m3fn)
+            exponent = 127 - round(math.log2(shape[1]) / 2)
+            scale_shape = (-(-shape[0] // spec.block[0]), -(-shape[1] // spec.block[1]))
+            out[spec.scale_name] = torch.full(scale_shape, exponent, dtype=torch.uint8, device=device).view(
+                torch.float8_e8m0fnu)
             del values
             continue
         values = torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
@@ -136,6 +158,8 @@ class Floors:
     """Bytes and FLOPs a step must move, at 2 bytes per parameter."""
 
     def __init__(self, model, bandwidth: float, matmul: float) -> None:
+        from ds4d.models.deepseek_v41.weights import tensors_of
+
         cfg, weights = model.cfg, model.weights
         self.bandwidth, self.matmul = bandwidth, matmul
         self.k = cfg.num_experts_per_tok
@@ -143,41 +167,35 @@ class Floors:
         self.layers = cfg.num_hidden_layers
         first = weights.layers[0].ffn.banks.expert(0)
         self.expert_params = _numel((first.w1, first.w2, first.w3))
-        dense = weights.head.numel()
+        banks = weights.layers[0].ffn.banks
+        self.expert_bytes = banks.stored_bytes() / banks.experts if banks.stored else 2 * self.expert_params
+        """Bytes one routed expert's three matrices take: FP4 codes and scales as held, else bf16's."""
+        dense, held = weights.head.numel(), 2 * weights.head.numel()
         for layer in weights.layers:
-            routed = _numel(_tensors(layer.ffn.banks))
-            tables = _numel((layer.engram.table, layer.engram.table_scale)) if layer.engram is not None else 0
-            dense += _numel(_tensors(layer)) - routed - tables  # the tables' rows read are counted apart
+            # the routed experts are counted by the expert, the Engram tables by the rows read
+            skip = {id(t) for t in tensors_of(layer.ffn.banks)}
+            if layer.engram is not None:
+                skip |= {id(layer.engram.table), id(layer.engram.table_scale)}
+            rest = [t for t in tensors_of(layer) if id(t) not in skip]
+            dense += _numel(rest)
+            held += sum(min(2, t.element_size()) * t.numel() for t in rest)
         self.dense_params = dense
+        self.dense_bytes = held
+        """Bytes of the weights every step reads: FP8 values at one byte, the rest at bf16's two."""
 
     def _distinct(self, tokens: int) -> float:
         """Expected distinct experts per layer for ``tokens`` independent uniform top-k picks."""
         return self.experts * (1 - (1 - self.k / self.experts) ** tokens)
 
+    def _bytes(self, tokens: int) -> float:
+        return self.dense_bytes + self.layers * self._distinct(tokens) * self.expert_bytes
+
     def decode(self, batch: int) -> float:
-        params = self.dense_params + self.layers * self._distinct(batch) * self.expert_params
-        return batch / (2 * params / self.bandwidth)
+        return batch / (self._bytes(batch) / self.bandwidth)
 
     def prefill(self, tokens: int) -> float:
-        params = self.dense_params + self.layers * self._distinct(tokens) * self.expert_params
         active = self.dense_params + self.layers * self.k * self.expert_params
-        return tokens / max(2 * params / self.bandwidth, 2 * tokens * active / self.matmul)
-
-
-def _tensors(obj):
-    """Every tensor reachable through a weights dataclass."""
-    import dataclasses
-
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif dataclasses.is_dataclass(obj):
-        for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name))
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors(item)
+        return tokens / max(self._bytes(tokens) / self.bandwidth, 2 * tokens * active / self.matmul)
 
 
 def _decode_rate(torch, device, serving, prompts, steps: int) -> float:
@@ -290,11 +308,17 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     config, tokenizer = bench_config(layers, args.tiny, args.experts, args.engram_vocab)
     cfg = DeepseekV41Config.from_dict(config, name="random-v41")
-    tensors = random_tensors(torch, config, device, args.seed)
+    native = bool(getattr(args, "native", False))
+    if native:
+        from ds4d.models.deepseek_v41.family import stored_weight_choice
+
+        stored_weight_choice("native", dtype, str(device))  # refuses where the kernels cannot run
+    tensors = random_tensors(torch, config, device, args.seed, native=native)
     from ds4d.models.deepseek_v41.paths import ForwardPaths
 
     paths = ForwardPaths.for_device(device).replace(compile_decode=bool(getattr(args, "compile", False)))
-    model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, dtype=dtype, device=device, paths=paths)
+    model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, dtype=dtype, device=device, paths=paths,
+                                          stored_weights=native)
     del tensors
     serving = DeepseekV41Serving(model, tokenizer, parameter_bytes=0)
     context = args.context or (64 if args.tiny else DECODE_CONTEXT)
@@ -305,7 +329,9 @@ def run(args: argparse.Namespace) -> int:
     serving.allocate_cache(per_seq * max(batches + [1]), max(batches + [1]))
     floors = Floors(model, bandwidth, matmul)
     _say(f"built in {time.perf_counter() - t0:.1f} s: layers {layers}, {cfg.n_routed_experts} experts of "
-         f"{floors.expert_params / 1e6:.1f}M, {floors.dense_params / 1e9:.2f}B dense parameters, "
+         f"{floors.expert_params / 1e6:.1f}M ({floors.expert_bytes / 2**20:.1f} MiB, "
+         f"{'FP4 as stored' if native else 'bf16'}), {floors.dense_params / 1e9:.2f}B dense parameters "
+         f"({floors.dense_bytes / 2**30:.2f} GiB), "
          f"Engram on {list(cfg.engram_layer_ids)}, {args.dtype} on {device}")
     gen = torch.Generator().manual_seed(args.seed)
     rows: list[Row] = []
@@ -326,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "family": "deepseek_v41", "layers": layers, "experts": cfg.n_routed_experts, "device": str(device),
+            "native": native,
             "dtype": args.dtype, "bandwidth": bandwidth, "matmul": matmul,
             "rows": [vars(r) for r in rows]}, indent=1))
     return 0
@@ -333,7 +360,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _print(rows: list[Row], layers, args, device) -> None:
     _say("")
-    _say(f"| case | ds4d | floor | ratio |   ({args.dtype}, {device}, layers {','.join(map(str, layers))})")
+    experts = "FP8 linears + FP4 experts as stored" if getattr(args, "native", False) else "bf16 weights"
+    _say(f"| case | ds4d | floor | ratio |   ({args.dtype}, {experts}, {device}, layers {','.join(map(str, layers))})")
     _say("|---|---|---|---|")
     for row in rows:
         unit = "ms" if row.case.startswith("engram") else "tok/s"

@@ -76,9 +76,10 @@ def e8m0_scaled(byte):
 
 @triton.jit
 def fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k: tl.constexpr, sxm, swn, ssn, som,
-                    block_n: tl.constexpr, block_k: tl.constexpr):
-    """One row of x times ``block_n`` FP8 weight rows; consecutive programs take the same weight
-    rows for the next row of x, so a few rows share each weight read through the cache."""
+                    block_n: tl.constexpr, block_k: tl.constexpr, block: tl.constexpr):
+    """One row of x times ``block_n`` FP8 weight rows, with one scale per ``block`` x ``block`` weights
+    (a divisor of ``block_k``); consecutive programs take the same weight rows for the next row of x,
+    so a few rows share each weight read through the cache."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
     live_cols = cols < n
@@ -88,45 +89,48 @@ def fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k: tl.constexpr, sxm, swn, 
         xs = tl.load(x_ptr + row * sxm + ks, mask=ks < k, other=0.0).to(tl.float32)
         ws = tl.load(w_ptr + cols[:, None] * swn + ks[None, :], mask=live_cols[:, None] & (ks[None, :] < k),
                      other=0.0).to(tl.float32)
-        part = tl.sum(tl.reshape(ws * xs[None, :], [block_n, block_k // 128, 128]), axis=2)
-        blocks = k0 // 128 + tl.arange(0, block_k // 128)
-        scale = tl.load(s_ptr + (cols // 128)[:, None] * ssn + blocks[None, :],
-                        mask=live_cols[:, None] & (blocks[None, :] * 128 < k), other=0.0)
+        part = tl.sum(tl.reshape(ws * xs[None, :], [block_n, block_k // block, block]), axis=2)
+        blocks = k0 // block + tl.arange(0, block_k // block)
+        scale = tl.load(s_ptr + (cols // block)[:, None] * ssn + blocks[None, :],
+                        mask=live_cols[:, None] & (blocks[None, :] * block < k), other=0.0)
         acc += tl.sum(part * scale, axis=1)
     tl.store(out_ptr + row * som + cols, acc.to(out_ptr.dtype.element_ty), mask=live_cols)
 
 
 @triton.jit
 def fp8_tiles_kernel(x_ptr, w_ptr, s_ptr, out_ptr, m, n, k: tl.constexpr, sxm, swn, ssn, sos, som,
-                     block_m: tl.constexpr, block_n: tl.constexpr, steps: tl.constexpr):
+                     block_m: tl.constexpr, block_n: tl.constexpr, steps: tl.constexpr, block: tl.constexpr,
+                     precision: tl.constexpr):
     """``block_m`` rows times ``block_n`` FP8 weight rows on tensor cores over ``steps`` scale blocks
-    of 128 inputs (the third grid axis picks which), each step scaled per output column; the float32
-    partial sum goes to ``out[split]`` (the caller adds the splits)."""
+    of ``block`` inputs (the third grid axis picks which), each step scaled per output column; the
+    float32 partial sum goes to ``out[split]`` (the caller adds the splits).  ``precision``: the
+    products' input precision (``ieee`` for float32 rows, so they are not rounded to TF32)."""
     rows = tl.program_id(0) * block_m + tl.arange(0, block_m)
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
     split = tl.program_id(2)
-    s_base = s_ptr + (cols // 128) * ssn
+    s_base = s_ptr + (cols // block) * ssn
     acc = tl.zeros([block_m, block_n], dtype=tl.float32)
     for i in range(steps):
         step = split * steps + i
-        ks = step * 128 + tl.arange(0, 128)
+        ks = step * block + tl.arange(0, block)
         xs = tl.load(x_ptr + rows[:, None] * sxm + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k),
                      other=0.0)
         ws = tl.load(w_ptr + cols[:, None] * swn + ks[None, :], mask=(cols[:, None] < n) & (ks[None, :] < k),
                      other=0.0)
-        scale = tl.load(s_base + step, mask=(cols < n) & (cols * 0 + step * 128 < k), other=0.0)
-        acc += tl.dot(xs, tl.trans(ws.to(xs.dtype))) * scale[None, :]
+        scale = tl.load(s_base + step, mask=(cols < n) & (cols * 0 + step * block < k), other=0.0)
+        acc += tl.dot(xs, tl.trans(ws.to(xs.dtype)), input_precision=precision) * scale[None, :]
     tl.store(out_ptr + split * sos + rows[:, None] * som + cols[None, :], acc,
              mask=(rows[:, None] < m) & (cols[None, :] < n))
 
 
 @triton.jit
-def fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, n, k, swn, ssn, son):
-    """One 128 x 128 block of an FP8 weight times its scale, stored in ``out``'s dtype."""
+def fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, n, k, swn, ssn, son, block: tl.constexpr):
+    """A 128 x 128 tile of an FP8 weight times its scales (one per ``block`` x ``block``, a divisor of
+    128), stored in ``out``'s dtype."""
     rows = tl.program_id(0) * 128 + tl.arange(0, 128)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     mask = (rows[:, None] < n) & (cols[None, :] < k)
-    scale = tl.load(s_ptr + tl.program_id(0) * ssn + tl.program_id(1))
+    scale = tl.load(s_ptr + (rows // block)[:, None] * ssn + (cols // block)[None, :], mask=mask, other=0.0)
     ws = tl.load(w_ptr + rows[:, None] * swn + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * son + cols[None, :], (ws * scale).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -182,9 +186,11 @@ def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, anchor_ptr, anchor, expe
 @triton.jit
 def mxfp4_grouped_kernel(even_ptr, odd_ptr, w_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_start_ptr,
                          tile_end_ptr, n, k: tl.constexpr, sxr, swe, swn, sse, ssn, sor,
-                         block_m: tl.constexpr, block_n: tl.constexpr, block_b: tl.constexpr):
+                         block_m: tl.constexpr, block_n: tl.constexpr, block_b: tl.constexpr,
+                         precision: tl.constexpr):
     """A tile of rows of one expert times ``block_n`` rows of its MXFP4 matrix on tensor cores:
-    the even and odd inputs (split by the caller) against the low and high nibbles."""
+    the even and odd inputs (split by the caller) against the low and high nibbles (``precision``:
+    as in :func:`fp8_tiles_kernel`)."""
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
     start = tl.load(tile_start_ptr + tile)
@@ -210,8 +216,8 @@ def mxfp4_grouped_kernel(even_ptr, odd_ptr, w_ptr, s_ptr, out_ptr, tile_expert_p
                          [block_b, block_n])
         high = tl.reshape(tl.reshape(e2m1_scaled(packed >> 4), [block_b // 16, 16, block_n]) * scale,
                           [block_b, block_n])
-        acc += tl.dot(even, low.to(even.dtype))
-        acc += tl.dot(odd, high.to(odd.dtype))
+        acc += tl.dot(even, low.to(even.dtype), input_precision=precision)
+        acc += tl.dot(odd, high.to(odd.dtype), input_precision=precision)
     tl.store(out_ptr + rows[:, None] * sor + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=live_rows[:, None] & live_cols[None, :])
 

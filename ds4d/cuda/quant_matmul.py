@@ -1,15 +1,16 @@
 """Triton kernels that multiply by DeepSeek-V4's stored weight formats without widening them first.
 
 The release keeps dense linears as FP8 e4m3 with one power-of-two scale per
-128 x 128 block, and routed experts as MXFP4 (two e2m1 codes a byte, low
-nibble first, one ue8m0 scale per 32 inputs).  Widening a weight to bf16
+128 x 128 block (DeepSeek-V4.1: 32 x 32; the kernels take the block edge), and
+routed experts as MXFP4 (two e2m1 codes a byte, low nibble first, one ue8m0
+scale per 32 inputs).  Widening a weight to bf16
 before each product reads its bytes once and writes and reads twice as many
 again; these kernels read the stored bytes and widen them in registers, so a
 decode step reads half (FP8) or about a quarter (MXFP4) of the bf16 bytes.
 
 * :func:`fp8_linear`: ``x [M, K] @ W[N, K]^T``, bf16 activations, FP8 weights,
-  float32 block scales.  One row: a GEMV that sums each 128-input block and
-  scales it; a batch: tensor-core tiles stepping through ``K`` one 128-input
+  float32 block scales.  One row: a GEMV that sums each block's inputs and
+  scales them; a batch: tensor-core tiles stepping through ``K`` one
   scale block at a time, each step scaled per output column; a prefill: the
   weight decoded by a Triton kernel, then cuBLAS.
 * :func:`mxfp4_rows`: one row times its own expert's matrix (small-batch decode;
@@ -68,17 +69,23 @@ TUNING = {
 # ---------------------------------------------------------------------- FP8 linears
 
 
-def _fp8_split(n: int, k: int, block_n: int, programs: int) -> tuple[int, int]:
-    """(splits of K, 128-input steps per split): enough programs to keep the GPU busy at few rows."""
-    blocks = -(-k // 128)
+def _precision(x: torch.Tensor) -> str:
+    """Tensor-core input precision for rows like ``x``: float32 rows stay float32 (not TF32)."""
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def _fp8_split(n: int, k: int, block_n: int, programs: int, block: int = 128) -> tuple[int, int]:
+    """(splits of K, ``block``-input steps per split): enough programs to keep the GPU busy at few rows."""
+    blocks = -(-k // block)
     splits = max(1, min(blocks, programs // max(1, -(-n // block_n))))
     steps = -(-blocks // splits)
     return -(-blocks // steps), steps
 
 
 @torch.compiler.disable  # launched as is; torch.compile and CUDA graph capture see one kernel
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K]^T``: ``weight`` float8_e4m3fn, ``scale`` float32 ``[ceil(N/128), ceil(K/128)]``.
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K]^T``: ``weight`` float8_e4m3fn, ``scale`` float32 ``[ceil(N/B), ceil(K/B)]``
+    for square scale blocks of edge ``B = block`` (a power of two from 16 to 128).
 
     By row count M (the choice, and so each row's sums, depend only on M's bucket):
 
@@ -93,39 +100,41 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     n = weight.shape[0]
     if x.stride(1) != 1 or weight.stride(1) != 1 or scale.stride(1) != 1:
         raise ValueError("fp8_linear needs the last dimension of x, weight and scale contiguous")
+    if block not in (16, 32, 64, 128):
+        raise ValueError(f"fp8_linear takes scale blocks of 16, 32, 64 or 128, not {block}")
     if not m:
         return torch.empty(0, n, dtype=x.dtype, device=x.device)
     kernels = _kernels()
     if m >= TUNING["fp8_dense_from"]:
-        return torch.nn.functional.linear(x, fp8_dequant(weight, scale, x.dtype))
+        return torch.nn.functional.linear(x, fp8_dequant(weight, scale, x.dtype, block))
     rows = TUNING["fp8_rows"]
     if m <= rows["most_rows"]:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         grid = (m, triton.cdiv(n, rows["block_n"]))
         kernels.fp8_rows_kernel[grid](x, weight, scale, out, n, k, x.stride(0), weight.stride(0), scale.stride(0),
                                       out.stride(0), block_n=rows["block_n"], block_k=rows["block_k"],
-                                      num_warps=rows["warps"])
+                                      block=block, num_warps=rows["warps"])
         return out
     tiles = TUNING["fp8_tiles"]
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    splits, steps = _fp8_split(n, k, tiles["block_n"], tiles["programs"])
+    splits, steps = _fp8_split(n, k, tiles["block_n"], tiles["programs"], block)
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, tiles["block_n"]), splits)
     kernels.fp8_tiles_kernel[grid](x, weight, scale, partial, m, n, k, x.stride(0), weight.stride(0),
                                    scale.stride(0), partial.stride(0), partial.stride(1), block_m=block_m,
-                                   block_n=tiles["block_n"], steps=steps, num_warps=tiles["warps"],
-                                   num_stages=tiles["stages"])
+                                   block_n=tiles["block_n"], steps=steps, block=block, precision=_precision(x),
+                                   num_warps=tiles["warps"], num_stages=tiles["stages"])
     return (partial[0] if splits == 1 else partial.sum(0)).to(x.dtype)
 
 
-def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = 128) -> torch.Tensor:
     """The decoded ``[N, K]`` weight in ``dtype`` (exact for bf16 and float32)."""
     import triton
 
     n, k = weight.shape
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
     _kernels().fp8_dequant_kernel[(triton.cdiv(n, 128), triton.cdiv(k, 128))](
-        weight, scale, out, n, k, weight.stride(0), scale.stride(0), out.stride(0))
+        weight, scale, out, n, k, weight.stride(0), scale.stride(0), out.stride(0), block=block)
     return out
 
 
@@ -241,6 +250,6 @@ def mxfp4_grouped(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, o
         _kernels().mxfp4_grouped_kernel[grid](even, odd, packed, scales, out, expert, first, end, n, k,
                                               even.stride(0), packed.stride(0), packed.stride(1), scales.stride(0),
                                               scales.stride(1), out.stride(0), block_m=t["block_m"],
-                                              block_n=t["block_n"], block_b=t["block_b"], num_warps=t["warps"],
-                                              num_stages=t["stages"])
+                                              block_n=t["block_n"], block_b=t["block_b"], precision=_precision(x),
+                                              num_warps=t["warps"], num_stages=t["stages"])
     return out

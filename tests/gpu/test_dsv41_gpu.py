@@ -162,3 +162,75 @@ def test_expert_kernels_on_the_device_equal_the_reference_loop(rows):
         want = moe_forward(x, layer.ffn, cfg).float()
         got = moe_forward(x, layer.ffn, cfg, expert_rows=True, grouped=True).float()
         assert float((got - want).abs().max() / want.abs().max()) < 2e-2
+
+
+@pytest.fixture(scope="module")
+def official_tiny(tmp_path_factory) -> Path:
+    """A ``ds4d make-tiny`` checkpoint in the official format: FP8 linears, FP4 routed experts."""
+    from ds4d.models.deepseek_v41.make_tiny import write_tiny
+
+    return write_tiny(tmp_path_factory.mktemp("official") / "v41", seed=7)
+
+
+def stored_and_dense(path: Path, dtype: torch.dtype) -> tuple[DeepseekV41Model, DeepseekV41Model]:
+    from ds4d.models.deepseek_v41.checkpoint import OfficialCheckpoint
+    from ds4d.models.deepseek_v41.family import CheckpointTensors
+    from ds4d.models.deepseek_v41.tokenizer import load_tokenizer
+
+    cfg = DeepseekV41Config.from_file(path)
+    tokenizer, _ = load_tokenizer(path)
+    checkpoint = OfficialCheckpoint(path, groups=("text",))
+    return tuple(DeepseekV41Model.from_tensors(cfg, CheckpointTensors(checkpoint, "ram", stored_weights=stored),
+                                               tokenizer, stored_weights=stored, dtype=dtype, device="cuda")
+                 for stored in (True, False))
+
+
+@pytest.mark.parametrize("rows", [5, 200])
+def test_stored_weights_in_the_feed_forward_on_the_device_equal_the_decoded_ones(official_tiny, rows):
+    """bf16: the MXFP4 GEMV (a few rows) and the MXFP4 grouped tiles (many rows) over FP4 banks as
+    stored, and the shared expert's FP8 linears as stored, against the one-expert-at-a-time loop over
+    the decoded weights."""
+    from ds4d.models.deepseek_v41.moe import moe_forward
+
+    stored, dense = stored_and_dense(official_tiny, torch.bfloat16)
+    cfg = stored.cfg
+    assert stored.weights.layers[0].ffn.banks.stored and stored.weights.layers[0].ffn.banks.w1.packed.is_cuda
+    x = torch.randn(rows, cfg.hidden_size, generator=torch.Generator().manual_seed(rows)).bfloat16().cuda()
+    for s, d in zip(stored.weights.layers, dense.weights.layers):
+        want = moe_forward(x, d.ffn, cfg).float()
+        got = moe_forward(x, s.ffn, cfg, expert_rows=True, grouped=True).float()
+        assert float((got - want).abs().max() / want.abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("decode_graphs", ["padded", "cuda"])
+def test_the_fixed_decode_step_with_stored_weights(official_tiny, decode_graphs):
+    """float32 activations over FP8 linears and FP4 banks as stored: the fixed-shape step (eager, and
+    from its CUDA graphs; FP8 tiles, MXFP4 GEMV) against the per-sequence reference path (FP8 GEMV,
+    experts decoded one at a time), from the same states each step."""
+    from tests.unit.test_dsv41_fixed_decode import check_fixed_decode
+
+    stored, _ = stored_and_dense(official_tiny, torch.float32)
+    fixed = check_fixed_decode(stored, decode_graphs, device="cuda", tolerance=1e-4)
+    assert fixed.model.weights.layers[0].ffn.banks.stored and fixed.graph_failure is None
+
+
+def test_the_family_keeps_the_weights_as_stored_on_cuda(official_tiny):
+    """``weight_format`` auto on CUDA in bf16 keeps the FP8 linears and the routed experts' FP4 (a
+    quarter of bf16's bytes); ``dense`` decodes them; both serve a prompt."""
+    from ds4d.contracts import ForwardBatch, SeqChunk
+    from ds4d.models.deepseek_v41.family import load_model
+
+    served = {fmt: load_model(official_tiny, device="cuda", dtype=torch.bfloat16, weight_format=fmt, block_tokens=16)
+              for fmt in ("auto", "dense")}
+    assert served["auto"].info.extra["stored_weights"] and not served["dense"].info.extra["stored_weights"]
+    banks = {fmt: s.model.weights.layers[0].ffn.banks for fmt, s in served.items()}
+    assert banks["auto"].stored and banks["auto"].stored_bytes() * 3 < banks["dense"].stored_bytes()
+    from ds4d.models.deepseek_v4.stored import Fp8Weight
+
+    assert isinstance(served["auto"].model.weights.layers[0].attn.wq_b, Fp8Weight)
+    assert served["auto"].info.parameter_bytes < served["dense"].info.parameter_bytes
+    ids = tuple(range(5, 45))
+    for s in served.values():
+        s.allocate_cache(4, 1)
+        logits = s.forward(ForwardBatch((SeqChunk(0, ids, 0, (0, 1, 2), 1),)))
+        assert logits.shape[-1] == s.cfg.vocab_size and bool(torch.isfinite(logits).all())

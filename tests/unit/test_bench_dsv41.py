@@ -51,6 +51,35 @@ def test_floors_count_the_dense_weights_and_the_routed_experts():
     assert floors.decode(1) == pytest.approx(1 / one)
 
 
+def test_native_floors_count_the_fp4_codes_and_scales():
+    """``--native``: the FP8 linears and routed experts drawn as stored (e4m3 values, FP4 codes, e8m0
+    scales), kept so, and counted at one byte per FP8 value and half a byte per FP4 parameter plus a
+    scale byte per 32."""
+    from ds4d.bench.dsv41 import Floors, bench_config, random_tensors
+    from ds4d.models.deepseek_v41.config import DeepseekV41Config
+    from ds4d.models.deepseek_v41.model import DeepseekV41Model
+
+    config, tokenizer = bench_config([0, 2], tiny=True, experts=0, engram_vocab=0)
+    cfg = DeepseekV41Config.from_dict(config)
+    tensors = random_tensors(torch, config, torch.device("cpu"), seed=1, native=True)
+    assert tensors["layers.0.ffn.experts.0.w1.weight"].dtype == torch.int8
+    assert tensors["layers.0.ffn.experts.0.w1.scale"].dtype == torch.float8_e8m0fnu
+    assert tensors["layers.0.attn.wq_b.weight"].dtype == torch.float8_e4m3fn
+    model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, stored_weights=True)
+    assert model.weights.layers[0].ffn.banks.stored
+    floors = Floors(model, bandwidth=1e9, matmul=1e12)
+    assert floors.expert_bytes == floors.expert_params / 2 + floors.expert_params / 32
+    fp8 = sum(v.numel() for k, v in tensors.items() if v.dtype == torch.float8_e4m3fn and ".engram.embed." not in k)
+    assert fp8 and floors.dense_bytes == pytest.approx(2 * floors.dense_params - fp8, rel=0.01)
+    wq_b = model.weights.layers[0].attn.wq_b.dense()
+    assert 0.3 < float(wq_b.float().pow(2).mean().sqrt()) * wq_b.shape[1] ** 0.5 < 3
+    decoded = model.weights.layers[0].ffn.banks.expert(0).w1
+    assert 0 < float(decoded.float().pow(2).mean().sqrt()) * cfg.hidden_size ** 0.5 < 2  # about unit rows
+    k = cfg.num_experts_per_tok
+    one = (floors.dense_bytes + cfg.num_hidden_layers * k * floors.expert_bytes) / 1e9
+    assert floors.decode(1) == pytest.approx(1 / one)
+
+
 def test_depth_full_is_the_release_pattern():
     """``bench model --depth full``: V4-Flash's 43 layers as its config.json lists them (without the MTP
     layer's entry), V4.1's 40 as its release config does."""

@@ -37,12 +37,18 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).abs().max() / scale) if scale > 0 else float((got - want).abs().max())
 
 
-def servings(name: str, decode_graphs: str, device: str = "cpu",
+def servings(name: str | DeepseekV41Model, decode_graphs: str, device: str = "cpu",
              compile_decode: bool = False) -> tuple[DeepseekV41Serving, DeepseekV41Serving]:
-    """(per-sequence reference, fixed-shape step) servings of one fixture, caches allocated."""
-    reference = DeepseekV41Model.from_pretrained(FIXTURES / name, device=device, paths=ForwardPaths())
+    """(per-sequence reference, fixed-shape step) servings of one fixture (or of a model's weights, on
+    the reference path), caches allocated."""
+    if isinstance(name, DeepseekV41Model):
+        reference = DeepseekV41Model(name.cfg, name.weights, name.hasher, device=device, dtype=name.dtype,
+                                     paths=ForwardPaths())
+    else:
+        reference = DeepseekV41Model.from_pretrained(FIXTURES / name, device=device, paths=ForwardPaths())
     paths = ForwardPaths.for_device(device).replace(decode_graphs=decode_graphs, compile_decode=compile_decode)
-    fixed = DeepseekV41Model(reference.cfg, reference.weights, reference.hasher, device=device, paths=paths)
+    fixed = DeepseekV41Model(reference.cfg, reference.weights, reference.hasher, device=device,
+                             dtype=reference.dtype, paths=paths)
     out = tuple(DeepseekV41Serving(model, tokenizer=None, block_tokens=BLOCK) for model in (reference, fixed))
     for serving in out:
         serving.allocate_cache(40, 4)
@@ -74,9 +80,10 @@ def state_error(got: DeepseekV41Serving, want: DeepseekV41Serving, slot: int, bl
     return worst
 
 
-def check_fixed_decode(name: str, decode_graphs: str, device: str = "cpu", steps: int = 12,
+def check_fixed_decode(name: str | DeepseekV41Model, decode_graphs: str, device: str = "cpu", steps: int = 12,
                        tolerance: float = 1e-5, compile_decode: bool = False) -> DeepseekV41Serving:
-    """Decode steps of three sequences on both servings from the same states; the fixed one back."""
+    """Decode steps of three sequences on both servings (:func:`servings`) from the same states; the
+    fixed one back."""
     reference, fixed = servings(name, decode_graphs, device, compile_decode)
     cfg = reference.cfg
     window = cfg.sliding_window

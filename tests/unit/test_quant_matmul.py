@@ -34,11 +34,11 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item() + 1e-6
 
 
-def _fp8(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fp8(n: int, k: int, gen: torch.Generator, block: int = 128) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(e4m3 weight, float32 scales, the float32 values they stand for)."""
-    weight, scale = quantize_fp8_block(torch.randn(n, k, generator=gen) * 3)
+    weight, scale = quantize_fp8_block(torch.randn(n, k, generator=gen) * 3, (block, block))
     factors = scale.view(torch.uint8).int().sub(127).float().exp2()
-    return weight, factors, dequant_fp8_block(weight, scale, (128, 128))
+    return weight, factors, dequant_fp8_block(weight, scale, (block, block))
 
 
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 128), (3, 200, 300), (8, 20, 1100), (20, 33, 256), (70, 130, 129), (300, 70, 260)])
@@ -47,6 +47,20 @@ def test_fp8_linear_matches_decoded_matmul(m, n, k):
     weight, scale, values = _fp8(n, k, gen)
     x = torch.randn(m, k, generator=gen)
     _close(qm.fp8_linear(x, weight, scale), x @ values.T)
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 40, 96), (3, 70, 300), (20, 33, 64), (300, 70, 130)])
+def test_fp8_linear_with_32_by_32_scale_blocks(m, n, k):
+    """DeepSeek-V4.1's FP8 layout: a scale per 32 x 32 weights, on each of the three paths (GEMV,
+    tiles, decode-then-matmul), with edges that end mid-block."""
+    gen = torch.Generator().manual_seed(m * 11 + n)
+    weight, scale, values = _fp8(n, k, gen, block=32)
+    assert scale.shape == (-(-n // 32), -(-k // 32))
+    x = torch.randn(m, k, generator=gen)
+    _close(qm.fp8_linear(x, weight, scale, block=32), x @ values.T)
+    assert torch.equal(qm.fp8_dequant(weight, scale, torch.float32, block=32), values)
+    with pytest.raises(ValueError, match="scale blocks"):
+        qm.fp8_linear(x, weight, scale, block=48)
 
 
 def _mxfp4_bank(experts: int, n: int, k: int, gen: torch.Generator):

@@ -19,16 +19,18 @@ from ds4d.models.deepseek_v4.quant import decode_e8m0, dequant_fp8_block
 
 @dataclass
 class Fp8Weight:
-    """A linear's ``[out, in]`` FP8 e4m3 values with float32 scales per 128 x 128 block, kept as stored."""
+    """A linear's ``[out, in]`` FP8 e4m3 values with float32 scales per ``block`` x ``block`` (128 in
+    V4, 32 in V4.1), kept as stored."""
 
     data: torch.Tensor  # float8_e4m3fn [out, in]
-    scale: torch.Tensor  # float32 [ceil(out/128), ceil(in/128)]
+    scale: torch.Tensor  # float32 [ceil(out/block), ceil(in/block)]
     dtype: torch.dtype  # the activations' dtype (and the result's)
+    block: int = 128
 
     @classmethod
-    def from_stored(cls, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Fp8Weight:
+    def from_stored(cls, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = 128) -> Fp8Weight:
         factors = decode_e8m0(scale) if scale.element_size() == 1 else scale.to(torch.float32)
-        return cls(weight.view(torch.float8_e4m3fn), factors.contiguous(), dtype)
+        return cls(weight.view(torch.float8_e4m3fn), factors.contiguous(), dtype, block)
 
     @property
     def shape(self) -> torch.Size:
@@ -37,13 +39,13 @@ class Fp8Weight:
     def dense(self) -> torch.Tensor:
         """The decoded ``[out, in]`` values in the activations' dtype (exact: every e4m3 value times a
         power of two is a bf16 value)."""
-        return dequant_fp8_block(self.data, self.scale, (128, 128)).to(self.dtype)
+        return dequant_fp8_block(self.data, self.scale, (self.block, self.block)).to(self.dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in] @ W^T``."""
         if quant_matmul.available() and x.dtype == self.dtype:
             flat = x.reshape(-1, x.shape[-1])
-            return quant_matmul.fp8_linear(flat, self.data, self.scale).view(*x.shape[:-1], -1)
+            return quant_matmul.fp8_linear(flat, self.data, self.scale, self.block).view(*x.shape[:-1], -1)
         return torch.nn.functional.linear(x, self.dense())  # no kernel here: decode, then the plain product
 
 

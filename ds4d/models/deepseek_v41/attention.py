@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds4d.models.deepseek_v4.ops import Rope, apply_rope, rms_norm
+from ds4d.models.deepseek_v4.ops import Rope, apply_rope, linear, rms_norm
 from ds4d.models.deepseek_v41.config import DeepseekV41Config, LayerPlan
 from ds4d.models.deepseek_v41.qat import round_fp4_blocks, round_fp8_blocks
 from ds4d.models.deepseek_v41.state import GroupState, SequenceState
@@ -147,7 +147,7 @@ def index_step(x: torch.Tensor, q_residual: torch.Tensor, latent: torch.Tensor |
     if keys is None:
         return
     count, heads, width = keys.shape[0], cfg.index_n_heads, cfg.index_head_dim
-    q = F.linear(q_residual, w.wq_b).unflatten(-1, (heads, width))
+    q = linear(q_residual, w.wq_b).unflatten(-1, (heads, width))
     q = round_fp4_blocks(apply_rope(q, *rows.compress), 32)
     # [1, S, H, T] like a batch of one, so the reductions group the same way as the reference's
     scores = torch.einsum("bshd,btd->bsht", q.unsqueeze(0).float(), keys.unsqueeze(0).float())
@@ -232,10 +232,10 @@ def project(x: torch.Tensor, plan: LayerPlan, w: AttentionWeights, cfg: Deepseek
     query_rows = rows.tail(queries)
     cos, sin = rows.compress if plan.ratio else rows.main
     cos_q, sin_q = query_rows.compress if plan.ratio else query_rows.main
-    q_residual = rms_norm(F.linear(x[count - queries:], w.wq_a), w.q_norm, eps)
-    q = F.linear(q_residual, w.wq_b).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim))
+    q_residual = rms_norm(linear(x[count - queries:], w.wq_a), w.q_norm, eps)
+    q = linear(q_residual, w.wq_b).unflatten(-1, (cfg.num_attention_heads, cfg.head_dim))
     q = apply_rope(q, cos_q, sin_q)
-    kv = round_fp8_blocks(apply_rope(rms_norm(F.linear(x, w.wkv), w.kv_norm, eps), cos, sin))
+    kv = round_fp8_blocks(apply_rope(rms_norm(linear(x, w.wkv), w.kv_norm, eps), cos, sin))
     return Projected(q_residual, q, kv)
 
 
@@ -280,7 +280,7 @@ def output_projection(out: torch.Tensor, plan: LayerPlan, w: AttentionWeights, c
     per_group = out.reshape(queries, groups, -1).transpose(0, 1)  # [G, queries, heads * D / G]
     wo_a = w.wo_a.view(groups, -1, per_group.shape[-1]).transpose(1, 2)  # [G, in, o_lora]
     low_rank = torch.bmm(per_group, wo_a).transpose(0, 1).flatten(1)  # [queries, G * o_lora]
-    return F.linear(low_rank, w.wo_b)
+    return linear(low_rank, w.wo_b)
 
 
 def attention_forward(x: torch.Tensor, plan: LayerPlan, w: AttentionWeights, cfg: DeepseekV41Config,

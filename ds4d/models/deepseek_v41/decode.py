@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ds4d.models.deepseek_v4.ops import apply_rope, rms_norm
+from ds4d.models.deepseek_v4.ops import apply_rope, linear, rms_norm
 from ds4d.models.deepseek_v41.attention import (
     NEG_INF,
     StepRows,
@@ -209,7 +209,7 @@ class FixedDecode:
         cfg = self.model.cfg
         visible = ((rows.positions + 1) // plan.ratio).view(-1, 1)  # entry j once the row reaches (j + 1) * ratio - 1
         count, heads, width = keys.shape[1], cfg.index_n_heads, cfg.index_head_dim
-        q = F.linear(q_residual, w.wq_b).unflatten(-1, (heads, width))
+        q = linear(q_residual, w.wq_b).unflatten(-1, (heads, width))
         q = round_fp4_blocks(apply_rope(q, *rows.compress), 32)
         scores = torch.einsum("bhd,btd->bht", q.float(), keys.float()).relu_() * width**-0.5
         head_weights = F.linear(x, w.weights_proj).float() * heads**-0.5

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ds4d.models.deepseek_v4.ops import linear
 from ds4d.models.deepseek_v41.config import DeepseekV41Config
 
 _GATE_FLOOR = 1e-6
@@ -248,7 +249,7 @@ def engram_forward(streams: torch.Tensor, gathered: torch.Tensor, weights: Engra
     (:func:`gather_rows`, done for every Engram layer before layer 0)."""
     hc, hidden = streams.shape[-2], streams.shape[-1]
     gathered = gathered.flatten(-2)
-    projected = torch.nn.functional.linear(gathered.to(weights.wkv.dtype), weights.wkv)
+    projected = linear(gathered.to(weights.wkv.dtype), weights.wkv)
     keys, value = projected.split([hc * hidden, hidden], dim=-1)
     keys = keys.float().unflatten(-1, (hc, hidden))
     h = streams.float()

@@ -4,10 +4,15 @@ A directory is a V4.1 checkpoint when its ``config.json`` says ``model_type:
 deepseek_v41`` (the release's composite config) or ``deepseek_v41_text`` (the bare
 text config HF ``save_pretrained`` writes).  Loading checks the whole directory
 against the config's layout before reading (``checkpoint.py``: official FP8/FP4
-shards or HF names), skips the vision and DSpark tensors (one log line), decodes
-every other quantised weight to float, and keeps each Engram table as stored (FP8
-with its per-row scales, or float in an HF save) in the place ``engram_storage``
-picks:
+shards or HF names), skips the vision and DSpark tensors (one log line), and reads
+the tensors one at a time as the model is built (one decoded tensor in host memory at
+once).  ``weight_format`` picks what happens to the FP8 linears (e8m0 scales per
+32 x 32) and the routed experts' FP4: ``native`` keeps values, codes and scales as
+stored on the device (half and a quarter of bf16's bytes, read by V4's FP8 and MXFP4
+kernels; CUDA, bfloat16), ``dense`` decodes them to the activation dtype, ``auto`` is
+native where it can run.  Each Engram table stays as
+stored (FP8 with its per-row scales, or float in an HF save) in the place
+``engram_storage`` picks:
 
 * ``ram``: copied into host memory;
 * ``mmap``: views of the checkpoint's copy-on-write memory maps (nothing written to
@@ -19,9 +24,9 @@ added tokens (``tokenizer.py``: one id there is assumed, and the load says so).
 
 The model runs on the CPU or one CUDA device, in float32, bfloat16 or float16 (for GPUs
 without bf16), through its
-torch forward (no V4.1 kernels yet); the Engram tables never leave host memory
+torch forward and V4's kernels (``paths.py``); the Engram tables never leave host memory
 (``ram`` copies are page-locked when the device is a GPU, so the rows of a step
-cross in one asynchronous copy).  Expert offload, native weights, compiled decode
+cross in one asynchronous copy).  Expert offload, ``int4``, compiled decode off CUDA
 and splitting over processes are refused at start with a message saying so.
 """
 
@@ -36,6 +41,7 @@ from typing import Any
 import torch
 
 from ds4d.contracts import PluginContext
+from ds4d.models.deepseek_v4.knobs import native_weights
 from ds4d.models.deepseek_v41.checkpoint import OfficialCheckpoint
 from ds4d.models.deepseek_v41.config import DeepseekV41Config
 from ds4d.models.deepseek_v41.layout import SCALE
@@ -69,32 +75,73 @@ def choose_engram_storage(wanted: str, table_bytes: int, available_bytes: int, w
     return "ram" if table_bytes <= available_bytes - watermark_bytes else "mmap"
 
 
-def read_tensors(checkpoint: OfficialCheckpoint, engram_storage: str, pin: bool = False) -> dict[str, torch.Tensor]:
-    """``{official name: tensor}``: quantised weights decoded to float32, Engram tables (and scales) as stored,
-    copied into memory for ``ram`` (page-locked with ``pin``), left as views of the shards' maps for ``mmap``."""
-    tensors = {}
-    for name in checkpoint.names():
-        if is_engram_table(name):
-            stored = checkpoint.stored(name)
-            if engram_storage == "ram":
-                stored = stored.pin_memory() if pin else stored.clone()
-            tensors[name] = stored
-        elif checkpoint.layout[name].quant != SCALE:
-            tensors[name] = checkpoint.dense(name)
-    return tensors
+class CheckpointTensors(Mapping):
+    """``{official name: tensor}`` over a checked checkpoint, read when a name is looked up.
+
+    Quantised weights come decoded to float32, except with ``stored_weights``: then the FP8
+    linears and the routed experts' FP4 come as stored (e4m3 values or FP4 codes under
+    ``.weight``, e8m0 scales under ``.scale``);
+    the Engram tables (and scales) come as stored, copied into memory once for ``ram``
+    (page-locked with ``pin``), views of the shards' maps for ``mmap``.  A model built from
+    it reads each tensor once, so the host holds one decoded tensor at a time."""
+
+    def __init__(self, checkpoint: OfficialCheckpoint, engram_storage: str, *, pin: bool = False,
+                 stored_weights: bool = False) -> None:
+        self.checkpoint, self.storage, self.pin = checkpoint, engram_storage, pin
+        self._tables: dict[str, torch.Tensor] = {}
+        layout = checkpoint.layout
+        self._stored = {name for name in checkpoint.names()
+                        if is_engram_table(name) or (stored_weights and _is_quantised_part(layout, name))}
+        self._names = [name for name in checkpoint.names() if name in self._stored or layout[name].quant != SCALE]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._stored:
+            if name not in self._names:
+                raise KeyError(name)
+            return self.checkpoint.dense(name)
+        if not is_engram_table(name):
+            return self.checkpoint.stored(name)
+        if name not in self._tables:
+            stored = self.checkpoint.stored(name)
+            if self.storage == "ram":
+                stored = stored.pin_memory() if self.pin else stored.clone()
+            self._tables[name] = stored
+        return self._tables[name]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _is_quantised_part(layout, name: str) -> bool:
+    """An FP8 or FP4 weight or its scale (the checkpoint lists no scale of a weight it stores decoded)."""
+    spec = layout[name]
+    return spec.quant == SCALE or spec.is_quantized
+
+
+def stored_weight_choice(weight_format: str, dtype: torch.dtype, device: str) -> bool:
+    """Whether the FP8 linears and the routed experts' FP4 stay as stored (``weight_format`` auto |
+    dense | native)."""
+    if weight_format not in ("auto", "dense", "native"):
+        raise ValueError(f"weight_format {weight_format!r}: DeepSeek-V4.1 takes auto, dense or native")
+    return native_weights(weight_format, dtype, device)
 
 
 def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_bytes: int = 0,
                available_bytes: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                device: str = "cpu", dtype: torch.dtype = torch.float32, paths: ForwardPaths | None = None,
-               log: logging.Logger | None = None) -> DeepseekV41Serving:
+               weight_format: str = "auto", log: logging.Logger | None = None) -> DeepseekV41Serving:
     """A servable V4.1 model from a checkpoint directory (weights and state on ``device`` in ``dtype``,
-    the Engram tables in host memory; ``paths``: the device's by default)."""
+    the Engram tables in host memory; ``paths``: the device's by default; ``weight_format``: whether
+    the routed experts' FP4 stays as stored, :func:`stored_weight_choice`)."""
     log = log or logging.getLogger("ds4d")
     path = Path(path)
     cfg = DeepseekV41Config.from_file(path)
     tokenizer, tokenizer_source = load_tokenizer(path)
     (log.info if tokenizer_source.source == "checkpoint" else log.warning)("%s", tokenizer_source.describe())
+    stored_weights = stored_weight_choice(weight_format, dtype, device)
     checkpoint = OfficialCheckpoint(path, groups=("text",), log=log)
     try:
         table_bytes = engram_table_bytes(checkpoint)
@@ -106,15 +153,21 @@ def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_
         log.info("Engram tables: %.3f GiB, %s (engram_storage = %s; MemAvailable %.1f GiB, watermark %.1f GiB)",
                  table_bytes / GIB, "read into host memory" if storage == "ram" else "memory-mapped from the shards",
                  engram_storage, available_bytes / GIB, mem_watermark_bytes / GIB)
-        tensors = read_tensors(checkpoint, storage, pin=torch.device(device).type == "cuda")
+        tensors = CheckpointTensors(checkpoint, storage, pin=torch.device(device).type == "cuda",
+                                    stored_weights=stored_weights)
+        model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, device=device, dtype=dtype, paths=paths,
+                                              stored_weights=stored_weights)
     finally:
         checkpoint.shards.close()  # the mapped views handed out keep their maps
-    dense_bytes = sum(t.nbytes for name, t in tensors.items() if not is_engram_table(name))
-    model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, device=device, dtype=dtype, paths=paths)
     del tensors
-    return DeepseekV41Serving(model, tokenizer, block_tokens=block_tokens, parameter_bytes=dense_bytes + table_bytes,
+    banks = [layer.ffn.banks for layer in model.weights.layers]
+    weight_bytes = model.weights.parameter_bytes()
+    held = "FP8 linears and FP4 experts as stored" if stored_weights else f"decoded to {str(dtype).removeprefix('torch.')}"
+    log.info("weights: %s, %.2f GiB (routed experts %.2f GiB; weight_format = %s)", held, weight_bytes / GIB,
+             sum(bank.stored_bytes() for bank in banks) / GIB, weight_format)
+    return DeepseekV41Serving(model, tokenizer, block_tokens=block_tokens, parameter_bytes=weight_bytes + table_bytes,
                               extra={"engram_storage": storage, "engram_table_bytes": table_bytes,
-                                     "tokenizer": tokenizer_source.as_dict()})
+                                     "stored_weights": stored_weights, "tokenizer": tokenizer_source.as_dict()})
 
 
 def refuse_unserved(config: Any) -> None:
@@ -129,8 +182,14 @@ def refuse_unserved(config: Any) -> None:
         problems.append("expert_vram_gib > 0 (no expert offload for V4.1 yet)")
     if getattr(config, "gpus", ""):
         problems.append("gpus (no split over processes for V4.1 yet)")
-    if getattr(config, "weight_format", "auto") not in ("auto", "dense"):
-        problems.append(f"weight_format = {config.weight_format} (V4.1 weights are decoded: auto or dense)")
+    weight_format = getattr(config, "weight_format", "auto")
+    if weight_format not in ("auto", "dense", "native"):
+        problems.append(f"weight_format = {weight_format} (V4.1 takes auto, dense or native)")
+    elif weight_format == "native":
+        try:
+            stored_weight_choice(weight_format, DTYPES.get(dtype.removeprefix("torch.")) or torch.bfloat16, device)
+        except ValueError as error:
+            problems.append(str(error))
     if getattr(config, "compile_decode", False) and not device.startswith("cuda"):
         problems.append("compile_decode off CUDA (it compiles the step the decode graphs capture)")
     if problems:
@@ -168,6 +227,7 @@ class DeepseekV41Family:
         paths = ForwardPaths.for_device(device).replace(compile_decode=bool(getattr(config, "compile_decode", False)))
         model = load_model(path, engram_storage=str(getattr(config, "engram_storage", "auto")),
                            mem_watermark_bytes=watermark, log=self.ctx.log, device=device, dtype=dtype, paths=paths,
+                           weight_format=str(getattr(config, "weight_format", "auto")),
                            block_tokens=int(self.options.get("block_tokens", DEFAULT_BLOCK_TOKENS)))
         self.ctx.log.info("loaded %s: %d layers, ratios %s, KV sources %s, %.1f MiB of parameters",
                           model.info.name, model.cfg.num_hidden_layers, model.info.extra["compress_ratios"],

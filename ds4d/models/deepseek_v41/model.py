@@ -88,12 +88,14 @@ class DeepseekV41Model:
     @classmethod
     def from_tensors(cls, cfg: DeepseekV41Config, tensors: Mapping[str, torch.Tensor], tokenizer=None, *,
                      hasher: EngramHasher | None = None, dtype: torch.dtype = torch.float32,
-                     device: str | torch.device = "cpu", paths: ForwardPaths | None = None) -> DeepseekV41Model:
+                     device: str | torch.device = "cpu", paths: ForwardPaths | None = None,
+                     stored_weights: bool = False) -> DeepseekV41Model:
         """From official (or HF ``save_pretrained``) names; ``tokenizer`` (a ``tokenizers.Tokenizer``)
-        builds the Engram hasher when ``hasher`` is not given."""
+        builds the Engram hasher when ``hasher`` is not given; ``stored_weights``: routed experts handed
+        over as FP4 codes and scales stay so (``weights.build_weights``)."""
         if hasher is None and cfg.engram_layer_ids and tokenizer is not None:
             hasher = EngramHasher.from_tokenizer(cfg, tokenizer)
-        weights = build_weights(cfg, tensors, dtype=dtype, device=device)
+        weights = build_weights(cfg, tensors, dtype=dtype, device=device, stored_weights=stored_weights)
         return cls(cfg, weights, hasher, device=device, dtype=dtype, paths=paths)
 
     @classmethod

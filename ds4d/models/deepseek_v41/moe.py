@@ -7,6 +7,11 @@ normalised to sum to one and scaled by ``routed_scaling_factor``.  No layer
 routes by a token table (V4's hash layers are gone).  Each expert is a SwiGLU
 whose up branch is clamped to ``[-limit, limit]`` and gate branch to
 ``<= limit``; the routing weight multiplies the activation before ``w2``.
+
+Banks of FP4 as stored (``ExpertBanks.stored``) go through V4's MXFP4 kernels
+(``ds4d.cuda.quant_matmul``: a GEMV per (row, expert) pair, tensor-core tiles per
+expert), which decode the codes in registers: the same products as the decoded
+banks, summed in another order.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ds4d.cuda import moe_gemv
+from ds4d.cuda import moe_gemv, quant_matmul
+from ds4d.models.deepseek_v4.ops import linear
+from ds4d.models.deepseek_v4.stored import Mxfp4Matrices
 from ds4d.models.deepseek_v41.config import DeepseekV41Config
-from ds4d.models.deepseek_v41.weights import ExpertWeights, MoEWeights
+from ds4d.models.deepseek_v41.weights import ExpertBanks, ExpertWeights, MoEWeights
 
 
 def gated(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -31,10 +38,10 @@ def gated(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def expert_forward(x: torch.Tensor, w: ExpertWeights, limit: float, weight: torch.Tensor | None = None) -> torch.Tensor:
-    hidden = gated(F.linear(x, w.w1), F.linear(x, w.w3), limit)
+    hidden = gated(linear(x, w.w1), linear(x, w.w3), limit)
     if weight is not None:
         hidden = weight * hidden
-    return F.linear(hidden.to(x.dtype), w.w2)
+    return linear(hidden.to(x.dtype), w.w2)
 
 
 def route(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,9 +64,12 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 GROUPED_MM_AVAILABLE = _GROUPED_MM is not None
 
 
-def grouped_available(x: torch.Tensor) -> bool:
-    """Whether :func:`grouped_rows` runs on rows like ``x``: torch has ``grouped_mm``, and on CUDA the
-    rows are bf16 (the dtype its CUDA kernel is used with here)."""
+def grouped_available(x: torch.Tensor, banks: ExpertBanks | None = None) -> bool:
+    """Whether :func:`grouped_rows` runs on rows like ``x`` over ``banks``: FP4 banks need the MXFP4
+    kernels; decoded ones torch's ``grouped_mm``, and on CUDA bf16 rows (the dtype its CUDA kernel
+    is used with here)."""
+    if banks is not None and banks.stored:
+        return quant_matmul.available()
     return _GROUPED_MM is not None and (x.dtype == torch.bfloat16 or not x.is_cuda)
 
 
@@ -73,7 +83,7 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, expert_r
     weights, experts = route(x, w, cfg)
     if expert_rows and experts.numel() <= moe_gemv.MAX_ROWS:
         out = routed_rows(x, w, cfg, weights, experts)
-    elif grouped and grouped_available(x):
+    elif grouped and grouped_available(x, w.banks):
         out = grouped_rows(x, w, cfg, weights, experts)
     else:
         out = torch.zeros_like(x, dtype=torch.float32)
@@ -100,8 +110,13 @@ def routed_rows(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, weights:
     (``moe_gemv.expert_rows``); the pairs of a row are summed in float32."""
     rows, k = experts.shape
     ids = experts.reshape(-1)
-    out = _pairs_forward(x.repeat_interleave(k, dim=0), weights.reshape(-1), w, cfg.swiglu_limit,
-                         lambda inputs, bank: moe_gemv.expert_rows(inputs, bank, ids))
+
+    def project(inputs: torch.Tensor, bank) -> torch.Tensor:
+        if isinstance(bank, Mxfp4Matrices):
+            return quant_matmul.mxfp4_rows(inputs, bank.packed, bank.scales, ids)
+        return moe_gemv.expert_rows(inputs, bank, ids)
+
+    out = _pairs_forward(x.repeat_interleave(k, dim=0), weights.reshape(-1), w, cfg.swiglu_limit, project)
     return out.view(rows, k, -1).sum(dim=1)
 
 
@@ -113,9 +128,14 @@ def grouped_rows(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, weights
     rows, k = experts.shape
     flat = experts.reshape(-1)
     _, order = torch.sort(flat, stable=True)
-    offsets = torch.cumsum(torch.bincount(flat, minlength=w.banks.w1.shape[0]), 0).to(torch.int32)
-    out = _pairs_forward(x[order // k], weights.reshape(-1)[order], w, cfg.swiglu_limit,
-                         lambda inputs, bank: _GROUPED_MM(inputs, bank.transpose(-2, -1), offs=offsets))
+    offsets = torch.cumsum(torch.bincount(flat, minlength=w.banks.experts), 0).to(torch.int32)
+
+    def project(inputs: torch.Tensor, bank) -> torch.Tensor:
+        if isinstance(bank, Mxfp4Matrices):
+            return quant_matmul.mxfp4_grouped(inputs, bank.packed, bank.scales, offsets)
+        return _GROUPED_MM(inputs, bank.transpose(-2, -1), offs=offsets)
+
+    out = _pairs_forward(x[order // k], weights.reshape(-1)[order], w, cfg.swiglu_limit, project)
     unsorted = torch.empty_like(out)
     unsorted[order] = out
     return unsorted.view(rows, k, -1).sum(dim=1)
