@@ -23,8 +23,9 @@ rate.  ``--native`` draws the FP8 linears and the routed experts as the release 
 V4's FP8 and MXFP4 kernels); without it they are bf16.  ``--experts`` keeps fewer routed experts per layer than the release's 384 so more layers
 fit in bf16 (decode reads the top-6 either way); the Engram tables are smaller than the release's
 384M rows (``--engram-vocab``; a row costs the same to read).
-No peer runs in this benchmark: the HF oracle needs transformers >= 5.24 and its own copy of the
-weights.
+With ``--oracle DIR`` the HF ``deepseek_v41`` model (``dsv41_oracle.py``) runs on the same tensors
+after ds4d's model is freed: decode b1 after the same context, the prefill of the same prompt (its
+cache path, every row), and how far its last logits are from ds4d's.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Row:
     ds4d: float | None = None
     floor: float | None = None
     note: str = ""
+    oracle: float | None = None
+    """The HF ``deepseek_v41`` model's figure on the same weights in the same run (``--oracle``)."""
 DECODE_CONTEXT = 1024
 PREFILL_TOKENS = 2048
 
@@ -59,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="deepseek_v41: routed experts per layer (the release has 384; decode reads the top-6 either way)")
     p.add_argument("--engram-vocab", type=int, default=262_144,
                    help="deepseek_v41: each Engram head's prime modulus starts here (release: 16M, 98 GB per table)")
+    p.add_argument("--oracle", default="",
+                   help="deepseek_v41: a directory with the HF deepseek_v41 model files (configuration_, modeling_"
+                        "deepseek_v41.py, shims.py for transformers 5.24): run it on the same weights as the peer")
 
 
 def flash_overrides(experts: int, engram_vocab: int) -> dict:
@@ -319,7 +325,8 @@ def run(args: argparse.Namespace) -> int:
     paths = ForwardPaths.for_device(device).replace(compile_decode=bool(getattr(args, "compile", False)))
     model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, dtype=dtype, device=device, paths=paths,
                                           stored_weights=native)
-    del tensors
+    if not args.oracle:
+        del tensors
     serving = DeepseekV41Serving(model, tokenizer, parameter_bytes=0)
     context = args.context or (64 if args.tiny else DECODE_CONTEXT)
     prefill_tokens = 2 * context if args.context or args.tiny else PREFILL_TOKENS
@@ -341,13 +348,19 @@ def run(args: argparse.Namespace) -> int:
         rows.append(Row(f"decode b{batch} @{context}", ds4d=rate, floor=floors.decode(batch)))
         _say(f"decode b{batch}: {rate:.1f} tok/s")
     prompt = torch.randint(100, cfg.vocab_size, (prefill_tokens,), generator=gen).tolist()
-    for _ in range(2):  # the second is timed
+    seconds = []
+    for _ in range(4):  # the first warms up; the median of the other three
         state = model.new_state()
-        seconds = _timed(torch, device, lambda: model.prefill(state, prompt, last_only=True))
-    rows.append(Row(f"prefill {prefill_tokens} (triangle)", ds4d=prefill_tokens / seconds,
+        seconds.append(_timed(torch, device, lambda: model.prefill(state, prompt, last_only=True)))
+    last = model.prefill(model.new_state(), prompt, last_only=True)[-1].float().cpu()
+    rows.append(Row(f"prefill {prefill_tokens} (triangle)", ds4d=prefill_tokens / sorted(seconds[1:])[1],
                     floor=floors.prefill(prefill_tokens)))
     for tokens in (1, prefill_tokens):
         rows += engram_lookup_rows(torch, device, model, steps=5, tokens=tokens)
+    if args.oracle:
+        decode_prompt = torch.randint(100, cfg.vocab_size, (context,), generator=torch.Generator().manual_seed(3))
+        del serving, model
+        _oracle_rows(torch, device, dtype, args, config, tensors, tokenizer, rows, decode_prompt.tolist(), prompt, last)
     _print(rows, layers, args, device)
     if args.json:
         Path(args.json).write_text(json.dumps({
@@ -358,14 +371,52 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _oracle_rows(torch, device, dtype, args, config, tensors, tokenizer, rows: list[Row], decode_prompt, prompt,
+                 last) -> None:
+    """The HF model on the same tensors: decode b1 and the prefill, set beside ds4d's rows."""
+    import gc
+
+    from ds4d.bench.dsv41_oracle import Oracle
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    oracle = Oracle(args.oracle, config, tensors, tokenizer, device, dtype)
+    del tensors
+    _say(f"oracle built in {time.perf_counter() - t0:.1f} s")
+    by_case = {row.case: row for row in rows}
+    decode = by_case.get(f"decode b1 @{len(decode_prompt)}")
+    if decode is not None:
+        decode.oracle = oracle.decode_rate(decode_prompt, args.decode_tokens)
+        _say(f"oracle decode b1: {decode.oracle:.2f} tok/s")
+    oracle.prefill(prompt[:64])  # first-call costs
+    seconds, logits = oracle.prefill(prompt)
+    by_case[f"prefill {len(prompt)} (triangle)"].oracle = len(prompt) / seconds
+    scale = float(logits.abs().max())
+    rows.append(Row(f"prefill {len(prompt)}: last logits, ds4d vs oracle", ds4d=float((last - logits).abs().max()) / scale,
+                    note=f"max |difference| / max |logit| ({scale:.2f}), same next token: "
+                         f"{int(last.argmax()) == int(logits.argmax())}"))
+
+
+def _figure(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
 def _print(rows: list[Row], layers, args, device) -> None:
     _say("")
     experts = "FP8 linears + FP4 experts as stored" if getattr(args, "native", False) else "bf16 weights"
-    _say(f"| case | ds4d | floor | ratio |   ({args.dtype}, {experts}, {device}, layers {','.join(map(str, layers))})")
-    _say("|---|---|---|---|")
+    peer = any(row.oracle for row in rows)
+    extra = " oracle | ds4d / oracle |" if peer else ""
+    _say(f"| case | ds4d | floor | ratio |{extra}   ({args.dtype}, {experts}, {device}, layers {','.join(map(str, layers))})")
+    _say("|---|---|---|---|" + ("---|---|" if peer else ""))
     for row in rows:
-        unit = "ms" if row.case.startswith("engram") else "tok/s"
+        unit = "ms" if row.case.startswith("engram") else "" if "logits" in row.case else "tok/s"
         floor = f"{row.floor:,.1f}" if row.floor else "-"
         ratio = f"{row.ds4d / row.floor:.2f}x" if row.floor and row.ds4d else "-"
-        value = "-" if row.ds4d is None or math.isnan(row.ds4d) else f"{row.ds4d:,.2f} {unit}"
-        _say(f"| {row.case} | {value} | {floor} | {ratio} | {row.note}")
+        value = "-" if row.ds4d is None or math.isnan(row.ds4d) else f"{_figure(row.ds4d)} {unit}".rstrip()
+        cells = ""
+        if peer:
+            cells = (f" {row.oracle:,.2f} | {row.ds4d / row.oracle:.2f}x |" if row.oracle and row.ds4d
+                     else " - | - |")
+        _say(f"| {row.case} | {value} | {floor} | {ratio} |{cells} {row.note}")

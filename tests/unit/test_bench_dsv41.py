@@ -94,3 +94,35 @@ def test_depth_full_is_the_release_pattern():
     assert v4 == flash["compress_ratios"][: flash["num_hidden_layers"]] and len(v4) == 43
     v41 = [int(x) for x in full_depth_layers("deepseek_v41").split(",")]
     assert v41 == list(RELEASE_RATIOS) and len(v41) == 40
+
+
+def test_the_oracle_peer_gets_the_official_tensors_under_hf_names_decoded(tmp_path):
+    """``--oracle``: names as the HF model's parameters, stored weights decoded as ds4d decodes them,
+    and a directory without the model files named."""
+    from ds4d.bench.dsv41_oracle import decoded, hf_name, import_oracle
+    from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4, quantize_fp8_block, quantize_mxfp4
+
+    assert hf_name("head.weight") == "lm_head.weight"
+    assert hf_name("layers.3.attn.wq_a.weight") == "model.layers.3.attn.wq_a.weight"
+    values = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    fp8, fp8_scale = quantize_fp8_block(values, (32, 32))
+    fp4, fp4_scale = quantize_mxfp4(values)
+    tensors = {"a.weight": fp8, "a.scale": fp8_scale, "b.weight": fp4, "b.scale": fp4_scale, "c.weight": values}
+    assert torch.equal(decoded(fp8, "a.weight", tensors), dequant_fp8_block(fp8, fp8_scale, (32, 32)))
+    assert torch.equal(decoded(fp4, "b.weight", tensors), dequant_mxfp4(fp4, fp4_scale))
+    assert decoded(values, "c.weight", tensors) is values
+    with pytest.raises(FileNotFoundError, match="configuration_deepseek_v41.py"):
+        import_oracle(tmp_path)
+
+
+def test_the_table_sets_the_oracle_beside_ds4d(capsys):
+    from argparse import Namespace
+
+    from ds4d.bench.dsv41 import Row, _print
+
+    rows = [Row("decode b1 @1024", ds4d=150.0, floor=600.0, oracle=10.0), Row("decode b8 @1024", ds4d=600.0)]
+    _print(rows, [0, 2], Namespace(dtype="bfloat16", native=False), "cuda")
+    out = capsys.readouterr().out
+    assert "| oracle | ds4d / oracle |" in out
+    assert "| decode b1 @1024 | 150 tok/s | 600.0 | 0.25x | 10.00 | 15.00x |" in out
+    assert "| decode b8 @1024 | 600 tok/s | - | - | - | - |" in out
