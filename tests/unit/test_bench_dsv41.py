@@ -46,7 +46,7 @@ def test_floors_count_the_dense_weights_and_the_routed_experts():
     assert floors.expert_params == per_expert
     # every tensor but the routed experts, the embedding (one row read) and the Engram tables (rows read)
     assert floors.dense_params == pytest.approx(dense, rel=0.01)
-    k, n = cfg.num_experts_per_tok, cfg.n_routed_experts
+    k = cfg.num_experts_per_tok
     one = 2 * (floors.dense_params + cfg.num_hidden_layers * k * per_expert) / 1e9
     assert floors.decode(1) == pytest.approx(1 / one)
 
