@@ -132,3 +132,38 @@ def test_a_second_turn_reuses_the_first_and_continues_as_computed_cold(served, g
                                      extra_body={"ignore_eos": True, "cache_salt": "cold"})
     assert cold.usage.prompt_tokens_details.cached_tokens == 0
     assert warm.choices[0].text == cold.choices[0].text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_cuda_daemon_by_default_keeps_the_weights_as_stored(tmp_path):
+    """No dtype or weight_format given: on CUDA the daemon runs bf16 with the FP8 linears and FP4 experts
+    of an official-format checkpoint as stored (``ds4d make-tiny``), serves chat and prompt logprobs, and a
+    second turn reuses the first; its decode steps replay their graphs (no fallback)."""
+    import math
+
+    from ds4d.models.deepseek_v41.make_tiny import write_tiny
+
+    path = write_tiny(tmp_path / "official", seed=7)
+    daemon = Daemon("--model", str(path), "--device", "cuda", "--kv-cache-tokens", "1024", "--max-num-seqs", "2")
+    try:
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        model_id = client.models.list().data[0].id
+        assert "FP8 linears and FP4 experts as stored" in daemon.log
+        chat = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "hello there"}],
+                                              max_tokens=8, temperature=0)
+        assert chat.choices[0].finish_reason in ("length", "stop")
+        ids = list(range(5, 45))
+        body = {"ignore_eos": True, "cache_salt": "native"}
+        first = client.completions.create(model=model_id, prompt=ids, max_tokens=6, temperature=0, echo=True,
+                                          logprobs=0, extra_body=body)
+        assert all(math.isfinite(lp) and lp <= 0 for lp in first.choices[0].logprobs.token_logprobs[1:])
+        again = client.completions.create(model=model_id, prompt=ids + [50, 51, 52], max_tokens=4, temperature=0,
+                                          extra_body=body)
+        assert again.usage.prompt_tokens_details.cached_tokens >= len(ids) - 16
+        with urllib.request.urlopen(daemon.url + "/v1/ds4d/stats", timeout=30) as resp:
+            stats = json.load(resp)
+        assert stats["model"]["stored_weights"] is True and stats["model"]["dtype"] in ("bfloat16", "torch.bfloat16")
+        assert stats["model"]["decode_graph_fallback"] is None and stats["memory_plan"] is not None
+    finally:
+        daemon.stop()
