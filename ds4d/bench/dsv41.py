@@ -91,11 +91,11 @@ def bench_config(layers: list[int], tiny: bool, experts: int, engram_vocab: int)
     return config, tokenizer
 
 
-def random_tensors(torch, config: dict, device, seed: int, native: bool = False) -> dict:
+def random_tensors(torch, config: dict, device, seed: int, native: bool = False, fp8: bool = True) -> dict:
     """``{official name: tensor}`` drawn on ``device`` in bf16 (float32 where the model keeps float32);
     Engram tables as FP8 with unit e8m0 scales, and the routed experts, in host memory; with ``native``
-    the FP8 linears as e4m3 values and the routed experts as FP4 codes, each with e8m0 scales that
-    make a row's weights about ``1 / sqrt(inputs)``, on ``device``."""
+    the FP8 linears (unless not ``fp8``) as e4m3 values and the routed experts as FP4 codes, each with
+    e8m0 scales that make a row's weights about ``1 / sqrt(inputs)``, on ``device``."""
     from ds4d.models.deepseek_v41.layout import FP4, FP8, SCALE, TEXT, CheckpointLayout
 
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -119,7 +119,7 @@ def random_tensors(torch, config: dict, device, seed: int, native: bool = False)
             out[spec.scale_name] = torch.ones(shape[0], shape[1] // 32, dtype=torch.float8_e8m0fnu)
             del values
             continue
-        if native and spec.quant == FP8:
+        if native and fp8 and spec.quant == FP8:
             values = torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
             out[name] = values.to(torch.float8_e4m3fn)
             exponent = 127 - round(math.log2(shape[1]) / 2)
@@ -315,11 +315,12 @@ def run(args: argparse.Namespace) -> int:
     config, tokenizer = bench_config(layers, args.tiny, args.experts, args.engram_vocab)
     cfg = DeepseekV41Config.from_dict(config, name="random-v41")
     native = bool(getattr(args, "native", False))
+    kinds = ()
     if native:
         from ds4d.models.deepseek_v41.family import stored_weight_choice
 
-        stored_weight_choice("native", dtype, str(device))  # refuses where the kernels cannot run
-    tensors = random_tensors(torch, config, device, args.seed, native=native)
+        kinds = stored_weight_choice("native", dtype, str(device))  # refuses where the kernels cannot run
+    tensors = random_tensors(torch, config, device, args.seed, native=native, fp8="fp8" in kinds)
     from ds4d.models.deepseek_v41.paths import ForwardPaths
 
     paths = ForwardPaths.for_device(device).replace(compile_decode=bool(getattr(args, "compile", False)))

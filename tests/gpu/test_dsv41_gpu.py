@@ -180,7 +180,8 @@ def stored_and_dense(path: Path, dtype: torch.dtype) -> tuple[DeepseekV41Model, 
     cfg = DeepseekV41Config.from_file(path)
     tokenizer, _ = load_tokenizer(path)
     checkpoint = OfficialCheckpoint(path, groups=("text",))
-    return tuple(DeepseekV41Model.from_tensors(cfg, CheckpointTensors(checkpoint, "ram", stored_weights=stored),
+    return tuple(DeepseekV41Model.from_tensors(cfg, CheckpointTensors(checkpoint, "ram",
+                                                                      stored=("fp8", "fp4") if stored else ()),
                                                tokenizer, stored_weights=stored, dtype=dtype, device="cuda")
                  for stored in (True, False))
 
@@ -228,9 +229,32 @@ def test_the_family_keeps_the_weights_as_stored_on_cuda(official_tiny):
     from ds4d.models.deepseek_v4.stored import Fp8Weight
 
     assert isinstance(served["auto"].model.weights.layers[0].attn.wq_b, Fp8Weight)
+    assert served["auto"].info.extra["stored_weights"] == ["fp8", "fp4"]
     assert served["auto"].info.parameter_bytes < served["dense"].info.parameter_bytes
     ids = tuple(range(5, 45))
     for s in served.values():
         s.allocate_cache(4, 1)
         logits = s.forward(ForwardBatch((SeqChunk(0, ids, 0, (0, 1, 2), 1),)))
         assert logits.shape[-1] == s.cfg.vocab_size and bool(torch.isfinite(logits).all())
+
+
+def test_float16_keeps_the_weights_as_stored_too(official_tiny):
+    """float16 activations (GPUs without bf16): the family keeps FP8 linears (where the device has e4m3)
+    and FP4 experts as stored, and the MXFP4/FP8 products agree with the decoded weights' in float16."""
+    from ds4d.contracts import ForwardBatch, SeqChunk
+    from ds4d.models.deepseek_v41.family import load_model
+    from ds4d.models.deepseek_v41.moe import moe_forward
+
+    served = load_model(official_tiny, device="cuda", dtype=torch.float16, block_tokens=16)
+    assert served.info.extra["stored_weights"] == ["fp8", "fp4"]
+    stored, dense = stored_and_dense(official_tiny, torch.float16)
+    cfg = stored.cfg
+    for rows in (5, 200):
+        x = torch.randn(rows, cfg.hidden_size, generator=torch.Generator().manual_seed(rows)).half().cuda()
+        for s, d in zip(stored.weights.layers, dense.weights.layers):
+            want = moe_forward(x, d.ffn, cfg).float()
+            got = moe_forward(x, s.ffn, cfg, expert_rows=True, grouped=True).float()
+            assert float((got - want).abs().max() / want.abs().max()) < 2e-2
+    served.allocate_cache(4, 1)
+    logits = served.forward(ForwardBatch((SeqChunk(0, tuple(range(5, 45)), 0, (0, 1, 2), 1),)))
+    assert bool(torch.isfinite(logits).all())

@@ -163,7 +163,7 @@ def test_a_cuda_daemon_by_default_keeps_the_weights_as_stored(tmp_path):
         assert again.usage.prompt_tokens_details.cached_tokens >= len(ids) - 16
         with urllib.request.urlopen(daemon.url + "/v1/ds4d/stats", timeout=30) as resp:
             stats = json.load(resp)
-        assert stats["model"]["stored_weights"] is True and stats["model"]["dtype"] in ("bfloat16", "torch.bfloat16")
+        assert stats["model"]["stored_weights"] == ["fp8", "fp4"] and stats["model"]["dtype"] in ("bfloat16", "torch.bfloat16")
         assert stats["model"]["decode_graph_fallback"] is None and stats["memory_plan"] is not None
     finally:
         daemon.stop()

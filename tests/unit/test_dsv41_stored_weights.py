@@ -25,6 +25,7 @@ from ds4d.models.deepseek_v41.weights import build_weights
 from ds4d.registry import PluginError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+BOTH = ("fp8", "fp4")
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def tiny(tmp_path_factory):
     cfg = DeepseekV41Config.from_file(path)
     checkpoint = OfficialCheckpoint(path, groups=("text",))
     dense = build_weights(cfg, CheckpointTensors(checkpoint, "ram"))
-    stored = build_weights(cfg, CheckpointTensors(checkpoint, "ram", stored_weights=True), stored_weights=True)
+    stored = build_weights(cfg, CheckpointTensors(checkpoint, "ram", stored=BOTH), stored_weights=True)
     return path, cfg, checkpoint, dense, stored
 
 
@@ -111,7 +112,7 @@ def test_the_checkpoint_is_read_one_tensor_at_a_time(tiny, monkeypatch):
     decoded: list[str] = []
     real = checkpoint.dense
     monkeypatch.setattr(checkpoint, "dense", lambda name: decoded.append(name) or real(name))
-    tensors = CheckpointTensors(checkpoint, "ram", stored_weights=True)
+    tensors = CheckpointTensors(checkpoint, "ram", stored=BOTH)
     names = list(tensors)
     assert decoded == []
     assert any(name.endswith("experts.0.w1.scale") for name in names)  # kept beside its codes
@@ -136,7 +137,7 @@ def test_a_model_with_stored_weights_computes_the_dense_models_logits(tiny):
     path, cfg, checkpoint, _, _ = tiny
     tokenizer, _ = load_tokenizer(path)
     dense = DeepseekV41Model.from_tensors(cfg, CheckpointTensors(checkpoint, "ram"), tokenizer)
-    stored = DeepseekV41Model.from_tensors(cfg, CheckpointTensors(checkpoint, "ram", stored_weights=True),
+    stored = DeepseekV41Model.from_tensors(cfg, CheckpointTensors(checkpoint, "ram", stored=BOTH),
                                            tokenizer, stored_weights=True)
     kernels = DeepseekV41Model(cfg, stored.weights, stored.hasher,
                                paths=ForwardPaths(expert_rows=True, batched_decode=True))
@@ -156,13 +157,33 @@ def test_a_model_with_stored_weights_computes_the_dense_models_logits(tiny):
         tokens = want.argmax(-1).tolist()
 
 
-def test_weight_format_choice():
-    assert stored_weight_choice("dense", torch.bfloat16, "cuda") is False
-    assert stored_weight_choice("auto", torch.float32, "cpu") is False
+def test_weight_format_choice(monkeypatch):
+    from ds4d.cuda import quant_matmul
+
+    assert stored_weight_choice("dense", torch.bfloat16, "cuda") == ()
+    assert stored_weight_choice("auto", torch.float32, "cpu") == ()
+    monkeypatch.setattr(quant_matmul, "available", lambda: True)  # as on a CUDA machine
+    assert stored_weight_choice("auto", torch.bfloat16, "cuda", capability=(9, 0)) == BOTH
+    assert stored_weight_choice("native", torch.float16, "cuda", capability=(8, 9)) == BOTH
+    # below compute capability 8.9 (a V100, an A100) Triton has no e4m3: the FP8 linears are decoded
+    assert stored_weight_choice("auto", torch.float16, "cuda", capability=(7, 0)) == ("fp4",)
+    assert stored_weight_choice("auto", torch.float32, "cuda", capability=(9, 0)) == ()
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        stored_weight_choice("native", torch.float32, "cuda", capability=(9, 0))
     with pytest.raises(ValueError, match="needs a CUDA device"):
         stored_weight_choice("native", torch.float32, "cpu")
     with pytest.raises(ValueError, match="auto, dense or native"):
         stored_weight_choice("int4", torch.bfloat16, "cuda")
+
+
+def test_fp4_experts_alone_as_stored(tiny):
+    """``stored=("fp4",)`` (a GPU without e4m3): the experts' codes as stored, the FP8 linears decoded."""
+    _, cfg, checkpoint, dense, _ = tiny
+    weights = build_weights(cfg, CheckpointTensors(checkpoint, "ram", stored=("fp4",)), stored_weights=True)
+    for d, s in zip(dense.layers, weights.layers):
+        assert s.ffn.banks.stored
+        assert isinstance(s.attn.wq_a, torch.Tensor) and torch.equal(s.attn.wq_a, d.attn.wq_a)
+        assert isinstance(s.ffn.shared.w1, torch.Tensor)
 
 
 def test_the_family_refuses_what_cannot_run(tiny):
@@ -176,5 +197,5 @@ def test_the_family_refuses_what_cannot_run(tiny):
         refuse_unserved(Config())
     path = tiny[0]
     served = load_model(path, weight_format="auto")  # the CPU: decoded
-    assert served.info.extra["stored_weights"] is False
+    assert served.info.extra["stored_weights"] == []
     assert not served.model.weights.layers[0].ffn.banks.stored

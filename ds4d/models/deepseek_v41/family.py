@@ -9,8 +9,8 @@ the tensors one at a time as the model is built (one decoded tensor in host memo
 once).  ``weight_format`` picks what happens to the FP8 linears (e8m0 scales per
 32 x 32) and the routed experts' FP4: ``native`` keeps values, codes and scales as
 stored on the device (half and a quarter of bf16's bytes, read by V4's FP8 and MXFP4
-kernels; CUDA, bfloat16), ``dense`` decodes them to the activation dtype, ``auto`` is
-native where it can run.  Each Engram table stays as
+kernels; CUDA, bfloat16 or float16; the FP8 linears only from compute capability 8.9),
+``dense`` decodes them to the activation dtype, ``auto`` is native where it can run.  Each Engram table stays as
 stored (FP8 with its per-row scales, or float in an HF save) in the place
 ``engram_storage`` picks:
 
@@ -41,10 +41,10 @@ from typing import Any
 import torch
 
 from ds4d.contracts import PluginContext
-from ds4d.models.deepseek_v4.knobs import native_weights
+from ds4d.cuda import quant_matmul
 from ds4d.models.deepseek_v41.checkpoint import OfficialCheckpoint
 from ds4d.models.deepseek_v41.config import DeepseekV41Config
-from ds4d.models.deepseek_v41.layout import SCALE
+from ds4d.models.deepseek_v41.layout import FP4, FP8, SCALE
 from ds4d.models.deepseek_v41.model import DeepseekV41Model
 from ds4d.models.deepseek_v41.paths import ForwardPaths
 from ds4d.models.deepseek_v41.serving import DEFAULT_BLOCK_TOKENS, DeepseekV41Serving
@@ -78,20 +78,20 @@ def choose_engram_storage(wanted: str, table_bytes: int, available_bytes: int, w
 class CheckpointTensors(Mapping):
     """``{official name: tensor}`` over a checked checkpoint, read when a name is looked up.
 
-    Quantised weights come decoded to float32, except with ``stored_weights``: then the FP8
-    linears and the routed experts' FP4 come as stored (e4m3 values or FP4 codes under
+    Quantised weights come decoded to float32, except those of the kinds in ``stored`` (``fp8``: the
+    FP8 linears, ``fp4``: the routed experts), which come as stored (e4m3 values or FP4 codes under
     ``.weight``, e8m0 scales under ``.scale``);
     the Engram tables (and scales) come as stored, copied into memory once for ``ram``
     (page-locked with ``pin``), views of the shards' maps for ``mmap``.  A model built from
     it reads each tensor once, so the host holds one decoded tensor at a time."""
 
     def __init__(self, checkpoint: OfficialCheckpoint, engram_storage: str, *, pin: bool = False,
-                 stored_weights: bool = False) -> None:
+                 stored: tuple[str, ...] = ()) -> None:
         self.checkpoint, self.storage, self.pin = checkpoint, engram_storage, pin
         self._tables: dict[str, torch.Tensor] = {}
         layout = checkpoint.layout
         self._stored = {name for name in checkpoint.names()
-                        if is_engram_table(name) or (stored_weights and _is_quantised_part(layout, name))}
+                        if is_engram_table(name) or _quantised_kind(layout, name) in stored}
         self._names = [name for name in checkpoint.names() if name in self._stored or layout[name].quant != SCALE]
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -115,18 +115,38 @@ class CheckpointTensors(Mapping):
         return len(self._names)
 
 
-def _is_quantised_part(layout, name: str) -> bool:
-    """An FP8 or FP4 weight or its scale (the checkpoint lists no scale of a weight it stores decoded)."""
+def _quantised_kind(layout, name: str) -> str | None:
+    """``fp8`` or ``fp4`` for a quantised weight or its scale (the checkpoint lists no scale of a weight
+    it stores decoded), else None."""
     spec = layout[name]
-    return spec.quant == SCALE or spec.is_quantized
+    if spec.quant == SCALE:
+        spec = layout[name.removesuffix("scale") + "weight"]
+    return spec.quant if spec.is_quantized else None
 
 
-def stored_weight_choice(weight_format: str, dtype: torch.dtype, device: str) -> bool:
-    """Whether the FP8 linears and the routed experts' FP4 stay as stored (``weight_format`` auto |
-    dense | native)."""
+FP8_CAPABILITY = (8, 9)
+"""The first CUDA compute capability whose Triton has the e4m3 type (Ada, Hopper): the FP8 kernels' need."""
+
+
+def stored_weight_choice(weight_format: str, dtype: torch.dtype, device: str,
+                         capability: tuple[int, int] | None = None) -> tuple[str, ...]:
+    """Which quantised weights stay as stored (``weight_format`` auto | dense | native): ``()``,
+    ``("fp4",)`` or ``("fp8", "fp4")``.  ``native`` needs a CUDA device, Triton and bfloat16 or float16
+    activations; ``auto`` is native there.  The routed experts' FP4 codes are plain bytes to the
+    kernels; the FP8 linears need a device of compute capability 8.9 or more (``capability``: the
+    device's, read when not given), and are decoded below it (a V100 keeps only the experts as stored)."""
     if weight_format not in ("auto", "dense", "native"):
         raise ValueError(f"weight_format {weight_format!r}: DeepSeek-V4.1 takes auto, dense or native")
-    return native_weights(weight_format, dtype, device)
+    usable = (torch.device(device).type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+              and quant_matmul.available())
+    if weight_format == "native" and not usable:
+        raise ValueError(f"weight_format native needs a CUDA device, bfloat16 or float16 and Triton "
+                         f"(here: {device}, {str(dtype).removeprefix('torch.')})")
+    if weight_format == "dense" or not usable:
+        return ()
+    if capability is None:
+        capability = torch.cuda.get_device_capability(torch.device(device))
+    return (FP8, FP4) if tuple(capability) >= FP8_CAPABILITY else (FP4,)
 
 
 def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_bytes: int = 0,
@@ -134,14 +154,14 @@ def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_
                device: str = "cpu", dtype: torch.dtype = torch.float32, paths: ForwardPaths | None = None,
                weight_format: str = "auto", log: logging.Logger | None = None) -> DeepseekV41Serving:
     """A servable V4.1 model from a checkpoint directory (weights and state on ``device`` in ``dtype``,
-    the Engram tables in host memory; ``paths``: the device's by default; ``weight_format``: whether
-    the routed experts' FP4 stays as stored, :func:`stored_weight_choice`)."""
+    the Engram tables in host memory; ``paths``: the device's by default; ``weight_format``: which
+    quantised weights stay as stored, :func:`stored_weight_choice`)."""
     log = log or logging.getLogger("ds4d")
     path = Path(path)
     cfg = DeepseekV41Config.from_file(path)
     tokenizer, tokenizer_source = load_tokenizer(path)
     (log.info if tokenizer_source.source == "checkpoint" else log.warning)("%s", tokenizer_source.describe())
-    stored_weights = stored_weight_choice(weight_format, dtype, device)
+    stored = stored_weight_choice(weight_format, dtype, device)
     checkpoint = OfficialCheckpoint(path, groups=("text",), log=log)
     try:
         table_bytes = engram_table_bytes(checkpoint)
@@ -153,21 +173,22 @@ def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_
         log.info("Engram tables: %.3f GiB, %s (engram_storage = %s; MemAvailable %.1f GiB, watermark %.1f GiB)",
                  table_bytes / GIB, "read into host memory" if storage == "ram" else "memory-mapped from the shards",
                  engram_storage, available_bytes / GIB, mem_watermark_bytes / GIB)
-        tensors = CheckpointTensors(checkpoint, storage, pin=torch.device(device).type == "cuda",
-                                    stored_weights=stored_weights)
+        tensors = CheckpointTensors(checkpoint, storage, pin=torch.device(device).type == "cuda", stored=stored)
         model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, device=device, dtype=dtype, paths=paths,
-                                              stored_weights=stored_weights)
+                                              stored_weights=bool(stored))
     finally:
         checkpoint.shards.close()  # the mapped views handed out keep their maps
     del tensors
     banks = [layer.ffn.banks for layer in model.weights.layers]
     weight_bytes = model.weights.parameter_bytes()
-    held = "FP8 linears and FP4 experts as stored" if stored_weights else f"decoded to {str(dtype).removeprefix('torch.')}"
+    decoded = f"decoded to {str(dtype).removeprefix('torch.')}"
+    held = {(FP8, FP4): "FP8 linears and FP4 experts as stored", (FP4,): f"FP4 experts as stored, FP8 linears {decoded}",
+            (): decoded}[stored]
     log.info("weights: %s, %.2f GiB (routed experts %.2f GiB; weight_format = %s)", held, weight_bytes / GIB,
              sum(bank.stored_bytes() for bank in banks) / GIB, weight_format)
     return DeepseekV41Serving(model, tokenizer, block_tokens=block_tokens, parameter_bytes=weight_bytes + table_bytes,
                               extra={"engram_storage": storage, "engram_table_bytes": table_bytes,
-                                     "stored_weights": stored_weights, "tokenizer": tokenizer_source.as_dict()})
+                                     "stored_weights": list(stored), "tokenizer": tokenizer_source.as_dict()})
 
 
 def refuse_unserved(config: Any) -> None:
