@@ -10,9 +10,9 @@ once).  ``weight_format`` picks what happens to the FP8 linears (e8m0 scales per
 32 x 32) and the routed experts' FP4: ``native`` keeps values, codes and scales as
 stored on the device (half and a quarter of bf16's bytes, read by V4's FP8 and MXFP4
 kernels; CUDA, bfloat16 or float16; the FP8 linears only from compute capability 8.9),
-``dense`` decodes them to the activation dtype, ``auto`` is native where it can run.  Each Engram table stays as
-stored (FP8 with its per-row scales, or float in an HF save) in the place
-``engram_storage`` picks:
+``dense`` decodes them to the activation dtype, ``auto`` is native where it can run.
+Each Engram table stays as stored (FP8 with its per-row scales, or float in an HF
+save) in the place ``engram_storage`` picks:
 
 * ``ram``: copied into host memory;
 * ``mmap``: views of the checkpoint's copy-on-write memory maps (nothing written to
@@ -42,6 +42,7 @@ import torch
 
 from ds4d.contracts import PluginContext
 from ds4d.cuda import quant_matmul
+from ds4d.models.deepseek_v4.stored import Fp8Weight
 from ds4d.models.deepseek_v41.checkpoint import OfficialCheckpoint
 from ds4d.models.deepseek_v41.config import DeepseekV41Config
 from ds4d.models.deepseek_v41.layout import FP4, FP8, SCALE
@@ -181,9 +182,12 @@ def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_
     del tensors
     banks = [layer.ffn.banks for layer in model.weights.layers]
     weight_bytes = model.weights.parameter_bytes()
+    first = model.weights.layers[0]  # what the model holds (a checkpoint may store weights decoded)
+    stored = tuple(kind for kind, kept in ((FP8, isinstance(first.attn.wq_a, Fp8Weight)), (FP4, first.ffn.banks.stored))
+                   if kept)
     decoded = f"decoded to {str(dtype).removeprefix('torch.')}"
     held = {(FP8, FP4): "FP8 linears and FP4 experts as stored", (FP4,): f"FP4 experts as stored, FP8 linears {decoded}",
-            (): decoded}[stored]
+            (FP8,): f"FP8 linears as stored, routed experts {decoded}", (): decoded}[stored]
     log.info("weights: %s, %.2f GiB (routed experts %.2f GiB; weight_format = %s)", held, weight_bytes / GIB,
              sum(bank.stored_bytes() for bank in banks) / GIB, weight_format)
     return DeepseekV41Serving(model, tokenizer, block_tokens=block_tokens, parameter_bytes=weight_bytes + table_bytes,
