@@ -8,9 +8,10 @@ uses the same names behind ``model.``, with ``lm_head`` for ``head``
 float (the official FP8/FP4 reader decodes), with two exceptions: an Engram
 table may stay FP8 with its per-row scales, since the release tables are far
 too large to widen (they stay in host memory, where they are, whatever the
-device of the rest), and with ``stored_weights`` the routed experts' FP4 codes
-and e8m0 scales arrive as stored and stay so (:class:`Mxfp4Matrices` banks, read
-by V4's MXFP4 kernels).  The tensors are read one at a time, by name, so a
+device of the rest), and with ``stored_weights`` the FP8 linears (e4m3 values with
+e8m0 scales per 32 x 32) and the routed experts' FP4 codes and e8m0 scales that
+arrive as stored stay so (:class:`Fp8Weight`, :class:`Mxfp4Matrices` banks, read by
+V4's kernels in ``ds4d.cuda.quant_matmul``).  The tensors are read one at a time, by name, so a
 mapping that decodes on access keeps one decoded tensor in host memory at once.
 Names this forward does not use (DSpark ``mtp.*``, the vision tower, the image
 delimiters, ``bias_vl``) are ignored.
