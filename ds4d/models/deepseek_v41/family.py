@@ -183,16 +183,16 @@ def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_
     banks = [layer.ffn.banks for layer in model.weights.layers]
     weight_bytes = model.weights.parameter_bytes()
     first = model.weights.layers[0]  # what the model holds (a checkpoint may store weights decoded)
-    stored = tuple(kind for kind, kept in ((FP8, isinstance(first.attn.wq_a, Fp8Weight)), (FP4, first.ffn.banks.stored))
-                   if kept)
+    kept = tuple(kind for kind, held in ((FP8, isinstance(first.attn.wq_a, Fp8Weight)), (FP4, first.ffn.banks.stored))
+                 if held)
     decoded = f"decoded to {str(dtype).removeprefix('torch.')}"
     held = {(FP8, FP4): "FP8 linears and FP4 experts as stored", (FP4,): f"FP4 experts as stored, FP8 linears {decoded}",
-            (FP8,): f"FP8 linears as stored, routed experts {decoded}", (): decoded}[stored]
+            (FP8,): f"FP8 linears as stored, routed experts {decoded}", (): decoded}[kept]
     log.info("weights: %s, %.2f GiB (routed experts %.2f GiB; weight_format = %s)", held, weight_bytes / GIB,
              sum(bank.stored_bytes() for bank in banks) / GIB, weight_format)
     return DeepseekV41Serving(model, tokenizer, block_tokens=block_tokens, parameter_bytes=weight_bytes + table_bytes,
                               extra={"engram_storage": storage, "engram_table_bytes": table_bytes,
-                                     "stored_weights": list(stored), "tokenizer": tokenizer_source.as_dict()})
+                                     "stored_weights": list(kept), "tokenizer": tokenizer_source.as_dict()})
 
 
 def refuse_unserved(config: Any) -> None:

@@ -211,7 +211,7 @@ class _Reader:
         checkpoint holds it so, else decoded to the model's dtype."""
         weight = self.host(name)
         if not (self.stored and weight.dtype == torch.float8_e4m3fn):
-            return self(name)
+            return weight.to(device=self.device, dtype=self.dtype)  # read once: a lookup may decode
         scale = self.host(name.removesuffix("weight") + "scale")
         data = weight.to(self.device)
         return Fp8Weight.from_stored(data, scale.to(self.device), self.dtype, block=square_block(weight, scale))
@@ -248,14 +248,14 @@ def _banks(read: _Reader, prefix: str, experts: int, stored: bool) -> ExpertBank
             codes = torch.empty(experts, *first.shape, dtype=torch.uint8, device=read.device)
             scales = torch.empty(experts, *scale.shape, dtype=torch.uint8, device=read.device)
             for e in range(experts):
-                codes[e].copy_(as_bytes(read.host(name.format(e, "weight"))))
-                scales[e].copy_(as_bytes(read.host(name.format(e, "scale"))))
+                codes[e].copy_(as_bytes(first if e == 0 else read.host(name.format(e, "weight"))))
+                scales[e].copy_(as_bytes(scale if e == 0 else read.host(name.format(e, "scale"))))
             banks[part] = Mxfp4Matrices(codes, scales)
             continue
         shape = (first.shape[0], 2 * first.shape[1]) if is_packed_fp4(first) else first.shape
         bank = torch.empty(experts, *shape, dtype=read.dtype, device=read.device)
         for e in range(experts):
-            weight = read.host(name.format(e, "weight"))
+            weight = first if e == 0 else read.host(name.format(e, "weight"))  # each read once
             if is_packed_fp4(weight):
                 weight = dequant_mxfp4(weight, read.host(name.format(e, "scale")))
             bank[e].copy_(weight)
