@@ -54,13 +54,13 @@ def embedded_model_path() -> Path:
 
 
 def refuse_split_knobs(family: ModelFamily, config) -> None:
-    """``expert_vram_gib`` and ``gpus`` are for a :class:`SplitModelFamily`: refused at start for any other."""
-    if isinstance(family, SplitModelFamily):
-        return
-    if config.expert_vram_gib > 0:
+    """``gpus`` is for a :class:`SplitModelFamily`, ``expert_vram_gib`` for one of those or a family that
+    says it offloads experts (``offloads_experts = True``): refused at start for any other."""
+    split = isinstance(family, SplitModelFamily)
+    if config.expert_vram_gib > 0 and not (split or getattr(family, "offloads_experts", False)):
         raise PluginError(f"expert_vram_gib={config.expert_vram_gib:g}: the {family.name} model family cannot "
                           "offload experts; set it to 0")
-    if config.gpus:
+    if config.gpus and not split:
         raise PluginError(f"gpus={config.gpus!r}: the {family.name} model family cannot be split over processes; "
                           "leave gpus empty")
 

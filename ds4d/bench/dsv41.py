@@ -26,6 +26,11 @@ fit in bf16 (decode reads the top-6 either way); the Engram tables are smaller t
 With ``--oracle DIR`` the HF ``deepseek_v41`` model (``dsv41_oracle.py``) runs on the same tensors
 after ds4d's model is freed: decode b1 after the same context, the prefill of the same prompt (its
 cache path, every row), and how far its last logits are from ds4d's.
+With ``--expert-gpu-fraction F`` the routed experts are offloaded (``models/deepseek_v41/offload.py``):
+the first ``F`` of each layer's experts on the device, the rest in page-locked host RAM (static
+placement), and each row's floor also counts the bytes the run moved over the link (copied cold
+experts, and cold experts read in place by zero-copy decode) at the host-to-device bandwidth the
+offload measured at start.
 """
 
 from __future__ import annotations
@@ -143,6 +148,13 @@ def random_tensors(torch, config: dict, device, seed: int, native: bool = False,
     return out
 
 
+def experts_to_host(tensors: dict) -> None:
+    """The routed experts' tensors moved to host memory (an offloaded model reads them from there)."""
+    for name, tensor in tensors.items():
+        if ".ffn.experts." in name:
+            tensors[name] = tensor.cpu()
+
+
 def _sync(torch, device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -171,10 +183,12 @@ class Floors:
         self.k = cfg.num_experts_per_tok
         self.experts = cfg.n_routed_experts
         self.layers = cfg.num_hidden_layers
-        first = weights.layers[0].ffn.banks.expert(0)
-        self.expert_params = _numel((first.w1, first.w2, first.w3))
-        banks = weights.layers[0].ffn.banks
-        self.expert_bytes = banks.stored_bytes() / banks.experts if banks.stored else 2 * self.expert_params
+        self.expert_params = 3 * cfg.moe_intermediate_size * cfg.hidden_size
+        banks, offload = weights.layers[0].ffn.banks, model.expert_offload
+        if offload is not None:
+            self.expert_bytes = offload.host_expert_bytes if offload.native else 2 * self.expert_params
+        else:
+            self.expert_bytes = banks.stored_bytes() / banks.experts if banks.stored else 2 * self.expert_params
         """Bytes one routed expert's three matrices take: FP4 codes and scales as held, else bf16's."""
         dense, held = weights.head.numel(), 2 * weights.head.numel()
         for layer in weights.layers:
@@ -196,12 +210,41 @@ class Floors:
     def _bytes(self, tokens: int) -> float:
         return self.dense_bytes + self.layers * self._distinct(tokens) * self.expert_bytes
 
-    def decode(self, batch: int) -> float:
-        return batch / (self._bytes(batch) / self.bandwidth)
+    def decode(self, batch: int, link_bytes: float = 0, link_bandwidth: float = 1.0) -> float:
+        """``link_bytes``: what the step moved host -> device (offloaded experts), at ``link_bandwidth``."""
+        return batch / max(self._bytes(batch) / self.bandwidth, link_bytes / link_bandwidth)
 
-    def prefill(self, tokens: int) -> float:
+    def prefill(self, tokens: int, link_bytes: float = 0, link_bandwidth: float = 1.0) -> float:
         active = self.dense_params + self.layers * self.k * self.expert_params
-        return tokens / max(self._bytes(tokens) / self.bandwidth, 2 * tokens * active / self.matmul)
+        return tokens / max(self._bytes(tokens) / self.bandwidth, 2 * tokens * active / self.matmul,
+                            link_bytes / link_bandwidth)
+
+
+def _moved(model) -> int:
+    """Host -> device bytes the offloaded experts have moved so far (copied, and read in place)."""
+    if model.expert_offload is None:
+        return 0
+    stats = model.expert_offload.expert_stats()
+    return stats["bytes_copied"] + stats["host_read_bytes"]
+
+
+def offload_options(cfg, fraction: float, native: bool):
+    """Options that hold the first ``fraction`` of each layer's experts on the device (static placement,
+    set after the build by :func:`place_first`), with room to spare for the staging banks."""
+    from ds4d.cuda import moe_gemv
+    from ds4d.models.deepseek_v4.offload import OffloadOptions
+
+    per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * (17 / 32 if native else 2)
+    hot = math.ceil(fraction * cfg.n_routed_experts) * cfg.num_hidden_layers
+    return OffloadOptions(vram_bytes=int((hot + 16 + moe_gemv.MAX_ROWS) * per_expert * 1.05), placement="static",
+                          stage_experts=8)
+
+
+def place_first(model, fraction: float) -> None:
+    """Every layer's first ``fraction`` of routed experts on the device, the rest in host RAM."""
+    experts = model.cfg.n_routed_experts
+    hot = list(range(math.ceil(fraction * experts)))
+    model.expert_offload.set_placement([hot] * model.cfg.num_hidden_layers)
 
 
 def _decode_rate(torch, device, serving, prompts, steps: int) -> float:
@@ -324,8 +367,17 @@ def run(args: argparse.Namespace) -> int:
     from ds4d.models.deepseek_v41.paths import ForwardPaths
 
     paths = ForwardPaths.for_device(device).replace(compile_decode=bool(getattr(args, "compile", False)))
+    fraction = _fraction(getattr(args, "expert_gpu_fraction", ""))
+    offload = None
+    if fraction is not None:
+        if args.oracle:
+            raise SystemExit("--oracle runs the HF model with every expert on the device: not with --expert-gpu-fraction")
+        experts_to_host(tensors)
+        offload = offload_options(cfg, fraction, native)
     model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, dtype=dtype, device=device, paths=paths,
-                                          stored_weights=native)
+                                          stored_weights=native, offload=offload)
+    if offload is not None:
+        place_first(model, fraction)
     if not args.oracle:
         del tensors
     serving = DeepseekV41Serving(model, tokenizer, parameter_bytes=0)
@@ -341,21 +393,35 @@ def run(args: argparse.Namespace) -> int:
          f"{'FP4 as stored' if native else 'bf16'}), {floors.dense_params / 1e9:.2f}B dense parameters "
          f"({floors.dense_bytes / 2**30:.2f} GiB), "
          f"Engram on {list(cfg.engram_layer_ids)}, {args.dtype} on {device}")
+    link = 1.0
+    if model.expert_offload is not None:
+        offloaded = model.expert_offload
+        link = offloaded.pcie_bytes_s
+        stats = offloaded.expert_stats()
+        _say(f"experts offloaded: {stats['gpu_experts']} on the device, {stats['ram_experts']} in host RAM "
+             f"({stats['host_ram_bytes'] / 2**30:.1f} GiB, pinned {bool(offloaded.pinned.enabled)}); host -> device "
+             f"{link / 1e9:.1f} GB/s; zero-copy decode {offloaded.zero_copy}")
     gen = torch.Generator().manual_seed(args.seed)
     rows: list[Row] = []
     for batch in batches:
         prompts = torch.randint(100, cfg.vocab_size, (batch, context), generator=gen).tolist()
+        before = _moved(model)
         rate = _decode_rate(torch, device, serving, prompts, args.decode_tokens)
-        rows.append(Row(f"decode b{batch} @{context}", ds4d=rate, floor=floors.decode(batch)))
+        moved = (_moved(model) - before) / (args.decode_tokens + 1)  # per step (the warm step included)
+        rows.append(Row(f"decode b{batch} @{context}", ds4d=rate, floor=floors.decode(batch, moved, link),
+                        note=f"{moved / 1e9:.2f} GB over the link per step" if model.expert_offload else ""))
         _say(f"decode b{batch}: {rate:.1f} tok/s")
     prompt = torch.randint(100, cfg.vocab_size, (prefill_tokens,), generator=gen).tolist()
     seconds = []
+    before = _moved(model)
     for _ in range(4):  # the first warms up; the median of the other three
         state = model.new_state()
         seconds.append(_timed(torch, device, lambda: model.prefill(state, prompt, last_only=True)))
+    moved = (_moved(model) - before) / 4
     last = model.prefill(model.new_state(), prompt, last_only=True)[-1].float().cpu()
     rows.append(Row(f"prefill {prefill_tokens} (triangle)", ds4d=prefill_tokens / sorted(seconds[1:])[1],
-                    floor=floors.prefill(prefill_tokens)))
+                    floor=floors.prefill(prefill_tokens, moved, link),
+                    note=f"{moved / 1e9:.2f} GB over the link" if model.expert_offload else ""))
     for tokens in (1, prefill_tokens):
         rows += engram_lookup_rows(torch, device, model, steps=5, tokens=tokens)
     if args.oracle:
@@ -366,7 +432,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "family": "deepseek_v41", "layers": layers, "experts": cfg.n_routed_experts, "device": str(device),
-            "native": native,
+            "native": native, "expert_gpu_fraction": fraction,
             "dtype": args.dtype, "bandwidth": bandwidth, "matmul": matmul,
             "rows": [vars(r) for r in rows]}, indent=1))
     return 0
@@ -400,6 +466,18 @@ def _oracle_rows(torch, device, dtype, args, config, tensors, tokenizer, rows: l
                          f"{int(last.argmax()) == int(logits.argmax())}"))
 
 
+def _fraction(text: str) -> float | None:
+    """``--expert-gpu-fraction`` for this family: one share of each layer's experts, or None (no offload)."""
+    if not text:
+        return None
+    if "," in text:
+        raise SystemExit("--family deepseek_v41 takes one --expert-gpu-fraction (a run per fraction)")
+    value = float(text)
+    if not 0 <= value < 1:
+        raise SystemExit("--expert-gpu-fraction is a share of the experts in [0, 1)")
+    return value
+
+
 def _figure(value: float) -> str:
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
 
@@ -407,6 +485,8 @@ def _figure(value: float) -> str:
 def _print(rows: list[Row], layers, args, device) -> None:
     _say("")
     experts = "FP8 linears + FP4 experts as stored" if getattr(args, "native", False) else "bf16 weights"
+    if getattr(args, "expert_gpu_fraction", ""):
+        experts += f", {float(args.expert_gpu_fraction):.0%} of the routed experts on the device"
     peer = any(row.oracle for row in rows)
     extra = " oracle | ds4d / oracle |" if peer else ""
     _say(f"| case | ds4d | floor | ratio |{extra}   ({args.dtype}, {experts}, {device}, layers {','.join(map(str, layers))})")

@@ -71,7 +71,8 @@ def add_parser(sub) -> None:
     p.add_argument("--json", default="", help="also write the results here")
     p.add_argument("--expert-gpu-fraction", default="",
                    help="e.g. 1,0.5,0.25: share of routed experts kept on the device, the rest in pinned host RAM "
-                        "(runs the expert-offload bench instead: ds4d.bench.offload)")
+                        "(runs the expert-offload bench instead: ds4d.bench.offload); deepseek_v41: one share, "
+                        "the usual rows with the experts offloaded")
     p.add_argument("--expert-cpu-threads", type=int, default=8, help="host threads for cold experts in decode")
     p.add_argument("--gather-only", action="store_true",
                    help="with --expert-gpu-fraction and native weights: skip the rows whose decode reads cold experts "

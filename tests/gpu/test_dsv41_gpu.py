@@ -258,3 +258,64 @@ def test_float16_keeps_the_weights_as_stored_too(official_tiny):
     served.allocate_cache(4, 1)
     logits = served.forward(ForwardBatch((SeqChunk(0, tuple(range(5, 45)), 0, (0, 1, 2), 1),)))
     assert bool(torch.isfinite(logits).all())
+
+
+def offloaded_stored(path: Path, dtype: torch.dtype, hot_share: int = 3) -> DeepseekV41Model:
+    """The checkpoint with FP8 linears and FP4 experts as stored, the experts offloaded: one in
+    ``hot_share`` of each layer's on the device, the rest in page-locked host RAM."""
+    from ds4d.models.deepseek_v4.offload import OffloadOptions
+    from ds4d.models.deepseek_v41.checkpoint import OfficialCheckpoint
+    from ds4d.models.deepseek_v41.family import CheckpointTensors
+    from ds4d.models.deepseek_v41.tokenizer import load_tokenizer
+
+    cfg = DeepseekV41Config.from_file(path)
+    tokenizer, _ = load_tokenizer(path)
+    model = DeepseekV41Model.from_tensors(
+        cfg, CheckpointTensors(OfficialCheckpoint(path, groups=("text",)), "ram", stored=("fp8", "fp4")), tokenizer,
+        stored_weights=True, dtype=dtype, device="cuda", offload=OffloadOptions(vram_bytes=64 << 20, stage_experts=2))
+    experts = cfg.n_routed_experts
+    model.expert_offload.set_placement([list(range(experts))[layer % hot_share::hot_share]
+                                        for layer in range(cfg.num_hidden_layers)])
+    return model
+
+
+@pytest.mark.parametrize("decode_graphs", ["padded", "cuda"])
+def test_the_fixed_decode_step_with_offloaded_experts(official_tiny, decode_graphs):
+    """float32 activations, weights as stored, two thirds of the routed experts in page-locked host RAM:
+    the fixed-shape step reads each expert where it sits (zero-copy: device bank or host memory, no
+    routing read back), eagerly and from its CUDA graphs, against the model with every expert on the
+    device on the per-sequence reference path, from the same states each step."""
+    from tests.unit.test_dsv41_fixed_decode import check_fixed_decode
+
+    stored, _ = stored_and_dense(official_tiny, torch.float32)
+    model = offloaded_stored(official_tiny, torch.float32)
+    offload = model.expert_offload
+    assert offload.native and offload.zero_copy and offload.pinned.enabled
+    fixed = check_fixed_decode(model, decode_graphs, device="cuda", tolerance=1e-4, reference=stored)
+    assert fixed.graph_failure is None and fixed.model.expert_offload is offload
+    if decode_graphs == "cuda":
+        assert len(fixed.graphs) == 1
+    assert offload.expert_stats()["host_read_bytes"] > 0
+
+
+def test_the_family_offloads_experts_in_bf16_and_prefill_copies_only_the_chosen(official_tiny):
+    """bf16 with the weights as stored: a prompt through the offloaded model (its prefill copies the cold
+    experts its rows chose, never the others) gives the logits of the model with every expert on the
+    device, up to the order of the bf16 products."""
+    from ds4d.contracts import ForwardBatch, SeqChunk
+    from ds4d.models.deepseek_v41.serving import DeepseekV41Serving
+
+    stored, _ = stored_and_dense(official_tiny, torch.bfloat16)
+    model = offloaded_stored(official_tiny, torch.bfloat16)
+    ids = tuple(range(5, 69))
+    logits = []
+    for m in (stored, model):
+        serving = DeepseekV41Serving(m, tokenizer=None, block_tokens=16)
+        serving.allocate_cache(8, 1)
+        logits.append(serving.forward(ForwardBatch((SeqChunk(0, ids, 0, tuple(range(4)), len(ids)),))).float().cpu())
+    assert float((logits[1] - logits[0]).abs().max() / logits[0].abs().max()) < 2e-2
+    stats = model.expert_offload.expert_stats()
+    assert stats["bytes_copied"] > 0 and stats["gpu_experts"] > 0
+    for row, hot in zip(stats["layers"], model.expert_offload.hot_experts()):  # every cold expert: copied or skipped
+        assert row["calls"] > 0
+        assert row["copied_experts"] + row["skipped_transfers"] == row["calls"] * (model.cfg.n_routed_experts - len(hot))

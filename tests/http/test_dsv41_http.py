@@ -104,16 +104,43 @@ def test_two_requests_at_once_give_what_each_gives_alone(served, golden):
     assert together == alone
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"DS4D_EXPERT_VRAM_GIB": "1"}, "the deepseek_v41 model family cannot offload experts"),
-    ({"DS4D_GPUS": "cpu:2"}, "the deepseek_v41 model family cannot be split over processes"),
-])
-def test_offload_and_split_are_refused_at_start(tmp_path, env, message):
+def test_a_split_over_processes_is_refused_at_start(tmp_path):
     for file in ("config.json", "model.safetensors", "tokenizer.json"):
         (tmp_path / file).symlink_to(FIXTURE / file)
     with pytest.raises(RuntimeError, match="exited during start") as failed:
-        Daemon("--model", str(tmp_path), "--threads", "1", env=env, startup_timeout=60)
-    assert message in str(failed.value)
+        Daemon("--model", str(tmp_path), "--threads", "1", env={"DS4D_GPUS": "cpu:2"}, startup_timeout=60)
+    assert "the deepseek_v41 model family cannot be split over processes" in str(failed.value)
+
+
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_offloaded_experts_give_the_oracles_tokens_and_say_where_they_are(tmp_path, golden, device):
+    """``--expert-vram-gib`` too small for one expert: every routed expert in host RAM, copied in when
+    chosen (the CPU as the device: the same placement, skip and staging code), the oracle's greedy
+    tokens all the same; /v1/ds4d/stats and /metrics count the experts and their traffic."""
+    for file in ("config.json", "model.safetensors", "tokenizer.json"):
+        (tmp_path / file).symlink_to(FIXTURE / file)
+    daemon = Daemon("--model", str(tmp_path), "--threads", "1", "--kv-cache-tokens", "1024", "--max-num-seqs", "2",
+                    "--device", device, "--dtype", "float32", "--expert-vram-gib", "0.000001",
+                    "--expert-placement", "static")
+    try:
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        model_id = client.models.list().data[0].id
+        greedy = golden["greedy_ids"].tolist()
+        resp = client.completions.create(model=model_id, prompt=golden["prompt_ids"].tolist(), max_tokens=len(greedy),
+                                         temperature=0, logprobs=0, extra_body={"ignore_eos": True})
+        tokenizer = HFTokenizer(FIXTURE / "tokenizer.json")
+        assert resp.choices[0].logprobs.tokens == [tokenizer.decode([t]) for t in greedy]
+        with urllib.request.urlopen(daemon.url + "/v1/ds4d/stats", timeout=30) as reply:
+            experts = json.load(reply)["experts"]
+        cfg = json.loads((FIXTURE / "config.json").read_text())["text_config"]
+        total = cfg["num_hidden_layers"] * cfg["n_routed_experts"]
+        assert experts["gpu_experts"] == 0 and experts["ram_experts"] == experts["host_experts"] == total
+        assert experts["bytes_copied"] > 0 and experts["skipped_transfers"] > 0
+        with urllib.request.urlopen(daemon.url + "/metrics", timeout=30) as reply:
+            assert f"ds4d_experts_in_ram {total}" in reply.read().decode()
+        assert any("memory plan:" in line and "host RAM, pinned" in line for line in daemon.log_lines)
+    finally:
+        daemon.stop()
 
 
 def test_a_second_turn_reuses_the_first_and_continues_as_computed_cold(served, golden):

@@ -80,6 +80,31 @@ def test_native_floors_count_the_fp4_codes_and_scales():
     assert floors.decode(1) == pytest.approx(1 / one)
 
 
+def test_offloaded_floors_count_the_experts_once_and_the_link(tmp_path):
+    """``--expert-gpu-fraction``: the first share of each layer's experts on the device, the rest in
+    host RAM; the floors count the same bytes as without offload, and a step is held to the bytes it
+    moved over the link at the link's rate when that is slower; one share only."""
+    from ds4d.bench.dsv41 import Floors, _fraction, bench_config, offload_options, place_first, random_tensors
+    from ds4d.models.deepseek_v41.config import DeepseekV41Config
+    from ds4d.models.deepseek_v41.model import DeepseekV41Model
+
+    config, tokenizer = bench_config([0, 2], tiny=True, experts=0, engram_vocab=0)
+    cfg = DeepseekV41Config.from_dict(config)
+    plain = DeepseekV41Model.from_tensors(cfg, random_tensors(torch, config, torch.device("cpu"), seed=1), tokenizer)
+    model = DeepseekV41Model.from_tensors(cfg, random_tensors(torch, config, torch.device("cpu"), seed=1), tokenizer,
+                                          offload=offload_options(cfg, 0.5, native=False))
+    place_first(model, 0.5)
+    half = cfg.n_routed_experts // 2
+    assert model.expert_offload.hot_experts() == [list(range(half))] * cfg.num_hidden_layers
+    floors, want = Floors(model, bandwidth=1e9, matmul=1e12), Floors(plain, bandwidth=1e9, matmul=1e12)
+    assert (floors.expert_bytes, floors.dense_bytes) == (want.expert_bytes, want.dense_bytes)
+    assert floors.decode(1, link_bytes=0) == want.decode(1)
+    assert floors.decode(1, link_bytes=1e9, link_bandwidth=1e8) == pytest.approx(0.1)  # 10 s over the link
+    assert _fraction("") is None and _fraction("0.25") == 0.25
+    with pytest.raises(SystemExit):
+        _fraction("1,0.5")
+
+
 def test_depth_full_is_the_release_pattern():
     """``bench model --depth full``: V4-Flash's 43 layers as its config.json lists them (without the MTP
     layer's entry), V4.1's 40 as its release config does."""

@@ -38,17 +38,21 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def servings(name: str | DeepseekV41Model, decode_graphs: str, device: str = "cpu",
-             compile_decode: bool = False) -> tuple[DeepseekV41Serving, DeepseekV41Serving]:
-    """(per-sequence reference, fixed-shape step) servings of one fixture (or of a model's weights, on
-    the reference path), caches allocated."""
-    if isinstance(name, DeepseekV41Model):
-        reference = DeepseekV41Model(name.cfg, name.weights, name.hasher, device=device, dtype=name.dtype,
-                                     paths=ForwardPaths())
-    else:
+             compile_decode: bool = False,
+             reference: DeepseekV41Model | None = None) -> tuple[DeepseekV41Serving, DeepseekV41Serving]:
+    """(per-sequence reference, fixed-shape step) servings of one fixture (or of a model's weights and
+    expert offload; the reference path over the same weights, or ``reference`` as it is), caches
+    allocated."""
+    model = name if isinstance(name, DeepseekV41Model) else None
+    if reference is None and model is not None:
+        reference = DeepseekV41Model(model.cfg, model.weights, model.hasher, device=device, dtype=model.dtype,
+                                     paths=ForwardPaths(), expert_offload=model.expert_offload)
+    elif reference is None:
         reference = DeepseekV41Model.from_pretrained(FIXTURES / name, device=device, paths=ForwardPaths())
+    model = model or reference
     paths = ForwardPaths.for_device(device).replace(decode_graphs=decode_graphs, compile_decode=compile_decode)
-    fixed = DeepseekV41Model(reference.cfg, reference.weights, reference.hasher, device=device,
-                             dtype=reference.dtype, paths=paths)
+    fixed = DeepseekV41Model(model.cfg, model.weights, model.hasher, device=device, dtype=model.dtype, paths=paths,
+                             expert_offload=model.expert_offload)
     out = tuple(DeepseekV41Serving(model, tokenizer=None, block_tokens=BLOCK) for model in (reference, fixed))
     for serving in out:
         serving.allocate_cache(40, 4)
@@ -81,10 +85,11 @@ def state_error(got: DeepseekV41Serving, want: DeepseekV41Serving, slot: int, bl
 
 
 def check_fixed_decode(name: str | DeepseekV41Model, decode_graphs: str, device: str = "cpu", steps: int = 12,
-                       tolerance: float = 1e-5, compile_decode: bool = False) -> DeepseekV41Serving:
+                       tolerance: float = 1e-5, compile_decode: bool = False,
+                       reference: DeepseekV41Model | None = None) -> DeepseekV41Serving:
     """Decode steps of three sequences on both servings (:func:`servings`) from the same states; the
     fixed one back."""
-    reference, fixed = servings(name, decode_graphs, device, compile_decode)
+    reference, fixed = servings(name, decode_graphs, device, compile_decode, reference)
     cfg = reference.cfg
     window = cfg.sliding_window
     lengths = (3, 2 * window + 1, 6 * BLOCK + 5)

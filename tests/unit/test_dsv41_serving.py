@@ -248,9 +248,9 @@ def test_unserved_knobs_are_refused():
                                  compile_decode=False)
     refuse_unserved(base)
     for served in ({"device": "cuda:0"}, {"device": "cuda"}, {"dtype": "bfloat16"}, {"dtype": "float16"},
-                   {"dtype": "auto"}, {"device": "cuda", "compile_decode": True}):
+                   {"dtype": "auto"}, {"device": "cuda", "compile_decode": True}, {"expert_vram_gib": 8}):
         refuse_unserved(types.SimpleNamespace(**{**vars(base), **served}))
-    for change in ({"device": "mps"}, {"dtype": "float64"}, {"expert_vram_gib": 8}, {"gpus": "0,1"},
+    for change in ({"device": "mps"}, {"dtype": "float64"}, {"gpus": "0,1"},
                    {"weight_format": "native"}, {"compile_decode": True}):  # compile_decode: on the CPU
         with pytest.raises(PluginError, match="DeepSeek-V4.1"):
             refuse_unserved(types.SimpleNamespace(**{**vars(base), **change}))

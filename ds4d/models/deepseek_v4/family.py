@@ -155,10 +155,5 @@ class DeepseekV4Family:
         if paths.compile_decode:
             self.ctx.log.info("decode steps go through torch.compile (each new bucket compiles on first use)")
         if model.expert_offload is not None:
-            plan = {"dense weights": {"vram_bytes": model.weights.parameter_bytes()},
-                    **model.expert_offload.memory_plan()}
-            for component, sizes in plan.items():
-                self.ctx.log.info("memory plan: %-34s %s", component, ", ".join(
-                    f"{k.removesuffix('_bytes')} {v / 2**30:.2f} GiB" if k.endswith("_bytes") else f"{k} {v}"
-                    for k, v in sizes.items()))
+            model.expert_offload.log_memory_plan(self.ctx.log, model.weights.parameter_bytes())
         return model

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
@@ -43,6 +42,7 @@ from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.decode import DecodeInputs, decode_attention
 from ds4d.models.deepseek_v4.hyper import hc_boundary, hc_head, hc_post
 from ds4d.models.deepseek_v4.moe import RoutingTally, moe_forward
+from ds4d.models.deepseek_v4.offload import counted_rows
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
 from ds4d.models.deepseek_v4.paths import ForwardPaths
 from ds4d.models.deepseek_v4.stored import Fp8Weight
@@ -393,20 +393,6 @@ def unpack_decode_rows(packed: torch.Tensor, cache: DeepseekV4Cache, rope_main: 
         rope_main=rope_main.cos_sin(positions),
         rope_compress=rope_compress.cos_sin(positions),
     )
-
-
-@contextmanager
-def counted_rows(offload, real: torch.Tensor):
-    """While a padded decode step runs: the offload counts routing of the ``real`` rows only
-    (bucket padding, at the scratch slot, would otherwise pull placement towards its experts)."""
-    if offload is None:
-        yield
-        return
-    offload.row_valid = real
-    try:
-        yield
-    finally:
-        offload.row_valid = None
 
 
 def check_batch(batch: ForwardBatch, cfg, max_seqs: int, num_blocks: int | None = None) -> None:

@@ -106,23 +106,33 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 def expert_ffn(
     rows: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, offsets: torch.Tensor,
     expert_of_row: torch.Tensor, limit: float, *, step_rows: int | None = None, kernels: bool = False,
+    pair_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SwiGLU of ``rows`` (sorted by expert; group ends ``offsets``) through a bank's experts.
 
     Each row's result depends only on that row, its expert's weights and ``step_rows``
     (all rows of the MoE call; default: these rows), so any split of one call's rows
-    into banks (device, staging) gives the same rows back.  ``kernels``: see :func:`_gated`."""
+    into banks (device, staging) gives the same rows back.  ``kernels``: see :func:`_gated`.
+
+    ``pair_weights`` (one routing weight per row; DeepSeek-V4.1's arithmetic): the SwiGLU runs in
+    float32 and is multiplied by the row's weight before ``down``, and the float32 output is already
+    weighted (:func:`combine_sorted` without weights).  Without them the output is unweighted."""
     step_rows = rows.shape[0] if step_rows is None else step_rows
     hidden = _grouped_linear(rows, gate_up, offsets, expert_of_row, step_rows)
     gate, up = hidden.chunk(2, dim=-1)
-    return _grouped_linear(_gated(gate, up, limit, kernels), down, offsets, expert_of_row, step_rows)
+    if pair_weights is None:
+        return _grouped_linear(_gated(gate, up, limit, kernels), down, offsets, expert_of_row, step_rows)
+    act = (pair_weights.float()[:, None] * _gated(gate.float(), up.float(), limit)).to(rows.dtype)
+    return _grouped_linear(act, down, offsets, expert_of_row, step_rows).float()
 
 
 def combine_sorted(
-    out: torch.Tensor, order: torch.Tensor, expert_weights: torch.Tensor, tokens: int, k: int, dtype: torch.dtype
+    out: torch.Tensor, order: torch.Tensor, expert_weights: torch.Tensor | None, tokens: int, k: int,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """Expert outputs of the (token, slot) pairs in ``order`` -> the weighted sum per token ``[T, D]``."""
-    weighted = out.float() * expert_weights.reshape(-1)[order, None]
+    """Expert outputs of the (token, slot) pairs in ``order`` -> the weighted sum per token ``[T, D]``
+    (``expert_weights`` None: the outputs are weighted already, ``expert_ffn(pair_weights=...)``)."""
+    weighted = out.float() if expert_weights is None else out.float() * expert_weights.reshape(-1)[order, None]
     unsorted = torch.empty_like(weighted)
     unsorted[order] = weighted
     return unsorted.view(tokens, k, -1).sum(dim=1).to(dtype)

@@ -47,6 +47,7 @@ two compute paths) and ``offload_stats`` (counters and reports).
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -70,7 +71,7 @@ from ds4d.models.deepseek_v4.offload_zero_copy import ZeroCopyExperts
 from ds4d.models.deepseek_v4.placement import PlacementPolicy, capacity_for_budget
 from ds4d.models.deepseek_v4.weights import ExpertBank, ModelWeights, MoEWeights
 
-__all__ = ["DECODE_COLD", "ExpertOffload", "LayerStats", "OffloadOptions"]
+__all__ = ["DECODE_COLD", "ExpertOffload", "LayerStats", "OffloadOptions", "counted_rows"]
 
 DECODE_COLD = ("auto", "cpu", "copy")
 
@@ -94,6 +95,9 @@ class OffloadOptions:
     native: bool = False
     """MXFP4 experts stay MXFP4 on the device too (hot banks and staging; ``quant_matmul`` kernels):
     about a quarter of the bf16 bytes per device expert and no decode after a copy."""
+    pair_weighted: bool = False
+    """The routing weight of each (token, expert) pair multiplies its float32 SwiGLU before ``w2``, and
+    :meth:`ExpertOffload.routed` returns float32 (DeepSeek-V4.1's arithmetic; ``ExpertForm.pair_weighted``)."""
 
 
 class ExpertOffload:
@@ -129,7 +133,7 @@ class ExpertOffload:
         self.zero_copy_experts = ZeroCopyExperts(self.layers, self.experts, cfg.moe_intermediate_size,
                                                  cfg.hidden_size, self.device)
         self.row_valid: torch.Tensor | None = None
-        """Set by the model around a padded decode step (``model.counted_rows``): True for the real rows;
+        """Set by the model around a padded decode step (``counted_rows``): True for the real rows;
         the bucket's padding rows are computed but not counted."""
         self.staged: StagedCompute | None = None
         if weights is not None:
@@ -177,7 +181,7 @@ class ExpertOffload:
         self.host_expert_bytes = sum(t.numel() * t.element_size() for t in template.values())
         self.device_expert_bytes = self.host_expert_bytes if self.native else 3 * inter * hidden * element
         self.form = ExpertForm(self.kind, self.block, self.native, self.dtype, self.device, self.experts, inter,
-                               hidden, self.host_expert_bytes)
+                               hidden, self.host_expert_bytes, options.pair_weighted)
         slots = HostSlots(template, HostArena(), self.pinned)
         self.residency.hold(self.form, slots, self.keeps_all)
         self.zero_copy = self.native and (self.device.type == "cpu" or (
@@ -292,9 +296,11 @@ class ExpertOffload:
         decode: bool = False,
     ) -> torch.Tensor:
         """The routed experts' weighted output for routing already done (``indices`` into this offload's
-        experts; a split model's rank passes its own experts' pairs and zero weights for the others)."""
+        experts; a split model's rank passes its own experts' pairs and zero weights for the others):
+        in ``x``'s dtype, or float32 with ``pair_weighted``."""
         if decode and self.capturable(indices.shape[0]):
-            return self.zero_copy_experts.forward(layer, x, expert_weights, indices, limit, self.row_valid)
+            return self.zero_copy_experts.forward(layer, x, expert_weights, indices, limit, self.row_valid,
+                                                  self.form.pair_weighted)
         return self.staged.routed(layer, x, expert_weights, indices, limit, decode)
 
     def capturable(self, rows: int) -> bool:
@@ -312,6 +318,29 @@ class ExpertOffload:
     def memory_plan(self) -> dict[str, dict[str, int]]:
         return memory_plan(self.residency, self.pinned, self.device_expert_bytes, self.staging_bytes)
 
+    def log_memory_plan(self, log, dense_bytes: int) -> None:
+        """One log line per part of the plan: the dense weights (``dense_bytes`` on the device), then
+        :meth:`memory_plan`'s."""
+        plan = {"dense weights": {"vram_bytes": dense_bytes}, **self.memory_plan()}
+        for component, sizes in plan.items():
+            log.info("memory plan: %-34s %s", component, ", ".join(
+                f"{k.removesuffix('_bytes')} {v / 2**30:.2f} GiB" if k.endswith("_bytes") else f"{k} {v}"
+                for k, v in sizes.items()))
+
     def close(self) -> None:
         self.staged.close()
         self.pinned.close()
+
+
+@contextmanager
+def counted_rows(offload, real: torch.Tensor):
+    """While a padded decode step runs: the offload counts routing of the ``real`` rows only
+    (bucket padding, at the scratch slot, would otherwise pull placement towards its experts)."""
+    if offload is None:
+        yield
+        return
+    offload.row_valid = real
+    try:
+        yield
+    finally:
+        offload.row_valid = None

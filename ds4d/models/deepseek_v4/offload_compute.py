@@ -19,7 +19,10 @@
    ``auto`` | ``cpu`` | ``copy``).
 
 The pieces come out in the order hot, copied, host, and ``moe.combine_sorted``
-puts every (token, expert) row back, as the all-on-device path does.
+puts every (token, expert) row back, as the all-on-device path does.  With
+``ExpertForm.pair_weighted`` (DeepSeek-V4.1) every piece takes its rows' routing
+weights inside the expert (``moe.expert_ffn(pair_weights=...)``) and the sum is
+float32.
 """
 
 from __future__ import annotations
@@ -113,21 +116,30 @@ class StagedCompute:
         stats.bytes_skipped += skipped * self.form.host_expert_bytes
 
         begin = hot_rows + sum(counts[e] for e in copied)
+        weighted = self.form.pair_weighted
+        pair_weights = expert_weights.reshape(-1)[order].float() if weighted else None
+
+        def weights_of(at: int, end: int | None) -> torch.Tensor | None:
+            return pair_weights[at:end] if weighted else None
+
         host_rows = rows[begin:].to("cpu") if on_host else None
+        host_weights = pair_weights[begin:].to("cpu") if on_host and weighted else None
         pieces = []
         if hot_rows:
             offsets = self._offsets([counts[e] for e in bank.ids], len(bank.ids), x.device)
             pieces.append(expert_ffn(rows[:hot_rows], bank.gate_up, bank.down, offsets, sorted_key[:hot_rows],
-                                     limit, step_rows=tokens * k))
+                                     limit, step_rows=tokens * k, pair_weights=weights_of(0, hot_rows)))
         pieces.extend(self._staged(layer, copied, counts, rows[hot_rows:begin], sorted_key[hot_rows:begin] - base,
-                                   limit, tokens * k))
+                                   limit, tokens * k, weights_of(hot_rows, begin)))
         if on_host:  # the device works through the launches above meanwhile
             began = time.perf_counter()
-            pieces.append(self._host_experts(layer, on_host, counts, host_rows).to(x.device))
+            pieces.append(self._host_experts(layer, on_host, counts, host_rows, host_weights).to(x.device))
             stats.cpu_expert_s += time.perf_counter() - began
             stats.cpu_experts += len(on_host)
             stats.cpu_pairs += host_rows.shape[0]
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if weighted:
+            return combine_sorted(out, order, None, tokens, k, torch.float32)
         return combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
 
     @staticmethod
@@ -153,8 +165,9 @@ class StagedCompute:
         stats.copied_experts += len(experts)
         stats.bytes_copied += len(experts) * self.form.host_expert_bytes
 
-    def _staged(self, layer, copied, counts, rows, slots, limit, step_rows) -> list[torch.Tensor]:
-        """Cold experts through the double-buffered staging banks, copy of batch j + 1 under compute of j."""
+    def _staged(self, layer, copied, counts, rows, slots, limit, step_rows, pair_weights=None) -> list[torch.Tensor]:
+        """Cold experts through the double-buffered staging banks, copy of batch j + 1 under compute of j
+        (``pair_weights``: the rows' routing weights, ``ExpertForm.pair_weighted``)."""
         form = self.form
         size = bank_slots(self.stages[0].gate_up)
         batches = [copied[at : at + size] for at in range(0, len(copied), size)]
@@ -175,36 +188,52 @@ class StagedCompute:
             n = sum(counts[e] for e in batch)
             offsets = self._offsets([counts[e] for e in batch], size, rows.device)
             out.append(expert_ffn(rows[row : row + n], stage.gate_up, stage.down, offsets,
-                                  slots[row : row + n] - index * size, limit, step_rows=step_rows))
+                                  slots[row : row + n] - index * size, limit, step_rows=step_rows,
+                                  pair_weights=None if pair_weights is None else pair_weights[row : row + n]))
             stage.free = self.copier.compute_event()
             row += n
         return out
 
-    def _cpu_expert(self, parts: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
-        """One expert (its stored parts in host memory) on ``rows``, on the host."""
+    def _cpu_expert(self, parts: dict[str, torch.Tensor], rows: torch.Tensor,
+                    pair_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """One expert (its stored parts in host memory) on ``rows``, on the host (``pair_weights``: the
+        rows' routing weights, ``ExpertForm.pair_weighted``)."""
         gate_up, down = decode_parts(self.form.kind, parts, self.form.dtype, self.form.block)
         if rows.shape[0] == 1:  # as moe._grouped_linear: a lone bmm product rounds differently
-            return self._cpu_expert(parts, rows.expand(2, -1))[:1]
+            weights = None if pair_weights is None else pair_weights.expand(2)
+            return self._cpu_expert(parts, rows.expand(2, -1), weights)[:1]
         n = rows.shape[0]
         hidden = torch.bmm(gate_up.expand(n, -1, -1), rows.unsqueeze(-1)).squeeze(-1)
         gate, up = hidden.chunk(2, dim=-1)
+        if pair_weights is not None:  # as moe.expert_ffn: the SwiGLU in float32, weighted before w2
+            gate, up = gate.float(), up.float()
         limit = self.cfg.swiglu_limit
         if limit > 0:
             gate = gate.clamp(max=limit)
             up = up.clamp(min=-limit, max=limit)
         act = torch.nn.functional.silu(gate) * up
-        return torch.bmm(down.expand(n, -1, -1), act.unsqueeze(-1)).squeeze(-1)
+        if pair_weights is not None:
+            act = (pair_weights.float()[:, None] * act).to(rows.dtype)
+        out = torch.bmm(down.expand(n, -1, -1), act.unsqueeze(-1)).squeeze(-1)
+        return out if pair_weights is None else out.float()
 
-    def _host_experts(self, layer: int, experts: list[int], counts: list[int], rows: torch.Tensor) -> torch.Tensor:
+    def _host_experts(self, layer: int, experts: list[int], counts: list[int], rows: torch.Tensor,
+                      pair_weights: torch.Tensor | None = None) -> torch.Tensor:
         parts_of = self.residency.expert_parts
         spans, at = [], 0
         for expert in experts:
             spans.append((expert, at, at + counts[expert]))
             at += counts[expert]
+
+        def weights(a: int, b: int) -> torch.Tensor | None:
+            return None if pair_weights is None else pair_weights[a:b]
+
         if len(experts) == 1:
-            return self._cpu_expert(parts_of(layer, experts[0]), rows)
-        futures = [self.pool.submit(self._cpu_expert, parts_of(layer, e), rows[a:b]) for e, a, b in spans[1:]]
-        first = self._cpu_expert(parts_of(layer, spans[0][0]), rows[spans[0][1] : spans[0][2]])
+            return self._cpu_expert(parts_of(layer, experts[0]), rows, pair_weights)
+        futures = [self.pool.submit(self._cpu_expert, parts_of(layer, e), rows[a:b], weights(a, b))
+                   for e, a, b in spans[1:]]
+        first = self._cpu_expert(parts_of(layer, spans[0][0]), rows[spans[0][1] : spans[0][2]],
+                                 weights(spans[0][1], spans[0][2]))
         return torch.cat([first] + [f.result() for f in futures])
 
     def close(self) -> None:

@@ -42,6 +42,9 @@ class ExpertForm:
     """``hidden_size``."""
     host_expert_bytes: int
     """One expert's stored parts (one host slot's payload)."""
+    pair_weighted: bool = False
+    """Each (token, expert) pair's routing weight multiplies its float32 SwiGLU before ``w2``
+    (DeepSeek-V4.1; ``moe.expert_ffn(pair_weights=...)``) instead of its output."""
 
     @property
     def decodes(self) -> bool:

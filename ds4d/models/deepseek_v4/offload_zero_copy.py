@@ -90,10 +90,11 @@ class ZeroCopyExperts:
         return (Mxfp4Addresses(table[0], table[1], 2 * inter, hidden, aligned=True),
                 Mxfp4Addresses(table[2], table[3], hidden, inter, aligned=True))
 
-    def forward(self, layer, x, expert_weights, indices, limit, row_valid: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, layer, x, expert_weights, indices, limit, row_valid: torch.Tensor | None,
+                pair_weighted: bool = False) -> torch.Tensor:
         """Every routed expert read where it sits (device bank or mapped host copy): ``moe.expert_ffn``
         over the layer's address tables, the per-row MXFP4 kernel, with no host read.  ``row_valid``
-        (padded decode steps): True for the rows to count."""
+        (padded decode steps): True for the rows to count; ``pair_weighted``: see ``ExpertForm``."""
         tokens, k = indices.shape
         flat = indices.reshape(-1)
         if row_valid is None:
@@ -106,6 +107,10 @@ class ZeroCopyExperts:
         gate_up, down = self.addressed[layer]
         if self._scratch is not None:
             gate_up, down, expert_of_row = self.gathered(layer, expert_of_row)
+        if pair_weighted:
+            out = expert_ffn(x[order // k], gate_up, down, None, expert_of_row, limit, step_rows=tokens * k,
+                             pair_weights=expert_weights.reshape(-1)[order])
+            return combine_sorted(out, order, None, tokens, k, torch.float32)
         out = expert_ffn(x[order // k], gate_up, down, None, expert_of_row, limit, step_rows=tokens * k)
         return combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
 

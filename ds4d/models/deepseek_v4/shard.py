@@ -61,12 +61,11 @@ from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader
 from ds4d.models.deepseek_v4.model import (
     _bucket,
     _holds_bf16_values,
-    counted_rows,
     pack_decode_rows,
     unpack_decode_rows,
 )
 from ds4d.models.deepseek_v4.moe import _routed_grouped, _swiglu, route
-from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
+from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions, counted_rows
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
 from ds4d.models.deepseek_v4.paths import ForwardPaths
 from ds4d.models.deepseek_v4.stored import Fp8Weight

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from ds4d.models.deepseek_v4.offload import counted_rows
 from ds4d.models.deepseek_v4.ops import apply_rope, linear, rms_norm
 from ds4d.models.deepseek_v41.attention import (
     NEG_INF,
@@ -128,9 +129,12 @@ class FixedDecode:
         streams, pre_mix = model._streams(packed[:, 0])
         gathered = dict(zip(self.engram_layers, engram))
         shared = _GroupStep()
-        for layer, (plan, w) in enumerate(zip(model.plans, model.weights.layers)):
-            attend = partial(self._attention, plan=plan, w=w.attn, rows=rows, slots=slots, table=table, shared=shared)
-            streams, pre_mix = model.layer_around(layer, streams, pre_mix, gathered.get(layer), attend)
+        with counted_rows(model.expert_offload, slots != self.arrays.scratch):  # padding rows are not counted
+            for layer, (plan, w) in enumerate(zip(model.plans, model.weights.layers)):
+                attend = partial(self._attention, plan=plan, w=w.attn, rows=rows, slots=slots, table=table,
+                                 shared=shared)
+                streams, pre_mix = model.layer_around(layer, streams, pre_mix, gathered.get(layer), attend,
+                                                      decode=True)
         return model.logits(streams, pre_mix)
 
     # ------------------------------------------------------------ attention

@@ -26,8 +26,11 @@ The model runs on the CPU or one CUDA device, in float32, bfloat16 or float16 (f
 without bf16), through its
 torch forward and V4's kernels (``paths.py``); the Engram tables never leave host memory
 (``ram`` copies are page-locked when the device is a GPU, so the rows of a step
-cross in one asynchronous copy).  Expert offload, ``int4``, compiled decode off CUDA
-and splitting over processes are refused at start with a message saying so.
+cross in one asynchronous copy).  With ``expert_vram_gib`` > 0 the routed experts are
+split between the device (the hot ones, within that budget) and page-locked host RAM
+as they are read (``offload.py``: V4's expert offload with V4.1's arithmetic, and V4's
+``expert_*`` knobs).  ``int4``, compiled decode off CUDA and splitting over processes
+are refused at start with a message saying so.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ import torch
 
 from ds4d.contracts import PluginContext
 from ds4d.cuda import quant_matmul
+from ds4d.models.deepseek_v4.knobs import offload_options
+from ds4d.models.deepseek_v4.offload import OffloadOptions
 from ds4d.models.deepseek_v4.stored import Fp8Weight
 from ds4d.models.deepseek_v41.checkpoint import OfficialCheckpoint
 from ds4d.models.deepseek_v41.config import DeepseekV41Config
@@ -153,10 +158,12 @@ def stored_weight_choice(weight_format: str, dtype: torch.dtype, device: str,
 def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_bytes: int = 0,
                available_bytes: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                device: str = "cpu", dtype: torch.dtype = torch.float32, paths: ForwardPaths | None = None,
-               weight_format: str = "auto", log: logging.Logger | None = None) -> DeepseekV41Serving:
+               weight_format: str = "auto", offload: OffloadOptions | None = None,
+               log: logging.Logger | None = None) -> DeepseekV41Serving:
     """A servable V4.1 model from a checkpoint directory (weights and state on ``device`` in ``dtype``,
     the Engram tables in host memory; ``paths``: the device's by default; ``weight_format``: which
-    quantised weights stay as stored, :func:`stored_weight_choice`)."""
+    quantised weights stay as stored, :func:`stored_weight_choice`; ``offload``: the routed experts
+    split over the device and host RAM)."""
     log = log or logging.getLogger("ds4d")
     path = Path(path)
     cfg = DeepseekV41Config.from_file(path)
@@ -176,20 +183,28 @@ def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_
                  engram_storage, available_bytes / GIB, mem_watermark_bytes / GIB)
         tensors = CheckpointTensors(checkpoint, storage, pin=torch.device(device).type == "cuda", stored=stored)
         model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, device=device, dtype=dtype, paths=paths,
-                                              stored_weights=bool(stored))
+                                              stored_weights=bool(stored), offload=offload)
     finally:
         checkpoint.shards.close()  # the mapped views handed out keep their maps
     del tensors
-    banks = [layer.ffn.banks for layer in model.weights.layers]
+    experts = model.expert_offload
     weight_bytes = model.weights.parameter_bytes()
+    if experts is None:
+        expert_bytes = sum(layer.ffn.banks.stored_bytes() for layer in model.weights.layers)
+        experts_stored = model.weights.layers[0].ffn.banks.stored
+    else:
+        expert_bytes, experts_stored = experts.stored_bytes, experts.native
+        weight_bytes += expert_bytes
     first = model.weights.layers[0]  # what the model holds (a checkpoint may store weights decoded)
-    kept = tuple(kind for kind, held in ((FP8, isinstance(first.attn.wq_a, Fp8Weight)), (FP4, first.ffn.banks.stored))
+    kept = tuple(kind for kind, held in ((FP8, isinstance(first.attn.wq_a, Fp8Weight)), (FP4, experts_stored))
                  if held)
     decoded = f"decoded to {str(dtype).removeprefix('torch.')}"
     held = {(FP8, FP4): "FP8 linears and FP4 experts as stored", (FP4,): f"FP4 experts as stored, FP8 linears {decoded}",
             (FP8,): f"FP8 linears as stored, routed experts {decoded}", (): decoded}[kept]
     log.info("weights: %s, %.2f GiB (routed experts %.2f GiB; weight_format = %s)", held, weight_bytes / GIB,
-             sum(bank.stored_bytes() for bank in banks) / GIB, weight_format)
+             expert_bytes / GIB, weight_format)
+    if experts is not None:
+        experts.log_memory_plan(log, weight_bytes - expert_bytes)
     return DeepseekV41Serving(model, tokenizer, block_tokens=block_tokens, parameter_bytes=weight_bytes + table_bytes,
                               extra={"engram_storage": storage, "engram_table_bytes": table_bytes,
                                      "stored_weights": list(kept), "tokenizer": tokenizer_source.as_dict()})
@@ -203,8 +218,6 @@ def refuse_unserved(config: Any) -> None:
         problems.append(f"device = {device} (cpu or one cuda device)")
     if dtype.removeprefix("torch.") not in DTYPES:
         problems.append(f"dtype = {dtype} (float32, bfloat16 or float16)")
-    if float(getattr(config, "expert_vram_gib", 0) or 0) > 0:
-        problems.append("expert_vram_gib > 0 (no expert offload for V4.1 yet)")
     if getattr(config, "gpus", ""):
         problems.append("gpus (no split over processes for V4.1 yet)")
     weight_format = getattr(config, "weight_format", "auto")
@@ -226,6 +239,8 @@ class DeepseekV41Family:
     """``ModelFamily`` plugin for DeepSeek-V4.1 (the text model)."""
 
     name = "deepseek_v41"
+    offloads_experts = True
+    """``expert_vram_gib`` is honoured (``offload.py``); ``gpus`` is not."""
 
     def __init__(self, ctx: PluginContext, options: Mapping[str, Any] | None = None) -> None:
         self.ctx = ctx
@@ -253,6 +268,7 @@ class DeepseekV41Family:
         model = load_model(path, engram_storage=str(getattr(config, "engram_storage", "auto")),
                            mem_watermark_bytes=watermark, log=self.ctx.log, device=device, dtype=dtype, paths=paths,
                            weight_format=str(getattr(config, "weight_format", "auto")),
+                           offload=offload_options(config, self.options),
                            block_tokens=int(self.options.get("block_tokens", DEFAULT_BLOCK_TOKENS)))
         self.ctx.log.info("loaded %s: %d layers, ratios %s, KV sources %s, %.1f MiB of parameters",
                           model.info.name, model.cfg.num_hidden_layers, model.info.extra["compress_ratios"],

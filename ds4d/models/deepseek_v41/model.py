@@ -48,7 +48,8 @@ from ds4d.models.deepseek_v41.attention import (
 from ds4d.models.deepseek_v41.config import DeepseekV41Config
 from ds4d.models.deepseek_v41.engram import EngramHasher, engram_forward, gather_rows
 from ds4d.models.deepseek_v41.hyper import collapse, expand, site_weights
-from ds4d.models.deepseek_v41.moe import moe_forward
+from ds4d.models.deepseek_v41.moe import moe_forward, offloaded_forward
+from ds4d.models.deepseek_v41.offload import ExpertOffload, ExpertSink, OffloadOptions, expert_offload
 from ds4d.models.deepseek_v41.paths import ForwardPaths
 from ds4d.models.deepseek_v41.state import SequenceState
 from ds4d.models.deepseek_v41.weights import ModelWeights, build_weights, read_safetensors
@@ -68,11 +69,15 @@ class DeepseekV41Model:
 
     def __init__(self, cfg: DeepseekV41Config, weights: ModelWeights, hasher: EngramHasher | None,
                  *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 paths: ForwardPaths | None = None) -> None:
+                 paths: ForwardPaths | None = None, expert_offload: ExpertOffload | None = None) -> None:
         if cfg.engram_layer_ids and hasher is None:
             raise ValueError("this config has Engram layers: the model needs the tokenizer's EngramHasher")
+        if expert_offload is None and any(layer.ffn.banks is None for layer in weights.layers):
+            raise ValueError("these weights hold no routed experts: the model needs their expert offload")
         self.cfg = cfg
         self.weights = weights
+        self.expert_offload = expert_offload
+        """Where the routed experts are when they are split over device and host RAM (``offload.py``)."""
         self.hasher = hasher
         self.plans = cfg.plan()
         self.device = torch.device(device)
@@ -89,14 +94,22 @@ class DeepseekV41Model:
     def from_tensors(cls, cfg: DeepseekV41Config, tensors: Mapping[str, torch.Tensor], tokenizer=None, *,
                      hasher: EngramHasher | None = None, dtype: torch.dtype = torch.float32,
                      device: str | torch.device = "cpu", paths: ForwardPaths | None = None,
-                     stored_weights: bool = False) -> DeepseekV41Model:
+                     stored_weights: bool = False, offload: OffloadOptions | None = None) -> DeepseekV41Model:
         """From official (or HF ``save_pretrained``) names; ``tokenizer`` (a ``tokenizers.Tokenizer``)
         builds the Engram hasher when ``hasher`` is not given; ``stored_weights``: routed experts handed
-        over as FP4 codes and scales stay so (``weights.build_weights``)."""
+        over as FP4 codes and scales stay so (``weights.build_weights``); ``offload``: the routed experts
+        are split over the device and host RAM as they are read (``offload.py``)."""
         if hasher is None and cfg.engram_layer_ids and tokenizer is not None:
             hasher = EngramHasher.from_tokenizer(cfg, tokenizer)
-        weights = build_weights(cfg, tensors, dtype=dtype, device=device, stored_weights=stored_weights)
-        return cls(cfg, weights, hasher, device=device, dtype=dtype, paths=paths)
+        experts = sink = None
+        if offload is not None:
+            experts = expert_offload(cfg, offload, device=device, dtype=dtype, stored=stored_weights)
+            sink = ExpertSink(experts)
+        weights = build_weights(cfg, tensors, dtype=dtype, device=device, stored_weights=stored_weights,
+                                expert_sink=sink)
+        if sink is not None:
+            sink.finish()
+        return cls(cfg, weights, hasher, device=device, dtype=dtype, paths=paths, expert_offload=experts)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, tokenizer=None, **kwargs) -> DeepseekV41Model:
@@ -129,7 +142,7 @@ class DeepseekV41Model:
                 streams, pre_mix = streams[-inputs:], pre_mix[-inputs:]
             gathered = engram[layer][-inputs:] if engram and layer in engram else None
             streams, pre_mix = self.layer_forward(layer, streams, pre_mix, gathered, sequence,
-                                                  rows.tail(inputs), outputs)
+                                                  rows.tail(inputs), outputs, decode=count == 1)
         self._advance(state, token_ids)
         return self.logits(streams, pre_mix)
 
@@ -154,7 +167,7 @@ class DeepseekV41Model:
         sequences = [(state, StepShared()) for state in states]
         for layer in range(self.cfg.num_hidden_layers):
             gathered = engram.get(layer) if engram else None
-            streams, pre_mix = self.layer_forward(layer, streams, pre_mix, gathered, sequences, rows)
+            streams, pre_mix = self.layer_forward(layer, streams, pre_mix, gathered, sequences, rows, decode=True)
         for i, state in enumerate(states):
             self._advance(state, ids[i:i + 1])
         return self.logits(streams, pre_mix)
@@ -225,7 +238,8 @@ class DeepseekV41Model:
 
     def layer_forward(self, layer: int, streams: torch.Tensor, pre_mix: torch.Tensor,
                       engram: torch.Tensor | None, sequences: Sequence[tuple[SequenceState, StepShared]],
-                      rows: StepRows, outputs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      rows: StepRows, outputs: int | None = None,
+                      decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer on the rows ``rows``: (new copies of the last ``outputs`` rows ``[outputs, m, D]``,
         their ``pre`` mix for the next site).  Every row's window KV is made.
 
@@ -241,13 +255,14 @@ class DeepseekV41Model:
         else:
             def attend(x: torch.Tensor) -> torch.Tensor:
                 return self._attention_rows(x, layer, sequences, rows)
-        return self.layer_around(layer, streams, pre_mix, engram, attend, outputs)
+        return self.layer_around(layer, streams, pre_mix, engram, attend, outputs, decode)
 
     def layer_around(self, layer: int, streams: torch.Tensor, pre_mix: torch.Tensor, engram: torch.Tensor | None,
                      attend: Callable[[torch.Tensor], torch.Tensor],
-                     outputs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     outputs: int | None = None, decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`layer_forward` with the attention given: ``attend`` takes the normed attention input of
-        every row and returns the attention output of the last ``outputs`` rows ``[outputs, hidden]``."""
+        every row and returns the attention output of the last ``outputs`` rows ``[outputs, hidden]``.
+        ``decode``: the rows are one token of each sequence (offloaded experts may take the decode paths)."""
         cfg, w, paths = self.cfg, self.weights.layers[layer], self.paths
         eps, iters, hc_eps = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps
         outputs = streams.shape[0] if outputs is None else outputs
@@ -259,7 +274,10 @@ class DeepseekV41Model:
         streams = expand(attend(x), streams, post, comb)
         ffn_pre, post, comb = site_weights(streams, w.hc_ffn, iters, hc_eps, eps, paths.fused_hyper)
         x = rms_norm(collapse(streams, attn_pre), w.ffn_norm, eps)
-        ffn = moe_forward(x, w.ffn, cfg, paths.expert_rows, paths.grouped_experts)
+        if self.expert_offload is not None:
+            ffn = offloaded_forward(x, w.ffn, cfg, self.expert_offload, layer, decode)
+        else:
+            ffn = moe_forward(x, w.ffn, cfg, paths.expert_rows, paths.grouped_experts)
         return expand(ffn, streams, post, comb), ffn_pre
 
     def _attention_rows(self, x: torch.Tensor, layer: int, sequences: Sequence[tuple[SequenceState, StepShared]],

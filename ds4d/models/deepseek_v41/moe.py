@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ds4d.cuda import moe_gemv, quant_matmul
+from ds4d.models.deepseek_v4.offload import ExpertOffload
 from ds4d.models.deepseek_v4.ops import linear
 from ds4d.models.deepseek_v4.stored import Mxfp4Matrices
 from ds4d.models.deepseek_v41.config import DeepseekV41Config
@@ -91,6 +92,16 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, expert_r
             rows, slot = torch.where(experts == expert)
             out[rows] += expert_forward(x[rows], w.banks.expert(expert), cfg.swiglu_limit,
                                         weights[rows, slot, None]).float()
+    out += expert_forward(x, w.shared, cfg.swiglu_limit).float()
+    return out.to(x.dtype)
+
+
+def offloaded_forward(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, offload: ExpertOffload, layer: int,
+                      decode: bool = False) -> torch.Tensor:
+    """:func:`moe_forward` with ``layer``'s routed experts wherever ``offload`` keeps them (device bank,
+    staging, host threads; ``offload.py``); the same arithmetic per (row, expert) pair."""
+    weights, experts = route(x, w, cfg)
+    out = offload.routed(layer, x, weights, experts, limit=cfg.swiglu_limit, decode=decode)
     out += expert_forward(x, w.shared, cfg.swiglu_limit).float()
     return out.to(x.dtype)
 

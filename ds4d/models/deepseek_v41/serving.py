@@ -203,6 +203,8 @@ class DeepseekV41Serving:
         if self.pool is None:
             raise RuntimeError("allocate_cache() must run before forward()")
         self._check(batch)
+        if self.model.expert_offload is not None:  # between steps: placement may move
+            self.model.expert_offload.begin_step()
         tokens = batch.input_tokens.tolist() if batch.input_tokens is not None else None
         steps = []
         for n, chunk in enumerate(batch.chunks):
@@ -290,8 +292,17 @@ class DeepseekV41Serving:
 
     def _capturable(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows can be captured: its routed experts take the row kernel (the
-        grouped matmuls count each expert's rows on the host)."""
+        grouped matmuls count each expert's rows on the host), and with expert offload each is read
+        where it sits (``ExpertOffload.capturable``: no routing read back, no copy)."""
+        offload = self.model.expert_offload
+        if offload is not None:
+            return offload.capturable(rows)
         return self.model.paths.expert_rows and rows * self.cfg.num_experts_per_tok <= moe_gemv.MAX_ROWS
+
+    def expert_stats(self) -> dict:
+        """Routed-expert placement and traffic (``ExpertOffload.expert_stats``); empty when all sit on the device."""
+        offload = self.model.expert_offload
+        return offload.expert_stats() if offload is not None else {}
 
     def _engram_rows(self, singles, rows: int) -> tuple[torch.Tensor, ...]:
         """Each Engram layer's gathered rows ``[rows, columns, head_dim]`` for the chunks' tokens, in layer

@@ -20,7 +20,7 @@ delimiters, ``bias_vl``) are ignored.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,8 +132,9 @@ class MoEWeights:
     gate: torch.Tensor
     bias: torch.Tensor
     """Added to the scores for choosing experts only."""
-    banks: ExpertBanks
-    """The routed experts (``banks.expert(e)``: expert ``e``'s three matrices)."""
+    banks: ExpertBanks | None
+    """The routed experts (``banks.expert(e)``: expert ``e``'s three matrices); None when an expert
+    offload holds them (``offload.py``)."""
     shared: ExpertWeights
 
 
@@ -235,25 +236,26 @@ def is_packed_fp4(tensor: torch.Tensor) -> bool:
     return tensor.dtype in (torch.int8, torch.uint8)
 
 
-def _banks(read: _Reader, prefix: str, experts: int, stored: bool) -> ExpertBanks:
-    """Each projection of the ``experts`` routed experts copied into one bank on the model's device:
-    FP4 codes and scales as stored when ``stored`` and the checkpoint holds them so, else decoded
-    values (a packed expert handed over without ``stored`` is decoded here)."""
+def _banks(read: _Reader, prefix: str, experts: int, stored: bool, device=None) -> ExpertBanks:
+    """Each projection of the ``experts`` routed experts copied into one bank on ``device`` (default the
+    model's): FP4 codes and scales as stored when ``stored`` and the checkpoint holds them so, else
+    decoded values (a packed expert handed over without ``stored`` is decoded here)."""
+    device = read.device if device is None else device
     banks = {}
     for part in ("w1", "w2", "w3"):
         name = f"{prefix}.{{}}.{part}.{{}}"
         first = read.host(name.format(0, "weight"))
         if is_packed_fp4(first) and stored:
             scale = read.host(name.format(0, "scale"))
-            codes = torch.empty(experts, *first.shape, dtype=torch.uint8, device=read.device)
-            scales = torch.empty(experts, *scale.shape, dtype=torch.uint8, device=read.device)
+            codes = torch.empty(experts, *first.shape, dtype=torch.uint8, device=device)
+            scales = torch.empty(experts, *scale.shape, dtype=torch.uint8, device=device)
             for e in range(experts):
                 codes[e].copy_(as_bytes(first if e == 0 else read.host(name.format(e, "weight"))))
                 scales[e].copy_(as_bytes(scale if e == 0 else read.host(name.format(e, "scale"))))
             banks[part] = Mxfp4Matrices(codes, scales)
             continue
         shape = (first.shape[0], 2 * first.shape[1]) if is_packed_fp4(first) else first.shape
-        bank = torch.empty(experts, *shape, dtype=read.dtype, device=read.device)
+        bank = torch.empty(experts, *shape, dtype=read.dtype, device=device)
         for e in range(experts):
             weight = first if e == 0 else read.host(name.format(e, "weight"))  # each read once
             if is_packed_fp4(weight):
@@ -308,18 +310,26 @@ def _engram(read: _Reader, layer: int) -> EngramWeights:
 
 def build_weights(cfg: DeepseekV41Config, tensors: Mapping[str, torch.Tensor], *,
                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                  stored_weights: bool = False) -> ModelWeights:
+                  stored_weights: bool = False,
+                  expert_sink: Callable[[int, ExpertBanks], None] | None = None) -> ModelWeights:
     """Group the mapping's tensors by layer, reading each once; a missing tensor raises ``KeyError``
     naming it.  ``stored_weights``: FP8 linears and routed experts handed over as stored (e4m3 values
-    or FP4 codes under ``.weight``, e8m0 scales under ``.scale``) stay so; otherwise they are decoded."""
+    or FP4 codes under ``.weight``, e8m0 scales under ``.scale``) stay so; otherwise they are decoded.
+    ``expert_sink``: each layer's routed experts are built in host memory and handed to it, layer by
+    layer (``offload.ExpertSink``), and the layer keeps none (``MoEWeights.banks`` None)."""
     read = _Reader(tensors, dtype, device, stored_weights)
     layers = []
     for i, plan in enumerate(cfg.plan()):
         p = f"layers.{i}"
+        banks = _banks(read, f"{p}.ffn.experts", cfg.n_routed_experts, stored_weights,
+                       device="cpu" if expert_sink is not None else None)
+        if expert_sink is not None:
+            expert_sink(i, banks)
+            banks = None
         ffn = MoEWeights(
             gate=read(f"{p}.ffn.gate.weight", torch.float32),
             bias=read(f"{p}.ffn.gate.bias", torch.float32),
-            banks=_banks(read, f"{p}.ffn.experts", cfg.n_routed_experts, stored_weights),
+            banks=banks,
             shared=_expert(read, f"{p}.ffn.shared_experts"),
         )
         layers.append(LayerWeights(
