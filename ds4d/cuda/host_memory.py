@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import mmap
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -94,14 +95,21 @@ def register_pieces(start: int, nbytes: int, unit: int = 1) -> list[tuple[int, i
 
 
 class PinnedRegistry:
-    """Page-locks host tensors for DMA, in parallel threads; a no-op without CUDA."""
+    """Page-locks host tensors for DMA, in parallel threads; a no-op without CUDA.
+
+    The registered tensors are held until they are unregistered (:meth:`close`, or when the registry
+    is collected), so their memory cannot be freed and handed out again while still registered: a
+    later registration of the same addresses would fail (and its error would surface at the next
+    CUDA call)."""
 
     def __init__(self, threads: int = 8) -> None:
         self.threads = max(1, threads)
         self.enabled = torch.cuda.is_available()
         self._registered: list[tuple[int, int]] = []
+        self._held: list[torch.Tensor] = []
         self.bytes = 0
         self.seconds = 0.0
+        self._finalizer = weakref.finalize(self, _unregister, self._registered, self._held, self.enabled)
 
     def pin(self, tensors: list[torch.Tensor], unit: int = 1) -> None:
         """Register ``tensors`` in pieces of about 1 GiB, each a whole number of ``unit`` bytes: a copy
@@ -113,25 +121,50 @@ class PinnedRegistry:
             pieces.extend(register_pieces(tensor.data_ptr(), nbytes, unit))
         if not self.enabled or not pieces:
             return
+        self._held.extend(tensors)
         cudart = torch.cuda.cudart()
         began = time.perf_counter()
 
-        def register(piece: tuple[int, int]) -> tuple[int, int]:
+        def register(piece: tuple[int, int]) -> tuple[int, int] | Exception:
             err = cudart.cudaHostRegister(piece[0], piece[1], 0)
             if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {piece[1]} bytes failed: {err}")
+                return RuntimeError(f"cudaHostRegister of {piece[1]} bytes at {piece[0]:#x} failed: "
+                                    f"error {int(err)}")
             return piece
 
         with ThreadPoolExecutor(self.threads) as pool:
-            self._registered.extend(pool.map(register, pieces))
+            results = list(pool.map(register, pieces))
+        self._registered.extend(r for r in results if not isinstance(r, Exception))
         self.seconds += time.perf_counter() - began
+        failed = [r for r in results if isinstance(r, Exception)]
+        if failed:
+            _clear_last_error()  # or the next CUDA call would report it as its own
+            raise failed[0]
 
     def close(self) -> None:
-        if self.enabled and self._registered:
-            cudart = torch.cuda.cudart()
-            for address, _ in self._registered:
-                cudart.cudaHostUnregister(address)
-        self._registered.clear()
+        _unregister(self._registered, self._held, self.enabled)
+
+
+def _unregister(registered: list[tuple[int, int]], held: list[torch.Tensor], enabled: bool) -> None:
+    """Unregister ``registered`` pieces, then let their tensors go (``held``)."""
+    if enabled and registered:
+        cudart = torch.cuda.cudart()
+        for address, _ in registered:
+            cudart.cudaHostUnregister(address)
+    registered.clear()
+    held.clear()
+
+
+def _clear_last_error() -> None:
+    """Reset the CUDA runtime's last error (cuda-python), where that can be done."""
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        try:
+            from cuda import cudart as runtime
+        except ImportError:
+            return
+    runtime.cudaGetLastError()
 
 
 class HostSlots:
