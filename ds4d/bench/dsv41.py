@@ -247,8 +247,9 @@ def place_first(model, fraction: float) -> None:
     model.expert_offload.set_placement([hot] * model.cfg.num_hidden_layers)
 
 
-def _decode_rate(torch, device, serving, prompts, steps: int) -> float:
-    """Tokens/s of ``steps`` decode steps of ``len(prompts)`` sequences, after their prefill."""
+def _decode_rate(torch, device, serving, prompts, steps: int, moved=lambda: 0) -> tuple[float, float]:
+    """(tokens/s, ``moved()`` bytes per step) of ``steps`` decode steps of ``len(prompts)`` sequences,
+    after their prefill and one warm step."""
     from ds4d.contracts import ForwardBatch, SeqChunk
 
     block = serving.info.block_size_tokens
@@ -273,7 +274,9 @@ def _decode_rate(torch, device, serving, prompts, steps: int) -> float:
             nxt = step(position)
             position += 1
 
-    return steps * len(prompts) / _timed(torch, device, run)
+    before = moved()
+    seconds = _timed(torch, device, run)
+    return steps * len(prompts) / seconds, (moved() - before) / steps
 
 
 def engram_lookup_rows(torch, device, model, steps: int, tokens: int) -> list[Row]:
@@ -405,9 +408,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[Row] = []
     for batch in batches:
         prompts = torch.randint(100, cfg.vocab_size, (batch, context), generator=gen).tolist()
-        before = _moved(model)
-        rate = _decode_rate(torch, device, serving, prompts, args.decode_tokens)
-        moved = (_moved(model) - before) / (args.decode_tokens + 1)  # per step (the warm step included)
+        rate, moved = _decode_rate(torch, device, serving, prompts, args.decode_tokens, lambda: _moved(model))
         rows.append(Row(f"decode b{batch} @{context}", ds4d=rate, floor=floors.decode(batch, moved, link),
                         note=f"{moved / 1e9:.2f} GB over the link per step" if model.expert_offload else ""))
         _say(f"decode b{batch}: {rate:.1f} tok/s")
