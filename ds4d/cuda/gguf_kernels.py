@@ -1,0 +1,160 @@
+"""The Triton sources of ``ds4d.cuda.gguf_matmul`` (imported on first use, so that module loads
+where Triton is missing).
+
+Every decoder takes the raw bytes of a row of GGUF blocks and an element index ``k`` and computes
+that element's value in float32 by the same operations, in the same order, as the ``gguf``
+package's numpy dequantiser of its type (``gguf/quants.py``); fused multiply-adds are turned off
+at launch (``enable_fp_fusion=False``), so the values are those bits exactly.  Halves and
+32-bit words are assembled from their little-endian bytes, so no load needs an alignment the
+block layout does not have.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+Q8_0: tl.constexpr = tl.constexpr(0)
+Q2_K: tl.constexpr = tl.constexpr(1)
+IQ2_XXS: tl.constexpr = tl.constexpr(2)
+Q4_K: tl.constexpr = tl.constexpr(3)
+Q6_K: tl.constexpr = tl.constexpr(4)
+
+
+@triton.jit
+def half_at(ptr):
+    """The little-endian float16 at the byte pointers ``ptr``, as float32."""
+    lo = tl.load(ptr).to(tl.uint16)
+    hi = tl.load(ptr + 1).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def word_at(ptr):
+    """The little-endian uint32 at the byte pointers ``ptr``."""
+    b0 = tl.load(ptr).to(tl.uint32)
+    b1 = tl.load(ptr + 1).to(tl.uint32)
+    b2 = tl.load(ptr + 2).to(tl.uint32)
+    b3 = tl.load(ptr + 3).to(tl.uint32)
+    return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+
+
+@triton.jit
+def decode_q8_0(row, k):
+    """34-byte blocks of 32: a float16 scale, 32 int8 values."""
+    block = row + (k // 32) * 34
+    d = half_at(block)
+    q = tl.load(block + 2 + k % 32).to(tl.int8, bitcast=True).to(tl.float32)
+    return q * d
+
+
+@triton.jit
+def decode_q2_k(row, k):
+    """84-byte blocks of 256: 16 scale bytes (low nibble scale, high nibble min), 64 bytes of 2-bit
+    values (four 32-value planes per 32 bytes), float16 ``d`` and ``dmin``."""
+    block = row + (k // 256) * 84
+    j = k % 256
+    sc = tl.load(block + j // 16).to(tl.int32)
+    byte = tl.load(block + 16 + (j // 128) * 32 + j % 32).to(tl.int32)
+    q = ((byte >> (((j % 128) // 32) * 2)) & 3).to(tl.float32)
+    dl = half_at(block + 80) * (sc & 15).to(tl.float32)
+    ml = half_at(block + 82) * (sc >> 4).to(tl.float32)
+    return dl * q - ml
+
+
+@triton.jit
+def decode_iq2_xxs(row, k, grid_ptr, signs_ptr):
+    """66-byte blocks of 256: a float16 ``d``, then per 32 values two 32-bit words: four grid indices
+    (8 values each, from ``grid_ptr`` ``[256, 8]`` float32) and four 7-bit sign indices (into
+    ``signs_ptr``'s 128 sign bytes) under a 4-bit scale."""
+    block = row + (k // 256) * 66
+    j = k % 256
+    sub = block + 2 + (j // 32) * 8
+    part = (j % 32) // 8
+    lane = j % 8
+    index = tl.load(sub + part).to(tl.int32)
+    aux = word_at(sub + 4)
+    db = half_at(block) * (0.5 + (aux >> 28).to(tl.float32)) * 0.25
+    sign_byte = tl.load(signs_ptr + ((aux >> (7 * part)) & 127).to(tl.int32)).to(tl.int32)
+    value = db * tl.load(grid_ptr + index * 8 + lane)
+    return tl.where(((sign_byte >> lane) & 1) == 0, value, -value)
+
+
+@triton.jit
+def decode_q4_k(row, k):
+    """144-byte blocks of 256: float16 ``d`` and ``dmin``, 12 bytes of eight 6-bit scales and mins,
+    128 bytes of 4-bit values (two 32-value planes per 32 bytes)."""
+    block = row + (k // 256) * 144
+    j = k % 256
+    sub = j // 32
+    scales = block + 4
+    low = sub < 4
+    first = tl.load(scales + sub % 4).to(tl.int32)
+    second = tl.load(scales + 4 + sub % 4).to(tl.int32)
+    third = tl.load(scales + 8 + sub % 4).to(tl.int32)
+    sc = tl.where(low, first & 63, (third & 15) | ((first >> 2) & 48))
+    mn = tl.where(low, second & 63, (third >> 4) | ((second >> 2) & 48))
+    byte = tl.load(block + 16 + (sub // 2) * 32 + j % 32).to(tl.int32)
+    q = ((byte >> ((sub % 2) * 4)) & 15).to(tl.float32)
+    d = half_at(block) * sc.to(tl.float32)
+    dm = half_at(block + 2) * mn.to(tl.float32)
+    return d * q - dm
+
+
+@triton.jit
+def decode_q6_k(row, k):
+    """210-byte blocks of 256: 128 bytes of low 4 bits, 64 bytes of high 2 bits, 16 int8 scales, a
+    float16 ``d``; values are 6-bit minus 32."""
+    block = row + (k // 256) * 210
+    j = k % 256
+    half = j // 128
+    low = tl.load(block + half * 64 + j % 64).to(tl.int32)
+    low = (low >> (((j % 128) // 64) * 4)) & 15
+    high = tl.load(block + 128 + half * 32 + j % 32).to(tl.int32)
+    high = (high >> (((j % 128) // 32) * 2)) & 3
+    q = ((low | (high << 4)) - 32).to(tl.float32)
+    scale = tl.load(block + 192 + j // 16).to(tl.int8, bitcast=True).to(tl.float32)
+    return (half_at(block + 208) * scale) * q
+
+
+@triton.jit
+def decode(row, k, grid_ptr, signs_ptr, qtype: tl.constexpr):
+    if qtype == Q8_0:
+        return decode_q8_0(row, k)
+    elif qtype == Q2_K:
+        return decode_q2_k(row, k)
+    elif qtype == IQ2_XXS:
+        return decode_iq2_xxs(row, k, grid_ptr, signs_ptr)
+    elif qtype == Q4_K:
+        return decode_q4_k(row, k)
+    else:
+        return decode_q6_k(row, k)
+
+
+@triton.jit
+def dequant_kernel(raw_ptr, out_ptr, grid_ptr, signs_ptr, n, k: tl.constexpr, row_bytes, som,
+                   qtype: tl.constexpr, block_n: tl.constexpr, block_k: tl.constexpr):
+    """``out[n, k]`` float32: every element of ``block_n`` rows by ``block_k`` columns decoded."""
+    rows = tl.program_id(0) * block_n + tl.arange(0, block_n)
+    cols = tl.program_id(1) * block_k + tl.arange(0, block_k)
+    mask = (rows[:, None] < n) & (cols[None, :] < k)
+    row = raw_ptr + tl.where(rows < n, rows, 0).to(tl.int64)[:, None] * row_bytes
+    values = decode(row, tl.where(cols < k, cols, 0)[None, :], grid_ptr, signs_ptr, qtype)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * som + cols[None, :], values, mask=mask)
+
+
+@triton.jit
+def gemv_kernel(x_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, n, k: tl.constexpr, row_bytes, sxm, som,
+                qtype: tl.constexpr, block_n: tl.constexpr, block_k: tl.constexpr):
+    """One row of ``x`` times ``block_n`` weight rows decoded from their blocks in registers, summed
+    in float32 ``block_k`` inputs at a time (``k`` a multiple of ``block_k``)."""
+    m = tl.program_id(1)
+    rows = tl.program_id(0) * block_n + tl.arange(0, block_n)
+    row = raw_ptr + tl.where(rows < n, rows, 0).to(tl.int64)[:, None] * row_bytes
+    acc = tl.zeros((block_n,), dtype=tl.float32)
+    for start in range(0, k, block_k):
+        cols = start + tl.arange(0, block_k)
+        w = decode(row, cols[None, :], grid_ptr, signs_ptr, qtype)
+        x = tl.load(x_ptr + m.to(tl.int64) * sxm + cols).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(out_ptr + m.to(tl.int64) * som + rows, acc, mask=rows < n)

@@ -1,0 +1,112 @@
+"""Triton kernels that read GGUF quantised blocks as llama.cpp writes them, without widening first.
+
+A GGUF weight ``[N, K]`` is ``N`` rows of ``K / block_size`` blocks, each block the bytes of its
+type (``gguf.GGML_QUANT_SIZES``); here it is a ``uint8`` tensor ``[N, K / block_size *
+type_size]`` on the device (the file's bytes, unchanged).  The types of the DeepSeek-V4 quants
+people run (the ds4 q2 recipe: IQ2_XXS gate/up, Q2_K down, Q8_0 the rest; Q4_K and Q6_K of the
+q2-q4 and Q4_K_M files) have decoders in ``gguf_kernels``:
+
+* :func:`dequantize`: every element in float32, bit for bit the ``gguf`` package's numpy
+  dequantiser (the reference for each block layout);
+* :func:`gemv`: ``x [M, K] @ W^T`` for a few rows (decode), a row at a time, each weight
+  element decoded in registers and the products summed in float32.
+
+With ``TRITON_INTERPRET=1`` the kernels run on CPU tensors: that is how the tests compare them
+with the numpy dequantisers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds4d.cuda.devices import triton_can_launch
+
+TYPES = {"Q8_0": 0, "Q2_K": 1, "IQ2_XXS": 2, "Q4_K": 3, "Q6_K": 4}
+"""The quant types with a decoder, by name (``gguf.GGMLQuantizationType`` names)."""
+
+_state: dict[str, object] = {}
+
+
+def available() -> bool:
+    """Triton is importable and can launch here (a CUDA device, or the interpreter)."""
+    if "available" not in _state:
+        _state["available"] = triton_can_launch(_kernels)
+    return bool(_state["available"])
+
+
+def _kernels():
+    if "kernels" not in _state:
+        from ds4d.cuda import gguf_kernels
+
+        _state["kernels"] = gguf_kernels
+    return _state["kernels"]
+
+
+def block_shape(qtype: str) -> tuple[int, int]:
+    """(values per block, bytes per block) of ``qtype``."""
+    import gguf
+
+    if qtype not in TYPES:
+        raise ValueError(f"no GGUF kernel for {qtype}; these have one: {', '.join(TYPES)}")
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+
+
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """IQ2_XXS's grid ``[256, 8]`` (float32) and its 128 sign bytes, from the ``gguf`` package, on ``device``."""
+    key = ("tables", str(device))
+    if key not in _state:
+        import numpy as np
+        from gguf.quants import IQ2_XXS
+
+        IQ2_XXS.init_grid()
+        grid = torch.from_numpy(np.ascontiguousarray(IQ2_XXS.grid.reshape(256, 8), dtype=np.float32))
+        signs = torch.frombuffer(bytearray(IQ2_XXS.ksigns), dtype=torch.uint8)
+        _state[key] = (grid.to(device), signs.to(device))
+    return _state[key]
+
+
+def _check(raw: torch.Tensor, qtype: str, cols: int) -> int:
+    """Bytes per row of ``raw`` for ``cols`` values of ``qtype`` (checked)."""
+    values, nbytes = block_shape(qtype)
+    if cols % values:
+        raise ValueError(f"{qtype} rows hold multiples of {values} values, not {cols}")
+    row_bytes = cols // values * nbytes
+    if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes or not raw.is_contiguous():
+        raise ValueError(f"{qtype} weight of {cols} columns: want contiguous uint8 [N, {row_bytes}], "
+                         f"got {raw.dtype} {list(raw.shape)}")
+    return row_bytes
+
+
+def dequantize(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
+    """float32 ``[N, cols]``: the values of ``raw``'s blocks."""
+    row_bytes = _check(raw, qtype, cols)
+    k = _kernels()
+    grid_table, signs = _tables(raw.device)
+    n = raw.shape[0]
+    out = torch.empty(n, cols, dtype=torch.float32, device=raw.device)
+    block_n, block_k = 16, 256
+    grid = (-(-n // block_n), -(-cols // block_k))
+    k.dequant_kernel[grid](raw, out, grid_table, signs, n, cols, row_bytes, out.stride(0), qtype=TYPES[qtype],
+                           block_n=block_n, block_k=block_k, enable_fp_fusion=False)
+    return out
+
+
+def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str) -> torch.Tensor:
+    """float32 ``[M, N]``: each row of ``x [M, K]`` times every weight row of ``raw`` (``N`` rows of
+    ``K`` values in ``qtype`` blocks), summed in float32."""
+    cols = x.shape[-1]
+    row_bytes = _check(raw, qtype, cols)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    block_k = 256 if cols % 256 == 0 else 32
+    if cols % block_k:
+        raise ValueError(f"gemv needs K a multiple of 32, not {cols}")
+    k = _kernels()
+    grid_table, signs = _tables(raw.device)
+    n, m = raw.shape[0], x.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32, device=raw.device)
+    block_n = 16
+    k.gemv_kernel[(-(-n // block_n), m)](x, raw, out, grid_table, signs, n, cols, row_bytes, x.stride(0),
+                                         out.stride(0), qtype=TYPES[qtype], block_n=block_n, block_k=block_k,
+                                         enable_fp_fusion=False)
+    return out

@@ -1,0 +1,99 @@
+"""GGUF block kernels (``ds4d.cuda.gguf_matmul``) against the ``gguf`` package's numpy dequantisers.
+
+Two sources of blocks per type: every tensor of that type in the tiny V4 files llama.cpp's own
+``llama-quantize`` wrote (tests/fixtures/gguf_v4), and random bytes (every bit pattern of the
+codes, scales and signs) with finite float16 scale fields.  The decoded values must be the
+numpy dequantiser's bit for bit; the GEMV the product with them within float32 summation order.
+Triton's interpreter runs them here; tests/gpu runs the same checks on the device.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("triton")
+
+from ds4d.cuda import gguf_matmul  # noqa: E402
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gguf_v4"
+FILES = {"Q8_0": "converted.gguf", "Q2_K": "quant-Q2_K.gguf", "IQ2_XXS": "quant-IQ2_XXS.gguf",
+         "Q4_K": "quant-Q4_K_M.gguf", "Q6_K": "quant-Q6_K.gguf"}
+"""A fixture holding tensors of each type (the converter's own file: Q8_0 linears)."""
+HALVES = {"Q8_0": (0,), "Q2_K": (80, 82), "IQ2_XXS": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
+"""Byte offsets of each block's float16 fields."""
+
+pytestmark = pytest.mark.skipif(not gguf_matmul.available(), reason="the Triton kernels cannot run here")
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def numpy_values(raw: np.ndarray, qtype: str) -> np.ndarray:
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[qtype])
+
+
+def fixture_tensors(qtype: str) -> list[np.ndarray]:
+    """The raw blocks ``[rows, row_bytes]`` of every tensor of ``qtype`` in its fixture file."""
+    reader = gguf.GGUFReader(FIXTURES / FILES[qtype])
+    out = [np.array(t.data).reshape(t.data.shape[0], -1) for t in reader.tensors
+           if t.tensor_type.name == qtype]
+    assert out, f"{FILES[qtype]} holds no {qtype} tensor"
+    return out
+
+
+def random_blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    values, nbytes = gguf_matmul.block_shape(qtype)
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // values, nbytes), dtype=np.uint8)
+    for at in HALVES[qtype]:
+        halves = rng.uniform(1e-3, 2e-2, size=raw.shape[:2]).astype(np.float16)
+        raw[:, :, at:at + 2] = halves.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(rows, -1)
+
+
+def cases(qtype: str) -> list[np.ndarray]:
+    return fixture_tensors(qtype)[:4] + [random_blocks(qtype, 24, 512, seed=len(qtype)),
+                                         random_blocks(qtype, 5, 256, seed=3)]
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_matmul.TYPES))
+def test_dequantize_is_the_numpy_dequantiser_bit_for_bit(qtype):
+    for raw in cases(qtype):
+        values, nbytes = gguf_matmul.block_shape(qtype)
+        cols = raw.shape[1] // nbytes * values
+        want = numpy_values(raw, qtype).reshape(raw.shape[0], cols)
+        got = gguf_matmul.dequantize(torch.from_numpy(raw).to(device()), qtype, cols).cpu().numpy()
+        assert got.dtype == np.float32 and got.shape == want.shape
+        assert np.array_equal(got.view(np.uint32), want.astype(np.float32).view(np.uint32)), qtype
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_matmul.TYPES))
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gemv_is_the_product_with_the_dequantised_weight(qtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    for raw in cases(qtype)[-3:]:
+        values, nbytes = gguf_matmul.block_shape(qtype)
+        cols = raw.shape[1] // nbytes * values
+        weight = torch.from_numpy(numpy_values(raw, qtype).reshape(raw.shape[0], cols).astype(np.float32))
+        x = torch.randn(rows, cols, generator=gen)
+        want = (x.double() @ weight.double().T).float()
+        got = gguf_matmul.gemv(x.to(device()), torch.from_numpy(raw).to(device()), qtype).cpu()
+        scale = (x.abs().double() @ weight.abs().double().T).float()  # the sum of magnitudes bounds the rounding
+        assert got.shape == want.shape
+        assert bool(((got - want).abs() <= 1e-5 * scale + 1e-30).all()), qtype
+
+
+def test_bad_shapes_and_types_are_refused():
+    raw = torch.zeros(2, 34, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        gguf_matmul.dequantize(raw, "Q8_0", 40)
+    with pytest.raises(ValueError, match=r"uint8 \[N, 68\]"):
+        gguf_matmul.dequantize(raw, "Q8_0", 64)
+    with pytest.raises(ValueError, match="no GGUF kernel for IQ1_S"):
+        gguf_matmul.block_shape("IQ1_S")
