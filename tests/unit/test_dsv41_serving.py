@@ -24,6 +24,7 @@ from ds4d.cache.manager import PrefixCache
 from ds4d.cache.ram import RamTier
 from ds4d.contracts import BlockCopyModel, ForwardBatch, Model, SeqChunk, StatefulModel
 from ds4d.engine.offline import OfflineEngine
+from ds4d.models.deepseek_v4.offload import OffloadOptions
 from ds4d.models.deepseek_v41.family import load_model
 from ds4d.models.deepseek_v41.paths import ForwardPaths
 from tests.unit.test_engine import req, run
@@ -41,14 +42,17 @@ def checkpoint_dir(name: str, into: Path) -> Path:
     return into
 
 
-@pytest.fixture(scope="module", params=[("tiny_a", "off"), ("tiny_b", "off"), ("tiny_a", "padded"), ("tiny_b", "padded")],
+@pytest.fixture(scope="module", params=[("tiny_a", "off"), ("tiny_b", "off"), ("tiny_a", "padded"), ("tiny_b", "padded"),
+                                        ("tiny_b", "padded", "offload")],
                 ids=lambda param: "-".join(param))
 def case(request, tmp_path_factory):
     """A fixture served with its decode steps on the per-sequence path (off) or the fixed-shape step
-    (padded: what a CUDA graph captures, run eagerly)."""
-    name, decode_graphs = request.param
+    (padded: what a CUDA graph captures, run eagerly); ``offload``: every routed expert in host RAM,
+    copied in when chosen (tests/unit/test_dsv41_offload.py)."""
+    name, decode_graphs, *offload = request.param
     path = checkpoint_dir(name, tmp_path_factory.mktemp(name))
-    model = load_model(path, block_tokens=BLOCK, paths=ForwardPaths(decode_graphs=decode_graphs))
+    options = OffloadOptions(vram_bytes=1, placement="static", stage_experts=2, pin_threads=0) if offload else None
+    model = load_model(path, block_tokens=BLOCK, paths=ForwardPaths(decode_graphs=decode_graphs), offload=options)
     return model, load_file(str(FIXTURES / name / "goldens.safetensors"))
 
 
