@@ -144,13 +144,18 @@ def dequant_kernel(raw_ptr, out_ptr, grid_ptr, signs_ptr, n, k: tl.constexpr, ro
 
 
 @triton.jit
-def gemv_kernel(x_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, n, k: tl.constexpr, row_bytes, sxm, som,
-                qtype: tl.constexpr, block_n: tl.constexpr, block_k: tl.constexpr):
+def gemv_kernel(x_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_ptr, n, k: tl.constexpr, row_bytes,
+                expert_bytes, sxm, som, qtype: tl.constexpr, by_expert: tl.constexpr, block_n: tl.constexpr,
+                block_k: tl.constexpr):
     """One row of ``x`` times ``block_n`` weight rows decoded from their blocks in registers, summed
-    in float32 ``block_k`` inputs at a time (``k`` a multiple of ``block_k``)."""
+    in float32 ``block_k`` inputs at a time (``k`` a multiple of ``block_k``); ``by_expert``: the row's
+    matrix is ``expert_ptr[row]``'s of a bank, ``expert_bytes`` apart."""
     m = tl.program_id(1)
+    base = raw_ptr
+    if by_expert:
+        base = raw_ptr + tl.load(expert_ptr + m).to(tl.int64) * expert_bytes
     rows = tl.program_id(0) * block_n + tl.arange(0, block_n)
-    row = raw_ptr + tl.where(rows < n, rows, 0).to(tl.int64)[:, None] * row_bytes
+    row = base + tl.where(rows < n, rows, 0).to(tl.int64)[:, None] * row_bytes
     acc = tl.zeros((block_n,), dtype=tl.float32)
     for start in range(0, k, block_k):
         cols = start + tl.arange(0, block_k)
@@ -158,3 +163,29 @@ def gemv_kernel(x_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, n, k: tl.constexpr
         x = tl.load(x_ptr + m.to(tl.int64) * sxm + cols).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
     tl.store(out_ptr + m.to(tl.int64) * som + rows, acc, mask=rows < n)
+
+
+@triton.jit
+def tiles_kernel(x_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr,
+                 n, k: tl.constexpr, row_bytes, expert_bytes, sxm, som, qtype: tl.constexpr,
+                 block_m: tl.constexpr, block_n: tl.constexpr, block_k: tl.constexpr, precision: tl.constexpr):
+    """A tile of rows of one expert (rows sorted by expert; one matrix: expert 0) times ``block_n``
+    rows of its matrix, decoded ``block_k`` inputs at a time into ``x``'s dtype, on tensor cores
+    (``precision`` as in ``quant_kernels.fp8_tiles_kernel``), accumulated in float32."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)  # start == end: a spare tile, every load and store masked off
+    rows = start + tl.arange(0, block_m)
+    cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
+    live_rows = rows < end
+    live_cols = cols < n
+    base = raw_ptr + expert * expert_bytes + tl.where(live_cols, cols, 0).to(tl.int64)[None, :] * row_bytes
+    acc = tl.zeros([block_m, block_n], dtype=tl.float32)
+    for k0 in range(0, k, block_k):
+        inputs = k0 + tl.arange(0, block_k)
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sxm + inputs[None, :], mask=live_rows[:, None], other=0.0)
+        w = decode(base, inputs[:, None], grid_ptr, signs_ptr, qtype)
+        acc += tl.dot(x, w.to(x.dtype), input_precision=precision)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * som + cols[None, :], acc,
+             mask=live_rows[:, None] & live_cols[None, :])

@@ -9,7 +9,12 @@ q2-q4 and Q4_K_M files) have decoders in ``gguf_kernels``:
 * :func:`dequantize`: every element in float32, bit for bit the ``gguf`` package's numpy
   dequantiser (the reference for each block layout);
 * :func:`gemv`: ``x [M, K] @ W^T`` for a few rows (decode), a row at a time, each weight
-  element decoded in registers and the products summed in float32.
+  element decoded in registers and the products summed in float32; with ``experts`` each row
+  takes its own expert's matrix from a bank ``[E, N, row_bytes]`` (a decode step's (row, expert)
+  pairs);
+* :func:`tiles`: the same product on tensor cores for a batch of rows (the weight decoded into the
+  rows' dtype a tile at a time), and with ``offsets`` for rows sorted by expert (a prefill's
+  pairs), tiles of one expert's rows each.
 
 With ``TRITON_INTERPRET=1`` the kernels run on CPU tensors: that is how the tests compare them
 with the numpy dequantisers.
@@ -91,22 +96,61 @@ def dequantize(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
     return out
 
 
-def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str) -> torch.Tensor:
+def _bank(raw: torch.Tensor, qtype: str, cols: int) -> tuple[torch.Tensor, int, int]:
+    """(``raw`` as ``[rows, row_bytes]``, bytes per row, bytes per expert) of a matrix ``[N, row_bytes]``
+    or a bank ``[E, N, row_bytes]``."""
+    if raw.dim() == 3:
+        flat = raw.reshape(-1, raw.shape[-1]) if raw.is_contiguous() else raw
+        return flat, _check(flat, qtype, cols), raw.shape[1] * raw.shape[2]
+    return raw, _check(raw, qtype, cols), 0
+
+
+def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``[M, N]``: each row of ``x [M, K]`` times every weight row of ``raw`` (``N`` rows of
-    ``K`` values in ``qtype`` blocks), summed in float32."""
+    ``K`` values in ``qtype`` blocks), summed in float32; with ``experts [M]`` (int), ``raw`` is a bank
+    ``[E, N, row_bytes]`` and row ``m`` takes expert ``experts[m]``'s matrix."""
     cols = x.shape[-1]
-    row_bytes = _check(raw, qtype, cols)
+    flat, row_bytes, expert_bytes = _bank(raw, qtype, cols)
+    if (experts is None) != (raw.dim() == 2):
+        raise ValueError("gemv takes a matrix [N, row_bytes], or a bank [E, N, row_bytes] with experts")
     if x.stride(-1) != 1:
         x = x.contiguous()
     block_k = 256 if cols % 256 == 0 else 32
-    if cols % block_k:
-        raise ValueError(f"gemv needs K a multiple of 32, not {cols}")
     k = _kernels()
     grid_table, signs = _tables(raw.device)
-    n, m = raw.shape[0], x.shape[0]
+    n, m = raw.shape[-2], x.shape[0]
     out = torch.empty(m, n, dtype=torch.float32, device=raw.device)
+    chosen = experts.to(device=raw.device, dtype=torch.int32) if experts is not None else signs
     block_n = 16
-    k.gemv_kernel[(-(-n // block_n), m)](x, raw, out, grid_table, signs, n, cols, row_bytes, x.stride(0),
-                                         out.stride(0), qtype=TYPES[qtype], block_n=block_n, block_k=block_k,
-                                         enable_fp_fusion=False)
+    k.gemv_kernel[(-(-n // block_n), m)](x, flat, out, grid_table, signs, chosen, n, cols, row_bytes, expert_bytes,
+                                         x.stride(0), out.stride(0), qtype=TYPES[qtype], by_expert=experts is not None,
+                                         block_n=block_n, block_k=block_k, enable_fp_fusion=False)
+    return out
+
+
+def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 ``[M, N]``: ``x [M, K]`` (float32, bfloat16 or float16) times the weight rows of ``raw``
+    on tensor cores, each weight tile decoded into ``x``'s dtype; with ``offsets [E]`` (group ends),
+    ``x``'s rows are sorted by expert and ``raw`` is a bank ``[E, N, row_bytes]``."""
+    from ds4d.cuda.quant_matmul import _precision, expert_tiles
+
+    cols = x.shape[-1]
+    flat, row_bytes, expert_bytes = _bank(raw, qtype, cols)
+    if (offsets is None) != (raw.dim() == 2):
+        raise ValueError("tiles takes a matrix [N, row_bytes], or a bank [E, N, row_bytes] with offsets")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, n = x.shape[0], raw.shape[-2]
+    out = torch.empty(m, n, dtype=torch.float32, device=raw.device)
+    if not m:
+        return out
+    block_m, block_n, block_k = 32, 32, 32
+    if offsets is None:
+        offsets = torch.tensor([m], dtype=torch.int32, device=raw.device)
+    expert, first, end = expert_tiles(offsets.to(raw.device), m, block_m)
+    grid_table, signs = _tables(raw.device)
+    _kernels().tiles_kernel[(expert.shape[0], -(-n // block_n))](
+        x, flat, out, grid_table, signs, expert, first, end, n, cols, row_bytes, expert_bytes, x.stride(0),
+        out.stride(0), qtype=TYPES[qtype], block_m=block_m, block_n=block_n, block_k=block_k,
+        precision=_precision(x), enable_fp_fusion=False)
     return out

@@ -1,10 +1,12 @@
 """GGUF block kernels (``ds4d.cuda.gguf_matmul``) against the ``gguf`` package's numpy dequantisers.
 
-Two sources of blocks per type: every tensor of that type in the tiny V4 files llama.cpp's own
-``llama-quantize`` wrote (tests/fixtures/gguf_v4), and random bytes (every bit pattern of the
-codes, scales and signs) with finite float16 scale fields.  The decoded values must be the
-numpy dequantiser's bit for bit; the GEMV the product with them within float32 summation order.
-Triton's interpreter runs them here; tests/gpu runs the same checks on the device.
+Dequantisation, a GEMV (one matrix, or each row its expert's) and tensor-core tiles (a batch, or
+rows grouped by expert).  Two sources of blocks per type: every tensor of that type in the tiny
+V4 files llama.cpp's own ``llama-quantize`` wrote (tests/fixtures/gguf_v4), and random bytes
+(every bit pattern of the codes, scales and signs) with finite float16 scale fields.  The decoded
+values must be the numpy dequantiser's bit for bit; the products those of the dequantised values
+within float32 summation order.  Triton's interpreter runs them here; on a CUDA machine the same
+tests run the compiled kernels on the device.
 """
 
 from __future__ import annotations
@@ -89,6 +91,47 @@ def test_gemv_is_the_product_with_the_dequantised_weight(qtype, rows):
         assert bool(((got - want).abs() <= 1e-5 * scale + 1e-30).all()), qtype
 
 
+def bank(qtype: str, experts: int, rows: int, cols: int) -> tuple[np.ndarray, torch.Tensor]:
+    """(raw ``[E, rows, row_bytes]``, its values ``[E, rows, cols]`` by the numpy dequantiser)."""
+    raw = np.stack([random_blocks(qtype, rows, cols, seed=100 + e) for e in range(experts)])
+    values = np.stack([numpy_values(r, qtype).reshape(rows, cols) for r in raw])
+    return raw, torch.from_numpy(values.astype(np.float32))
+
+
+def within_rounding(got: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, tolerance: float = 1e-5) -> bool:
+    """``got [M, N]`` against ``x[m] @ weights[m].T`` (``weights [M, N, K]``), by the magnitudes summed."""
+    want = torch.einsum("mk,mnk->mn", x.double(), weights.double())
+    scale = torch.einsum("mk,mnk->mn", x.abs().double(), weights.abs().double())
+    return got.shape == want.shape and bool(((got.double() - want).abs() <= tolerance * scale + 1e-30).all())
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_matmul.TYPES))
+def test_gemv_by_expert_takes_each_rows_own_matrix(qtype):
+    """A decode step's (row, expert) pairs: each row times its expert's matrix from a bank of four."""
+    raw, values = bank(qtype, 4, 24, 512)
+    experts = torch.tensor([3, 0, 3, 1, 2])
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5))
+    got = gguf_matmul.gemv(x.to(device()), torch.from_numpy(raw).to(device()), qtype, experts.to(device())).cpu()
+    assert within_rounding(got, x, values[experts])
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_matmul.TYPES))
+def test_tiles_for_a_batch_and_grouped_by_expert(qtype):
+    """Tensor-core tiles in float32 (IEEE, not TF32): a batch of 40 rows times one matrix, and 70 rows
+    sorted by expert (groups of 0, 33, 1 and 36 rows: a group past one tile, an empty one) times a bank."""
+    raw, values = bank(qtype, 4, 40, 512)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(40, 512, generator=gen)
+    got = gguf_matmul.tiles(x.to(device()), torch.from_numpy(raw[1]).to(device()), qtype).cpu()
+    assert within_rounding(got, x, values[1].expand(40, -1, -1))
+    counts = [0, 33, 1, 36]
+    of_row = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
+    offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    x = torch.randn(sum(counts), 512, generator=gen)
+    got = gguf_matmul.tiles(x.to(device()), torch.from_numpy(raw).to(device()), qtype, offsets.to(device())).cpu()
+    assert within_rounding(got, x, values[of_row])
+
+
 def test_bad_shapes_and_types_are_refused():
     raw = torch.zeros(2, 34, dtype=torch.uint8)
     with pytest.raises(ValueError, match="multiples of 32"):
@@ -97,3 +140,5 @@ def test_bad_shapes_and_types_are_refused():
         gguf_matmul.dequantize(raw, "Q8_0", 64)
     with pytest.raises(ValueError, match="no GGUF kernel for IQ1_S"):
         gguf_matmul.block_shape("IQ1_S")
+    with pytest.raises(ValueError, match="a bank"):
+        gguf_matmul.gemv(torch.zeros(1, 32), raw, "Q8_0", torch.zeros(1, dtype=torch.int32))
