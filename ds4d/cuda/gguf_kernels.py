@@ -19,6 +19,12 @@ Q2_K: tl.constexpr = tl.constexpr(1)
 IQ2_XXS: tl.constexpr = tl.constexpr(2)
 Q4_K: tl.constexpr = tl.constexpr(3)
 Q6_K: tl.constexpr = tl.constexpr(4)
+Q5_K: tl.constexpr = tl.constexpr(5)
+Q3_K: tl.constexpr = tl.constexpr(6)
+IQ4_XS: tl.constexpr = tl.constexpr(7)
+IQ3_XXS: tl.constexpr = tl.constexpr(8)
+IQ2_XS: tl.constexpr = tl.constexpr(9)
+MXFP4: tl.constexpr = tl.constexpr(10)
 
 
 @triton.jit
@@ -87,13 +93,7 @@ def decode_q4_k(row, k):
     block = row + (k // 256) * 144
     j = k % 256
     sub = j // 32
-    scales = block + 4
-    low = sub < 4
-    first = tl.load(scales + sub % 4).to(tl.int32)
-    second = tl.load(scales + 4 + sub % 4).to(tl.int32)
-    third = tl.load(scales + 8 + sub % 4).to(tl.int32)
-    sc = tl.where(low, first & 63, (third & 15) | ((first >> 2) & 48))
-    mn = tl.where(low, second & 63, (third >> 4) | ((second >> 2) & 48))
+    sc, mn = k_scale_min(block + 4, sub)
     byte = tl.load(block + 16 + (sub // 2) * 32 + j % 32).to(tl.int32)
     q = ((byte >> ((sub % 2) * 4)) & 15).to(tl.float32)
     d = half_at(block) * sc.to(tl.float32)
@@ -118,7 +118,110 @@ def decode_q6_k(row, k):
 
 
 @triton.jit
+def k_scale_min(scales, sub):
+    """The 6-bit scale and min of sub-block ``sub`` (0..7) from the 12 packed bytes at ``scales``
+    (Q4_K and Q5_K)."""
+    low = sub < 4
+    first = tl.load(scales + sub % 4).to(tl.int32)
+    second = tl.load(scales + 4 + sub % 4).to(tl.int32)
+    third = tl.load(scales + 8 + sub % 4).to(tl.int32)
+    sc = tl.where(low, first & 63, (third & 15) | ((first >> 2) & 48))
+    mn = tl.where(low, second & 63, (third >> 4) | ((second >> 2) & 48))
+    return sc, mn
+
+
+@triton.jit
+def decode_q5_k(row, k):
+    """176-byte blocks of 256: as Q4_K (``d``, ``dmin``, 12 scale bytes), then 32 bytes of fifth
+    bits (one 32-value plane per bit) and 128 bytes of low 4 bits."""
+    block = row + (k // 256) * 176
+    j = k % 256
+    sub = j // 32
+    sc, mn = k_scale_min(block + 4, sub)
+    low = tl.load(block + 48 + (sub // 2) * 32 + j % 32).to(tl.int32)
+    high = tl.load(block + 16 + j % 32).to(tl.int32)
+    q = (((low >> ((sub % 2) * 4)) & 15) | (((high >> sub) & 1) << 4)).to(tl.float32)
+    return (half_at(block) * sc.to(tl.float32)) * q - half_at(block + 2) * mn.to(tl.float32)
+
+
+@triton.jit
+def decode_q3_k(row, k):
+    """110-byte blocks of 256: 32 bytes of high-bit masks, 64 bytes of low 2 bits, 12 bytes of sixteen
+    6-bit scales (minus 32), a float16 ``d``; a value is its 2 bits minus 4 where its mask bit is 0."""
+    block = row + (k // 256) * 110
+    j = k % 256
+    s16 = j // 16
+    scales = block + 96
+    low_scale = (tl.load(scales + s16 % 8).to(tl.int32) >> ((s16 // 8) * 4)) & 15
+    high_scale = (tl.load(scales + 8 + s16 % 4).to(tl.int32) >> ((s16 // 4) * 2)) & 3
+    scale = ((low_scale | (high_scale << 4)) - 32).to(tl.float32)
+    low = (tl.load(block + 32 + (j // 128) * 32 + j % 32).to(tl.int32) >> (((j % 128) // 32) * 2)) & 3
+    mask = (tl.load(block + j % 32).to(tl.int32) >> (j // 32)) & 1
+    q = (low - ((mask ^ 1) << 2)).to(tl.float32)
+    return (half_at(block + 108) * scale) * q
+
+
+@triton.jit
+def decode_iq4_xs(row, k, values_ptr):
+    """136-byte blocks of 256: a float16 ``d``, eight 6-bit scales (minus 32; high 2 bits in a 16-bit
+    word, low 4 in four bytes), 128 bytes of 4-bit indices into ``values_ptr``'s 16 values."""
+    block = row + (k // 256) * 136
+    j = k % 256
+    sub = j // 32
+    high = ((tl.load(block + 2).to(tl.int32) | (tl.load(block + 3).to(tl.int32) << 8)) >> (2 * sub)) & 3
+    low = (tl.load(block + 4 + sub // 2).to(tl.int32) >> ((sub % 2) * 4)) & 15
+    dl = half_at(block) * ((low | (high << 4)) - 32).to(tl.float32)
+    within = j % 32
+    index = (tl.load(block + 8 + sub * 16 + within % 16).to(tl.int32) >> ((within // 16) * 4)) & 15
+    return dl * tl.load(values_ptr + index)
+
+
+@triton.jit
+def decode_iq3_xxs(row, k, grid_ptr, signs_ptr):
+    """98-byte blocks of 256: a float16 ``d``, 64 grid indices (4 values each, ``grid_ptr`` ``[256, 4]``),
+    then per 32 values a 32-bit word: four 7-bit sign indices under a 4-bit scale."""
+    block = row + (k // 256) * 98
+    j = k % 256
+    index = tl.load(block + 2 + j // 4).to(tl.int32)
+    aux = word_at(block + 66 + (j // 32) * 4)
+    db = half_at(block) * (0.5 + (aux >> 28).to(tl.float32)) * 0.5
+    part = (j % 32) // 8
+    sign_byte = tl.load(signs_ptr + ((aux >> (7 * part)) & 127).to(tl.int32)).to(tl.int32)
+    value = db * tl.load(grid_ptr + index * 4 + j % 4)
+    return tl.where(((sign_byte >> (j % 8)) & 1) == 0, value, -value)
+
+
+@triton.jit
+def decode_iq2_xs(row, k, grid_ptr, signs_ptr):
+    """74-byte blocks of 256: a float16 ``d``, 32 16-bit words (a 9-bit index into ``grid_ptr``
+    ``[512, 8]`` and a 7-bit sign index, 8 values each), 16 4-bit scales."""
+    block = row + (k // 256) * 74
+    j = k % 256
+    at = block + 2 + (j // 8) * 2
+    word = tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 8)
+    scale = (tl.load(block + 66 + j // 32).to(tl.int32) >> (((j // 16) % 2) * 4)) & 15
+    db = half_at(block) * (0.5 + scale.to(tl.float32)) * 0.25
+    sign_byte = tl.load(signs_ptr + (word >> 9)).to(tl.int32)
+    value = db * tl.load(grid_ptr + (word & 511) * 8 + j % 8)
+    return tl.where(((sign_byte >> (j % 8)) & 1) == 0, value, -value)
+
+
+@triton.jit
+def decode_mxfp4(row, k, values_ptr):
+    """17-byte blocks of 32 (llama.cpp's MXFP4): a ue8m0 byte (half its power of two), 16 bytes of
+    e2m1 codes (the first 16 values in the low nibbles); ``values_ptr``: the 16 doubled e2m1 values."""
+    block = row + (k // 32) * 17
+    j = k % 32
+    e = tl.load(block).to(tl.uint32)
+    bits = tl.where(e < 2, tl.full(e.shape, 0x00200000, tl.uint32) << e, (e - 1) << 23)
+    d = bits.to(tl.float32, bitcast=True)
+    index = (tl.load(block + 1 + j % 16).to(tl.int32) >> ((j // 16) * 4)) & 15
+    return d * tl.load(values_ptr + index)
+
+
+@triton.jit
 def decode(row, k, grid_ptr, signs_ptr, qtype: tl.constexpr):
+    """``grid_ptr``: the type's lookup table (IQ grids, IQ4/MXFP4 values), ``signs_ptr``: the IQ sign bytes."""
     if qtype == Q8_0:
         return decode_q8_0(row, k)
     elif qtype == Q2_K:
@@ -127,8 +230,20 @@ def decode(row, k, grid_ptr, signs_ptr, qtype: tl.constexpr):
         return decode_iq2_xxs(row, k, grid_ptr, signs_ptr)
     elif qtype == Q4_K:
         return decode_q4_k(row, k)
-    else:
+    elif qtype == Q6_K:
         return decode_q6_k(row, k)
+    elif qtype == Q5_K:
+        return decode_q5_k(row, k)
+    elif qtype == Q3_K:
+        return decode_q3_k(row, k)
+    elif qtype == IQ4_XS:
+        return decode_iq4_xs(row, k, grid_ptr)
+    elif qtype == IQ3_XXS:
+        return decode_iq3_xxs(row, k, grid_ptr, signs_ptr)
+    elif qtype == IQ2_XS:
+        return decode_iq2_xs(row, k, grid_ptr, signs_ptr)
+    else:
+        return decode_mxfp4(row, k, grid_ptr)
 
 
 @triton.jit

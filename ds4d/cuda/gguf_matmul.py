@@ -3,8 +3,9 @@
 A GGUF weight ``[N, K]`` is ``N`` rows of ``K / block_size`` blocks, each block the bytes of its
 type (``gguf.GGML_QUANT_SIZES``); here it is a ``uint8`` tensor ``[N, K / block_size *
 type_size]`` on the device (the file's bytes, unchanged).  The types of the DeepSeek-V4 quants
-people run (the ds4 q2 recipe: IQ2_XXS gate/up, Q2_K down, Q8_0 the rest; Q4_K and Q6_K of the
-q2-q4 and Q4_K_M files) have decoders in ``gguf_kernels``:
+people run (the ds4 q2 recipe: IQ2_XXS gate/up, Q2_K down, Q8_0 the rest; the K-quants of the
+q2-q4 and Q*_K_M files; IQ4_XS, IQ3_XXS, IQ2_XS; llama.cpp's MXFP4 for the official FP4 experts)
+have decoders in ``gguf_kernels`` (:data:`TYPES`):
 
 * :func:`dequantize`: every element in float32, bit for bit the ``gguf`` package's numpy
   dequantiser (the reference for each block layout);
@@ -26,7 +27,8 @@ import torch
 
 from ds4d.cuda.devices import triton_can_launch
 
-TYPES = {"Q8_0": 0, "Q2_K": 1, "IQ2_XXS": 2, "Q4_K": 3, "Q6_K": 4}
+TYPES = {"Q8_0": 0, "Q2_K": 1, "IQ2_XXS": 2, "Q4_K": 3, "Q6_K": 4, "Q5_K": 5, "Q3_K": 6, "IQ4_XS": 7, "IQ3_XXS": 8,
+         "IQ2_XS": 9, "MXFP4": 10}
 """The quant types with a decoder, by name (``gguf.GGMLQuantizationType`` names)."""
 
 _state: dict[str, object] = {}
@@ -56,17 +58,27 @@ def block_shape(qtype: str) -> tuple[int, int]:
     return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
 
 
-def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """IQ2_XXS's grid ``[256, 8]`` (float32) and its 128 sign bytes, from the ``gguf`` package, on ``device``."""
-    key = ("tables", str(device))
+def _tables(device: torch.device, qtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the type's lookup table as float32, the IQ types' 128 sign bytes), from the ``gguf`` package,
+    on ``device``: an IQ grid ``[entries, values]``, the 16 values of IQ4_XS's and MXFP4's indices,
+    or one unused value."""
+    key = ("tables", qtype, str(device))
     if key not in _state:
         import numpy as np
-        from gguf.quants import IQ2_XXS
+        from gguf import quants
 
-        IQ2_XXS.init_grid()
-        grid = torch.from_numpy(np.ascontiguousarray(IQ2_XXS.grid.reshape(256, 8), dtype=np.float32))
-        signs = torch.frombuffer(bytearray(IQ2_XXS.ksigns), dtype=torch.uint8)
-        _state[key] = (grid.to(device), signs.to(device))
+        table = np.zeros(1, dtype=np.float32)
+        if qtype in ("IQ2_XXS", "IQ2_XS", "IQ3_XXS"):
+            kind = getattr(quants, qtype)
+            kind.init_grid()
+            table = kind.grid.reshape(kind.grid_shape)
+        elif qtype == "IQ4_XS":
+            table = np.array(quants.IQ4_NL.kvalues, dtype=np.float32)
+        elif qtype == "MXFP4":
+            table = np.array(quants.MXFP4.kvalues, dtype=np.float32)
+        values = torch.from_numpy(np.ascontiguousarray(table, dtype=np.float32))
+        signs = torch.frombuffer(bytearray(quants.IQ2_XXS.ksigns), dtype=torch.uint8)
+        _state[key] = (values.to(device), signs.to(device))
     return _state[key]
 
 
@@ -86,7 +98,7 @@ def dequantize(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
     """float32 ``[N, cols]``: the values of ``raw``'s blocks."""
     row_bytes = _check(raw, qtype, cols)
     k = _kernels()
-    grid_table, signs = _tables(raw.device)
+    grid_table, signs = _tables(raw.device, qtype)
     n = raw.shape[0]
     out = torch.empty(n, cols, dtype=torch.float32, device=raw.device)
     block_n, block_k = 16, 256
@@ -117,7 +129,7 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor |
         x = x.contiguous()
     block_k = 256 if cols % 256 == 0 else 32
     k = _kernels()
-    grid_table, signs = _tables(raw.device)
+    grid_table, signs = _tables(raw.device, qtype)
     n, m = raw.shape[-2], x.shape[0]
     out = torch.empty(m, n, dtype=torch.float32, device=raw.device)
     chosen = experts.to(device=raw.device, dtype=torch.int32) if experts is not None else signs
@@ -148,7 +160,7 @@ def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor 
     if offsets is None:
         offsets = torch.tensor([m], dtype=torch.int32, device=raw.device)
     expert, first, end = expert_tiles(offsets.to(raw.device), m, block_m)
-    grid_table, signs = _tables(raw.device)
+    grid_table, signs = _tables(raw.device, qtype)
     _kernels().tiles_kernel[(expert.shape[0], -(-n // block_n))](
         x, flat, out, grid_table, signs, expert, first, end, n, cols, row_bytes, expert_bytes, x.stride(0),
         out.stride(0), qtype=TYPES[qtype], block_m=block_m, block_n=block_n, block_k=block_k,
