@@ -60,11 +60,11 @@ def tiny_v4(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tinyv4-trace"), layers=[0, 4, 128, 4], seed=7)
 
 
-def test_trace_on_a_tiny_deepseek_v4_reuses_the_system_prompt_across_sessions(tiny_v4, tmp_path):
-    """DeepSeek-V4 resumes only at a state checkpoint.  With OpenCode's whole system prompt and its ten
-    tools (about 7.3K tokens), the engine checkpoints where they end: the second session's first step
-    and every subagent's reuse them, and a next step reuses the previous request."""
-    daemon = Daemon("--model", str(tiny_v4), "--threads", "2", "--kv-cache-tokens", "32768", "--max-num-seqs", "2",
+def check_the_system_prompt_is_reused(model_dir, tmp_path) -> str:
+    """OpenCode's whole system prompt and its ten tools (about 7.3K tokens) on a tiny model: the second
+    session's first step and every subagent's reuse them, and a next step reuses the previous request.
+    The daemon's log back."""
+    daemon = Daemon("--model", str(model_dir), "--threads", "2", "--kv-cache-tokens", "32768", "--max-num-seqs", "2",
                     "--prefill-chunk", "512")
     full = ("--trace", "--sessions", "2", "--steps", "2", "--subagents", "1", "--subagent-steps", "2",
             "--tool-words", "40", "--min-tool-words", "10", "--max-tokens", "3")
@@ -78,27 +78,19 @@ def test_trace_on_a_tiny_deepseek_v4_reuses_the_system_prompt_across_sessions(ti
     assert firsts[1]["cached_tokens"] > 0.95 * firsts[1]["prompt_tokens"]  # all but the session's own task
     assert summary["subagent first"]["cached_fraction"] > 0.95
     assert summary["next"]["cached_fraction"] > 0.9 and summary["after first"]["cached_fraction"] > 0.9
+    return daemon.log
+
+
+def test_trace_on_a_tiny_deepseek_v4_reuses_the_system_prompt_across_sessions(tiny_v4, tmp_path):
+    """DeepSeek-V4 resumes only at a state checkpoint: the engine checkpoints where the system prompt and
+    tools end (:func:`check_the_system_prompt_is_reused`)."""
+    check_the_system_prompt_is_reused(tiny_v4, tmp_path)
 
 
 def test_trace_on_a_tiny_deepseek_v41_reuses_the_system_prompt_across_sessions(tmp_path):
     """The same for DeepSeek-V4.1 (its chat encoder, Engram layers, a state saved anywhere): a tiny model on
-    the real 129,280-token vocabulary (V4's tokenizer with V4.1's added tokens), OpenCode's whole system
-    prompt and tools; the second session, the subagents and the next steps reuse what was computed."""
+    the real 129,280-token vocabulary (V4's tokenizer with V4.1's added tokens)."""
     from ds4d.models.deepseek_v41.make_tiny import write_tiny
 
     path = write_tiny(tmp_path / "tinyv41", seed=7, tokenizer="v4", max_position_embeddings=65536)
-    daemon = Daemon("--model", str(path), "--threads", "2", "--kv-cache-tokens", "32768", "--max-num-seqs", "2",
-                    "--prefill-chunk", "512")
-    full = ("--trace", "--sessions", "2", "--steps", "2", "--subagents", "1", "--subagent-steps", "2",
-            "--tool-words", "40", "--min-tool-words", "10", "--max-tokens", "3")
-    try:
-        result = run_trace(daemon.url, tmp_path / "trace.json", full)
-    finally:
-        daemon.stop()
-    assert "loading deepseek_v41 model from" in daemon.log
-    summary = check_shape(result)
-    firsts = [r for r in result["requests"] if r["kind"] == "first"]
-    assert firsts[0]["cached_tokens"] == 0 and firsts[0]["prompt_tokens"] > 7000
-    assert firsts[1]["cached_tokens"] > 0.95 * firsts[1]["prompt_tokens"]
-    assert summary["subagent first"]["cached_fraction"] > 0.95
-    assert summary["next"]["cached_fraction"] > 0.9 and summary["after first"]["cached_fraction"] > 0.9
+    assert "loading deepseek_v41 model from" in check_the_system_prompt_is_reused(path, tmp_path)
