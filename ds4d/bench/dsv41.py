@@ -10,7 +10,8 @@ bf16, on the device, and times what the engine runs:
 * decode tok/s at batch 1 and 8 after a 1K-token prompt (``--context``), through ``DeepseekV41Serving.forward``
   (the chunks of a step run one after the other: batch 8 is 8 sequences stepped together);
 * prefill tok/s of one 2K-token prompt (twice ``--context`` when given) as served (``last_only``: its
-  triangle of rows);
+  triangle of rows), and where the window attention runs in its Triton kernel, the same prefill on the
+  same weights with it as a dense mask (the reference's layout);
 * the Engram lookup per step (hash, gather, copy to the device) from a page-locked table and
   from a memory-mapped file of the same bytes.
 
@@ -413,16 +414,17 @@ def run(args: argparse.Namespace) -> int:
                         note=f"{moved / 1e9:.2f} GB over the link per step" if model.expert_offload else ""))
         _say(f"decode b{batch}: {rate:.1f} tok/s")
     prompt = torch.randint(100, cfg.vocab_size, (prefill_tokens,), generator=gen).tolist()
-    seconds = []
-    before = _moved(model)
-    for _ in range(4):  # the first warms up; the median of the other three
-        state = model.new_state()
-        seconds.append(_timed(torch, device, lambda: model.prefill(state, prompt, last_only=True)))
-    moved = (_moved(model) - before) / 4
+    rate, moved = _prefill_rate(torch, device, model, prompt)
     last = model.prefill(model.new_state(), prompt, last_only=True)[-1].float().cpu()
-    rows.append(Row(f"prefill {prefill_tokens} (triangle)", ds4d=prefill_tokens / sorted(seconds[1:])[1],
-                    floor=floors.prefill(prefill_tokens, moved, link),
+    rows.append(Row(f"prefill {prefill_tokens} (triangle)", ds4d=rate, floor=floors.prefill(prefill_tokens, moved, link),
                     note=f"{moved / 1e9:.2f} GB over the link" if model.expert_offload else ""))
+    if model.paths.window_kernel:  # the same weights with the window attention as a dense mask: the kernel's peer
+        dense = DeepseekV41Model(cfg, model.weights, model.hasher, device=model.device, dtype=model.dtype,
+                                 paths=model.paths.replace(window_kernel=False), expert_offload=model.expert_offload)
+        rate, moved = _prefill_rate(torch, device, dense, prompt)
+        rows.append(Row(f"prefill {prefill_tokens} (triangle), window attention as a dense mask", ds4d=rate,
+                        floor=floors.prefill(prefill_tokens, moved, link)))
+        del dense
     for tokens in (1, prefill_tokens):
         rows += engram_lookup_rows(torch, device, model, steps=5, tokens=tokens)
     if args.oracle:
@@ -437,6 +439,17 @@ def run(args: argparse.Namespace) -> int:
             "dtype": args.dtype, "bandwidth": bandwidth, "matmul": matmul,
             "rows": [vars(r) for r in rows]}, indent=1))
     return 0
+
+
+def _prefill_rate(torch, device, model, prompt: list[int]) -> tuple[float, float]:
+    """(tok/s of the served prefill of ``prompt``: the median of three after a warm-up, bytes it moved
+    over the link on average)."""
+    seconds = []
+    before = _moved(model)
+    for _ in range(4):
+        state = model.new_state()
+        seconds.append(_timed(torch, device, lambda: model.prefill(state, prompt, last_only=True)))
+    return len(prompt) / sorted(seconds[1:])[1], (_moved(model) - before) / 4
 
 
 def _oracle_rows(torch, device, dtype, args, config, tensors, tokenizer, rows: list[Row], decode_prompt, prompt,

@@ -22,7 +22,6 @@ from ds4d.contracts import ForwardBatch, SeqChunk
 from ds4d.models.deepseek_v41 import DeepseekV41Model
 from ds4d.models.deepseek_v41.paths import ForwardPaths
 from ds4d.models.deepseek_v41.serving import DeepseekV41Serving
-from ds4d.models.deepseek_v41.weights import read_safetensors
 
 pytest.importorskip("triton")
 
@@ -106,6 +105,47 @@ def test_grouped_experts_equal_the_reference(models):
         assert relative_error(moe_forward(x, layer.ffn, cfg, grouped=True), want) < 1e-5
         assert relative_error(moe_forward(x, layer.ffn, cfg, expert_rows=True, grouped=True), want) < 1e-5
         assert torch.equal(moe_forward(x, layer.ffn, cfg, expert_rows=True), want)  # too many pairs: the loop
+
+
+@pytest.mark.parametrize("chunk,last_only", [(None, False), (7, False), (None, True)])
+def test_the_window_kernel_equals_the_reference_attention(models, monkeypatch, chunk, last_only):
+    """Every multi-query attention core of a prefill (whole, in chunks after a window history, on the
+    triangle's fewer query rows), run again on a copy of its state through V4's Triton kernel: the same
+    output, and the same state afterwards."""
+    import copy
+
+    from ds4d.cuda import attention_triton
+    from ds4d.models.deepseek_v41 import attention
+
+    reference, _ = models
+    core, compared, launched = attention.attention_core, [], []
+    kernel = attention_triton.window_attention
+
+    def counted(q, keys, *args, **kwargs):
+        launched.append(q.shape[0])
+        return kernel(q, keys, *args, **kwargs)
+
+    def both(x, projected, plan, w, cfg, state, shared, rows, window_kernel=False):
+        twin, twin_shared = state.clone(), copy.copy(shared)
+        want = core(x, projected, plan, w, cfg, state, shared, rows)
+        if projected.q.shape[0] > 1:
+            got = core(x, projected, plan, w, cfg, twin, twin_shared, rows, window_kernel=True)
+            compared.append((plan.layer, projected.q.shape[0]))
+            assert got.shape == want.shape and relative_error(got, want) < 1e-5, plan.layer
+            assert all(torch.equal(a, b) for a, b in zip(twin.windows, state.windows))
+            for source, group in state.groups.items():
+                assert twin.groups[source].entries.count == group.entries.count
+        return want
+
+    monkeypatch.setattr(attention, "attention_core", both)
+    monkeypatch.setattr(attention_triton, "window_attention", counted)
+    ids = prompt(reference, 3 * reference.cfg.sliding_window + 2, seed=4)
+    reference.prefill(reference.new_state(), ids, chunk, last_only=last_only)
+    layers = {layer for layer, _ in compared}
+    assert layers == set(range(reference.cfg.num_hidden_layers)) or last_only and len(layers) > 1
+    assert launched == [queries for _, queries in compared]  # every one went through the kernel
+    if last_only:  # the layers past the last KV source attend with fewer queries than the step's rows
+        assert min(launched) < len(ids)
 
 
 def test_decode_steps_on_every_path_equal_the_reference(models):

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ds4d.cuda import attention_triton
 from ds4d.models.deepseek_v4.ops import Rope, apply_rope, linear, rms_norm
 from ds4d.models.deepseek_v41.config import DeepseekV41Config, LayerPlan
 from ds4d.models.deepseek_v41.qat import round_fp4_blocks, round_fp8_blocks
@@ -241,32 +242,56 @@ def project(x: torch.Tensor, plan: LayerPlan, w: AttentionWeights, cfg: Deepseek
 
 def attention_core(x: torch.Tensor, projected: Projected, plan: LayerPlan, w: AttentionWeights,
                    cfg: DeepseekV41Config, state: SequenceState, shared: StepShared,
-                   rows: StepRows) -> torch.Tensor:
+                   rows: StepRows, window_kernel: bool = False) -> torch.Tensor:
     """One sequence's attention over its window and (by mode) its group's compressed KV: the query rows'
     output ``[queries, heads, head_dim]``, RoPE channels still rotated.  Writes the window ring (and at a
-    KV source the group's entries and index keys)."""
+    KV source the group's entries and index keys).
+
+    ``window_kernel``: more than one query attends in V4's Triton kernel (``attention_triton``: each
+    query walks its window and the entries its bias lets through, no ``[queries, keys]`` scores in
+    memory; the same result up to rounding) instead of through a dense mask."""
     window, queries = cfg.sliding_window, projected.q.shape[0]
     query_rows = rows.tail(queries)
     kv = projected.kv
     past = min(state.position, window - 1)
+    first = state.position - past  # the position of keys[0]
     keys = torch.cat([state.window_history(plan.layer, past), kv])
-    if kv.shape[0] == 1:  # one token: it sees itself and the window before it, all of it
-        mask = torch.zeros(1, keys.shape[0], dtype=torch.float32, device=x.device)
-    else:
-        key_positions = torch.cat([torch.arange(state.position - past, state.position, device=x.device),
-                                   rows.positions])
-        distance = query_rows.positions.view(-1, 1) - key_positions.view(1, -1)
-        mask = torch.zeros(distance.shape, dtype=torch.float32, device=x.device)
-        mask = mask.masked_fill((distance < 0) | (distance >= window), NEG_INF)
+    # the kernel takes keys at consecutive positions: on the triangle's later layers the rows start after
+    # the state's position, and then only if no query's window reaches back past them
+    contiguous = rows.host[0] == state.position
+    fused = (window_kernel and queries > 1 and attention_triton.usable(projected.q)
+             and (contiguous or query_rows.host[0] - window + 1 >= rows.host[0]))
+    mask = None if fused else window_mask(first, past, rows.positions, query_rows.positions, window)
     state.write_window(plan.layer, kv, rows.host[0])
 
-    if plan.ratio:
-        entries, bias = compressed_branch(x, projected.q_residual, plan, w, cfg, state, shared, rows)
-        if entries is not None:
-            keys = torch.cat([keys, entries.to(keys.dtype)])
-            extra = bias if bias is not None else mask.new_full((queries, entries.shape[0]), NEG_INF)
-            mask = torch.cat([mask, extra.to(mask.dtype)], dim=-1)
+    entries, bias = compressed_branch(x, projected.q_residual, plan, w, cfg, state, shared, rows) \
+        if plan.ratio else (None, None)
+    extra = None
+    if entries is not None:
+        extra = bias if bias is not None else torch.full((queries, entries.shape[0]), NEG_INF, device=x.device)
+    if fused:
+        entry_part = None if extra is None else (entries.to(keys.dtype), extra.float())
+        keys, first = (keys, first) if contiguous else (kv, rows.host[0])
+        return attention_triton.window_attention(projected.q, keys, first, query_rows.host[0], window, w.sink,
+                                                 cfg.head_dim**-0.5, entry_part)
+    if entries is not None:
+        keys = torch.cat([keys, entries.to(keys.dtype)])
+        mask = torch.cat([mask, extra.to(mask.dtype)], dim=-1)
     return attend(projected.q, keys, mask, w.sink, cfg.head_dim**-0.5)
+
+
+def window_mask(first: int, past: int, positions: torch.Tensor, query_positions: torch.Tensor,
+                window: int) -> torch.Tensor:
+    """The additive mask ``[queries, past + rows]`` (0 or -inf) of the queries over the ``past`` window
+    keys from position ``first`` and the step's rows at ``positions``: each query sees the keys at most
+    ``window - 1`` before it and none after (one row sees itself and all its window)."""
+    device = query_positions.device
+    if positions.shape[0] == 1:
+        return torch.zeros(1, past + 1, dtype=torch.float32, device=device)
+    key_positions = torch.cat([torch.arange(first, first + past, device=device), positions])
+    distance = query_positions.view(-1, 1) - key_positions.view(1, -1)
+    mask = torch.zeros(distance.shape, dtype=torch.float32, device=device)
+    return mask.masked_fill((distance < 0) | (distance >= window), NEG_INF)
 
 
 def output_projection(out: torch.Tensor, plan: LayerPlan, w: AttentionWeights, cfg: DeepseekV41Config,
@@ -285,12 +310,13 @@ def output_projection(out: torch.Tensor, plan: LayerPlan, w: AttentionWeights, c
 
 def attention_forward(x: torch.Tensor, plan: LayerPlan, w: AttentionWeights, cfg: DeepseekV41Config,
                       state: SequenceState, shared: StepShared, rows: StepRows,
-                      queries: int | None = None) -> torch.Tensor:
+                      queries: int | None = None, window_kernel: bool = False) -> torch.Tensor:
     """``x [n, hidden]``: the normed attention input of the step's positions ``rows.positions`` (the last
     ``n`` of the step) -> the output ``[queries, hidden]`` of the last ``queries`` of them (all by default).
 
-    Every row's window KV is computed (and the ring keeps the last ones); only the query rows attend."""
+    Every row's window KV is computed (and the ring keeps the last ones); only the query rows attend
+    (``window_kernel``: as :func:`attention_core`)."""
     queries = x.shape[0] if queries is None else queries
     projected = project(x, plan, w, cfg, rows, queries)
-    out = attention_core(x, projected, plan, w, cfg, state, shared, rows)
+    out = attention_core(x, projected, plan, w, cfg, state, shared, rows, window_kernel)
     return output_projection(out, plan, w, cfg, rows.tail(queries))

@@ -251,7 +251,8 @@ class DeepseekV41Model:
             plan, w = self.plans[layer], self.weights.layers[layer].attn
 
             def attend(x: torch.Tensor) -> torch.Tensor:
-                return attention_forward(x, plan, w, self.cfg, state, shared, rows, outputs)
+                return attention_forward(x, plan, w, self.cfg, state, shared, rows, outputs,
+                                        self.paths.window_kernel)
         else:
             def attend(x: torch.Tensor) -> torch.Tensor:
                 return self._attention_rows(x, layer, sequences, rows)

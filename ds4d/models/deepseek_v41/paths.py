@@ -6,9 +6,11 @@ is built and keeps them: :meth:`ForwardPaths.for_device` picks what the device
 can run (on the CPU the reference path, which the float32 goldens pin), and a
 test or benchmark that wants another mix passes its own.
 
-The kernels are V4's (``ds4d.cuda.hc_triton``, ``ds4d.cuda.moe_gemv``, torch's ``grouped_mm``): V4.1's
-hyper-connection weights are V4's formulas, and its routed experts are SwiGLUs
-over one bank per projection as V4's are.
+The kernels are V4's (``ds4d.cuda.hc_triton``, ``ds4d.cuda.moe_gemv``,
+``ds4d.cuda.attention_triton``, torch's ``grouped_mm``): V4.1's hyper-connection
+weights are V4's formulas, its routed experts are SwiGLUs over one bank per
+projection as V4's are, and its window attention (sink, keys that are also the
+values, compressed entries behind an additive mask) is V4's.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ class ForwardPaths:
     grouped_experts: bool = False
     """Steps with more pairs than that sort the pairs by expert and run each projection as one grouped
     matmul over the bank (torch's ``grouped_mm``; bf16 on CUDA) instead of one expert at a time."""
+    window_kernel: bool = False
+    """A chunk of several queries attends over its window and compressed entries in V4's Triton kernel
+    (``attention_triton.window_attention``: no ``[queries, keys]`` scores or masks in memory) instead of
+    through a dense mask; a one-token chunk keeps the dense path."""
     batched_decode: bool = False
     """With ``decode_graphs = off``: the one-token chunks of a step go through the layers together
     (``DeepseekV41Model.decode_many``): every projection, norm, hyper-connection and expert sees all
@@ -55,17 +61,19 @@ class ForwardPaths:
         """On CUDA every path whose kernels can launch; elsewhere the reference path."""
         if torch.device(device).type != "cuda":
             return cls()
-        from ds4d.cuda import hc_triton, moe_gemv
+        from ds4d.cuda import attention_triton, hc_triton, moe_gemv
 
         from ds4d.models.deepseek_v41.moe import GROUPED_MM_AVAILABLE
 
         return cls(fused_hyper=hc_triton.available(), expert_rows=moe_gemv.available(),
-                   grouped_experts=GROUPED_MM_AVAILABLE, batched_decode=True, decode_graphs="cuda")
+                   grouped_experts=GROUPED_MM_AVAILABLE, window_kernel=attention_triton.available(),
+                   batched_decode=True, decode_graphs="cuda")
 
     @classmethod
     def all_kernels(cls) -> ForwardPaths:
         """Every path on, wherever the kernels can run (the CPU through Triton's interpreter)."""
-        return cls(fused_hyper=True, expert_rows=True, grouped_experts=True, batched_decode=True)
+        return cls(fused_hyper=True, expert_rows=True, grouped_experts=True, window_kernel=True,
+                   batched_decode=True)
 
     def replace(self, **changes) -> ForwardPaths:
         return dataclasses.replace(self, **changes)
