@@ -117,6 +117,19 @@ def test_served_on_the_device_the_engram_tables_stay_page_locked_on_the_host(tmp
     assert float((logits - want).abs().max() / want.abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("chunk,last_only", [(None, False), (7, False), (None, True)])
+def test_the_window_kernel_on_the_device_equals_the_dense_attention(dtype, tolerance, chunk, last_only, monkeypatch):
+    """Each prefill attention core of the tiny models through the compiled kernel and through the
+    dense mask from the same state (bf16: the kernel rounds the probabilities before normalising them,
+    the dense path after)."""
+    from tests.unit.test_dsv41_paths import check_window_kernel
+
+    for name in ("tiny_a", "tiny_b"):
+        reference = DeepseekV41Model.from_pretrained(FIXTURES / name, dtype=dtype, device="cuda", paths=ForwardPaths())
+        check_window_kernel(reference, monkeypatch, chunk, last_only, tolerance)
+
+
 @pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
 def test_sequences_decoded_together_equal_each_decoded_alone(name):
     reference = DeepseekV41Model.from_pretrained(FIXTURES / name, device="cuda", paths=ForwardPaths())

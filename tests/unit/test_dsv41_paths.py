@@ -109,15 +109,19 @@ def test_grouped_experts_equal_the_reference(models):
 
 @pytest.mark.parametrize("chunk,last_only", [(None, False), (7, False), (None, True)])
 def test_the_window_kernel_equals_the_reference_attention(models, monkeypatch, chunk, last_only):
+    check_window_kernel(models[0], monkeypatch, chunk, last_only, tolerance=1e-5)
+
+
+def check_window_kernel(reference: DeepseekV41Model, monkeypatch, chunk: int | None, last_only: bool,
+                        tolerance: float) -> None:
     """Every multi-query attention core of a prefill (whole, in chunks after a window history, on the
     triangle's fewer query rows), run again on a copy of its state through V4's Triton kernel: the same
-    output, and the same state afterwards."""
+    output within ``tolerance`` (relative to its largest), and the same state afterwards."""
     import copy
 
     from ds4d.cuda import attention_triton
     from ds4d.models.deepseek_v41 import attention
 
-    reference, _ = models
     core, compared, launched = attention.attention_core, [], []
     kernel = attention_triton.window_attention
 
@@ -131,16 +135,17 @@ def test_the_window_kernel_equals_the_reference_attention(models, monkeypatch, c
         if projected.q.shape[0] > 1:
             got = core(x, projected, plan, w, cfg, twin, twin_shared, rows, window_kernel=True)
             compared.append((plan.layer, projected.q.shape[0]))
-            assert got.shape == want.shape and relative_error(got, want) < 1e-5, plan.layer
+            assert got.shape == want.shape and relative_error(got.float(), want.float()) < tolerance, plan.layer
             assert all(torch.equal(a, b) for a, b in zip(twin.windows, state.windows))
             for source, group in state.groups.items():
                 assert twin.groups[source].entries.count == group.entries.count
         return want
 
-    monkeypatch.setattr(attention, "attention_core", both)
-    monkeypatch.setattr(attention_triton, "window_attention", counted)
     ids = prompt(reference, 3 * reference.cfg.sliding_window + 2, seed=4)
-    reference.prefill(reference.new_state(), ids, chunk, last_only=last_only)
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "attention_core", both)
+        patch.setattr(attention_triton, "window_attention", counted)
+        reference.prefill(reference.new_state(), ids, chunk, last_only=last_only)
     layers = {layer for layer, _ in compared}
     assert layers == set(range(reference.cfg.num_hidden_layers)) or last_only and len(layers) > 1
     assert launched == [queries for _, queries in compared]  # every one went through the kernel
