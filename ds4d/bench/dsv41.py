@@ -98,55 +98,14 @@ def bench_config(layers: list[int], tiny: bool, experts: int, engram_vocab: int)
 
 
 def random_tensors(torch, config: dict, device, seed: int, native: bool = False, fp8: bool = True) -> dict:
-    """``{official name: tensor}`` drawn on ``device`` in bf16 (float32 where the model keeps float32);
-    Engram tables as FP8 with unit e8m0 scales, and the routed experts, in host memory; with ``native``
-    the FP8 linears (unless not ``fp8``) as e4m3 values and the routed experts as FP4 codes, each with
-    e8m0 scales that make a row's weights about ``1 / sqrt(inputs)``, on ``device``."""
-    from ds4d.models.deepseek_v41.layout import FP4, FP8, SCALE, TEXT, CheckpointLayout
+    """``{official name: tensor}`` of random weights (``models/deepseek_v41/random_init.py``) on ``device``,
+    the Engram tables and dense routed experts in host memory; with ``native`` the FP8 linears (unless
+    not ``fp8``) and the routed experts as stored (e4m3 values, FP4 codes, with e8m0 scales)."""
+    from ds4d.models.deepseek_v41.layout import FP4, FP8
+    from ds4d.models.deepseek_v41.random_init import RandomTensors
 
-    gen = torch.Generator(device=device).manual_seed(seed)
-    out = {}
-    for spec in CheckpointLayout(config).select((TEXT,)):
-        if native and spec.quant == FP4:
-            out[spec.name] = torch.randint(-128, 128, spec.shape, generator=gen, device=device, dtype=torch.int8)
-            inputs = spec.dense_shape[1]
-            exponent = 127 - 2 - round(math.log2(inputs) / 2)  # codes reach 6: scale ~ 1 / (4 sqrt(inputs))
-            scale_shape = (spec.shape[0], inputs // 32)
-            out[spec.scale_name] = torch.full(scale_shape, exponent, dtype=torch.uint8, device=device).view(
-                torch.float8_e8m0fnu)
-            continue
-        if spec.quant == SCALE:
-            continue
-        shape = spec.dense_shape or spec.shape
-        name = spec.name
-        if ".engram.embed." in name:
-            values = torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
-            out[name] = values.to(torch.float8_e4m3fn).cpu()
-            out[spec.scale_name] = torch.ones(shape[0], shape[1] // 32, dtype=torch.float8_e8m0fnu)
-            del values
-            continue
-        if native and fp8 and spec.quant == FP8:
-            values = torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
-            out[name] = values.to(torch.float8_e4m3fn)
-            exponent = 127 - round(math.log2(shape[1]) / 2)
-            scale_shape = (-(-shape[0] // spec.block[0]), -(-shape[1] // spec.block[1]))
-            out[spec.scale_name] = torch.full(scale_shape, exponent, dtype=torch.uint8, device=device).view(
-                torch.float8_e8m0fnu)
-            del values
-            continue
-        values = torch.randn(*shape, generator=gen, device=device, dtype=torch.bfloat16)
-        if name.endswith(("norm.weight", "q_weight", "k_weight")):
-            values = 1.0 + 0.1 * values
-        elif name.endswith("_scale"):
-            values = 1.0 + 0.2 * values
-        elif name.endswith(("_base", ".bias")):
-            values = 0.1 * values
-        elif not name.endswith(("attn_sink", "embed.weight")):
-            values = values * shape[-1] ** -0.5
-        if ".ffn.experts." in name:
-            values = values.cpu()  # as a checkpoint hands them over: the model copies them into its banks
-        out[name] = values
-    return out
+    stored = ((FP8, FP4) if fp8 else (FP4,)) if native else ()
+    return dict(RandomTensors(config, device=device, seed=seed, stored=stored))
 
 
 def experts_to_host(tensors: dict) -> None:

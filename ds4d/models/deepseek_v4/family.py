@@ -35,6 +35,7 @@ from ds4d.models.deepseek_v4.model import DeepseekV4Model
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
 from ds4d.models.deepseek_v4.parallel import build_parallel_model, serve_torchrun_worker
 from ds4d.models.deepseek_v4.paths import ForwardPaths
+from ds4d.models.deepseek_v4.random_init import RandomReader
 from ds4d.models.deepseek_v4.weights import read_weights
 from ds4d.parallel.gpus import TORCHRUN, parse_gpus
 from ds4d.parallel.launch import TorchrunJob
@@ -42,29 +43,38 @@ from ds4d.registry import PluginError
 
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", offload: OffloadOptions | None = None,
-    weight_format: str = "auto", paths: ForwardPaths | None = None,
+    weight_format: str = "auto", paths: ForwardPaths | None = None, load_format: str = "auto",
 ) -> DeepseekV4Model:
     """Load a checkpoint; with ``offload``, routed experts go to host RAM and the device keeps the hot ones.
-    ``paths``: how the forward runs (default: every path the device can run)."""
+    ``paths``: how the forward runs (default: every path the device can run); ``load_format`` random:
+    weights drawn at random for the directory's config.json (``random_init.py``), as they would be read."""
     path = Path(path)
     if path.is_file():  # a GGUF file of llama.cpp's converter
+        if load_format == "random":
+            raise ValueError("load_format random draws weights for a checkpoint directory's config.json, "
+                             "not a GGUF file")
         return load_gguf_model(path, dtype=dtype, device=device, offload=offload, weight_format=weight_format,
                                paths=paths)
     cfg = DeepseekV4Config.from_file(path)
-    checkpoint = SafetensorsCheckpoint(path)
     native = native_weights(weight_format, dtype, device)
     if offload is not None and native:
         offload = dataclasses.replace(offload, native=True)
     experts = None
     if offload is not None:  # each layer's experts are split over device and host as they are read
         experts = ExpertOffload(None, cfg, device=device, dtype=dtype, options=offload)
-    try:
-        reader = WeightReader(checkpoint, cfg, dtype=dtype, device=device, native=native)
-        reader.check_complete()
-        weights = read_weights(reader, expert_device="cpu" if experts is not None else None,
-                               expert_sink=experts.adopt if experts is not None else None)
-    finally:
-        checkpoint.close()
+    expert_device = "cpu" if experts is not None else None
+    sink = experts.adopt if experts is not None else None
+    if load_format == "random":
+        reader = RandomReader(cfg, dtype=dtype, device=device, native=native, keep_values=False)
+        weights = read_weights(reader, expert_device=expert_device, expert_sink=sink)
+    else:
+        checkpoint = SafetensorsCheckpoint(path)
+        try:
+            reader = WeightReader(checkpoint, cfg, dtype=dtype, device=device, native=native)
+            reader.check_complete()
+            weights = read_weights(reader, expert_device=expert_device, expert_sink=sink)
+        finally:
+            checkpoint.close()
     if experts is not None:
         experts.finish()
     return DeepseekV4Model(cfg, weights, load_tokenizer(path), dtype=dtype, device=device, expert_offload=experts,
@@ -83,6 +93,8 @@ class DeepseekV4Family:
     """``ModelFamily`` plugin for DeepSeek-V4 Flash and Pro; a ``SplitModelFamily`` (``gpus``, expert offload)."""
 
     name = "deepseek_v4"
+    random_weights = True
+    """``load_format = random`` is honoured (on one process, for a checkpoint directory)."""
 
     def __init__(self, ctx: PluginContext, options: Mapping[str, Any] | None = None) -> None:
         self.ctx = ctx
@@ -102,6 +114,13 @@ class DeepseekV4Family:
     def load(self, path: Path) -> Model:
         """One process (``gpus`` empty): :func:`load_model`; else a ``ParallelDeepseekV4Model`` whose
         ``close`` stops the other processes."""
+        if getattr(self.ctx.config, "load_format", "auto") == "random":
+            if getattr(self.ctx.config, "gpus", ""):
+                raise PluginError("load_format=random: a model split over gpus reads its checkpoint; "
+                                  "leave gpus empty or use auto")
+            if Path(path).is_file():
+                raise PluginError("load_format=random draws weights for a checkpoint directory's config.json, "
+                                  "not for a GGUF file")
         if getattr(self.ctx.config, "gpus", ""):
             if Path(path).is_file():
                 raise PluginError(f"gpus={self.ctx.config.gpus!r}: a GGUF file is not split over processes yet; "
@@ -139,10 +158,15 @@ class DeepseekV4Family:
         config = self.ctx.config
         dtype = torch_dtype(getattr(config, "dtype", "float32"))
         device = str(getattr(config, "device", "cpu"))
+        load_format = str(getattr(config, "load_format", "auto"))
+        if load_format == "random":
+            self.ctx.log.warning("load_format = random: RANDOM WEIGHTS for %s/config.json (a benchmark mode: "
+                                 "the output is noise)", path)
         self.ctx.log.info("loading DeepSeek-V4 checkpoint %s (%s on %s)", path, dtype, device)
         paths = ForwardPaths.for_device(device, compile_decode=bool(getattr(config, "compile_decode", False)))
         model = load_model(path, dtype=dtype, device=device, offload=offload_options(config, self.options),
-                           weight_format=str(getattr(config, "weight_format", "auto")), paths=paths)
+                           weight_format=str(getattr(config, "weight_format", "auto")), paths=paths,
+                           load_format=load_format)
         self.ctx.log.info(
             "loaded %s: %d layers, ratios %s, %.1f MiB of parameters (%s weights)",
             model.info.name,

@@ -70,7 +70,8 @@ class SafetensorsCheckpoint:
         else:
             shards = sorted(self.directory.glob("*.safetensors"))
             if not shards:
-                raise CheckpointError(f"{self.directory}: no *.safetensors files")
+                raise CheckpointError(f"{self.directory}: no *.safetensors files (to serve random weights of its "
+                                      "config.json: load_format = random)")
         for shard in shards:
             self._read_header(shard)
         if not index.is_file():

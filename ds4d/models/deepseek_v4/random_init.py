@@ -97,7 +97,7 @@ class RandomReader:
         self.issued[name] = tensor if self.keep_values else torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
     def _generator(self, name: str) -> torch.Generator:
-        seed = (self.seed << 32) ^ zlib.crc32(name.encode())
+        seed = zlib.crc32(f"{self.seed}/{name}".encode())  # the low 32 bits are all a CPU generator keeps
         return torch.Generator(device=self.device).manual_seed(seed)
 
     def _randn(self, shape: tuple[int, ...], name: str) -> torch.Tensor:

@@ -113,7 +113,8 @@ class ShardedSafetensors:
         else:
             shards = sorted(self.directory.glob("*.safetensors"))
             if not shards:
-                raise CheckpointError(f"{self.directory}: no *.safetensors files")
+                raise CheckpointError(f"{self.directory}: no *.safetensors files (to serve random weights of its "
+                                      "config.json: load_format = random)")
             for shard in shards:
                 for name, info in self._read_header(shard).items():
                     if name in self._file:

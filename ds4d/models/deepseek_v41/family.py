@@ -50,9 +50,10 @@ from ds4d.models.deepseek_v4.offload import OffloadOptions
 from ds4d.models.deepseek_v4.stored import Fp8Weight
 from ds4d.models.deepseek_v41.checkpoint import OfficialCheckpoint
 from ds4d.models.deepseek_v41.config import DeepseekV41Config
-from ds4d.models.deepseek_v41.layout import FP4, FP8, SCALE
+from ds4d.models.deepseek_v41.layout import FP4, FP8, SCALE, is_engram_table
 from ds4d.models.deepseek_v41.model import DeepseekV41Model
 from ds4d.models.deepseek_v41.paths import ForwardPaths
+from ds4d.models.deepseek_v41.random_init import RandomTensors
 from ds4d.models.deepseek_v41.serving import DEFAULT_BLOCK_TOKENS, DeepseekV41Serving
 from ds4d.models.deepseek_v41.tokenizer import load_tokenizer
 from ds4d.registry import PluginError
@@ -61,10 +62,6 @@ MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text")
 ENGRAM_STORAGE = ("auto", "ram", "mmap")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": None}
 GIB = 2**30
-
-
-def is_engram_table(name: str) -> bool:
-    return ".engram.embed." in name
 
 
 def engram_table_bytes(checkpoint: OfficialCheckpoint) -> int:
@@ -159,33 +156,47 @@ def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_
                available_bytes: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                device: str = "cpu", dtype: torch.dtype = torch.float32, paths: ForwardPaths | None = None,
                weight_format: str = "auto", offload: OffloadOptions | None = None,
-               log: logging.Logger | None = None) -> DeepseekV41Serving:
+               log: logging.Logger | None = None, load_format: str = "auto") -> DeepseekV41Serving:
     """A servable V4.1 model from a checkpoint directory (weights and state on ``device`` in ``dtype``,
     the Engram tables in host memory; ``paths``: the device's by default; ``weight_format``: which
     quantised weights stay as stored, :func:`stored_weight_choice`; ``offload``: the routed experts
-    split over the device and host RAM)."""
+    split over the device and host RAM; ``load_format`` random: weights drawn at random for the
+    directory's config.json, ``random_init.py``, the Engram tables in host memory)."""
     log = log or logging.getLogger("ds4d")
     path = Path(path)
     cfg = DeepseekV41Config.from_file(path)
     tokenizer, tokenizer_source = load_tokenizer(path)
     (log.info if tokenizer_source.source == "checkpoint" else log.warning)("%s", tokenizer_source.describe())
     stored = stored_weight_choice(weight_format, dtype, device)
-    checkpoint = OfficialCheckpoint(path, groups=("text",), log=log)
-    try:
-        table_bytes = engram_table_bytes(checkpoint)
-        if available_bytes is None:
-            import psutil
+    if available_bytes is None:
+        import psutil
 
-            available_bytes = psutil.virtual_memory().available
-        storage = choose_engram_storage(engram_storage, table_bytes, available_bytes, mem_watermark_bytes)
+        available_bytes = psutil.virtual_memory().available
+    pin = torch.device(device).type == "cuda"
+    checkpoint = None
+    try:
+        if load_format == "random":
+            tensors = RandomTensors(json.loads((path / "config.json").read_text(encoding="utf-8")), device=device,
+                                    stored=stored, pin=pin)
+            table_bytes = tensors.table_bytes()
+            storage = choose_engram_storage(engram_storage, table_bytes, available_bytes, mem_watermark_bytes)
+            if storage != "ram":
+                raise PluginError(f"load_format random draws the Engram tables into host memory: "
+                                 f"{table_bytes / GIB:.1f} GiB do not fit (MemAvailable {available_bytes / GIB:.1f} GiB, "
+                                 f"watermark {mem_watermark_bytes / GIB:.1f} GiB) or engram_storage is mmap")
+        else:
+            checkpoint = OfficialCheckpoint(path, groups=("text",), log=log)
+            table_bytes = engram_table_bytes(checkpoint)
+            storage = choose_engram_storage(engram_storage, table_bytes, available_bytes, mem_watermark_bytes)
+            tensors = CheckpointTensors(checkpoint, storage, pin=pin, stored=stored)
         log.info("Engram tables: %.3f GiB, %s (engram_storage = %s; MemAvailable %.1f GiB, watermark %.1f GiB)",
                  table_bytes / GIB, "read into host memory" if storage == "ram" else "memory-mapped from the shards",
                  engram_storage, available_bytes / GIB, mem_watermark_bytes / GIB)
-        tensors = CheckpointTensors(checkpoint, storage, pin=torch.device(device).type == "cuda", stored=stored)
         model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, device=device, dtype=dtype, paths=paths,
                                               stored_weights=bool(stored), offload=offload)
     finally:
-        checkpoint.shards.close()  # the mapped views handed out keep their maps
+        if checkpoint is not None:
+            checkpoint.shards.close()  # the mapped views handed out keep their maps
     del tensors
     experts = model.expert_offload
     weight_bytes = model.weights.parameter_bytes()
@@ -241,6 +252,8 @@ class DeepseekV41Family:
     name = "deepseek_v41"
     offloads_experts = True
     """``expert_vram_gib`` is honoured (``offload.py``); ``gpus`` is not."""
+    random_weights = True
+    """``load_format = random`` is honoured (``random_init.py``)."""
 
     def __init__(self, ctx: PluginContext, options: Mapping[str, Any] | None = None) -> None:
         self.ctx = ctx
@@ -261,6 +274,10 @@ class DeepseekV41Family:
         device = str(getattr(config, "device", "cpu"))
         dtype = DTYPES[str(getattr(config, "dtype", "float32")).removeprefix("torch.")]
         dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+        load_format = str(getattr(config, "load_format", "auto"))
+        if load_format == "random":
+            self.ctx.log.warning("load_format = random: RANDOM WEIGHTS for %s/config.json (a benchmark mode: "
+                                 "the output is noise)", path)
         self.ctx.log.info("loading DeepSeek-V4.1 checkpoint %s (%s on %s)", path, str(dtype).removeprefix("torch."),
                           device)
         watermark = int(float(getattr(config, "mem_watermark_gib", 15)) * GIB)
@@ -269,7 +286,8 @@ class DeepseekV41Family:
                            mem_watermark_bytes=watermark, log=self.ctx.log, device=device, dtype=dtype, paths=paths,
                            weight_format=str(getattr(config, "weight_format", "auto")),
                            offload=offload_options(config, self.options),
-                           block_tokens=int(self.options.get("block_tokens", DEFAULT_BLOCK_TOKENS)))
+                           block_tokens=int(self.options.get("block_tokens", DEFAULT_BLOCK_TOKENS)),
+                           load_format=load_format)
         self.ctx.log.info("loaded %s: %d layers, ratios %s, KV sources %s, %.1f MiB of parameters",
                           model.info.name, model.cfg.num_hidden_layers, model.info.extra["compress_ratios"],
                           list(model.cfg.kv_source_layer_ids), model.info.parameter_bytes / 2**20)

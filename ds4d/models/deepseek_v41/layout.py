@@ -87,6 +87,11 @@ def scale_name_of(weight_name: str) -> str:
     return weight_name.removesuffix("weight") + "scale"
 
 
+def is_engram_table(name: str) -> bool:
+    """An Engram layer's table (or its scales): kept as stored, in host memory."""
+    return ".engram.embed." in name
+
+
 # ---------------------------------------------------------------------- config
 
 

@@ -1,0 +1,65 @@
+"""``ds4d serve --load-format random``: a daemon over random weights for a directory's config.json.
+
+The directories hold a tiny config.json and its tokenizer and no weights: the
+daemon must come up with the family the config names, say loudly that the
+weights are random (log and /v1/ds4d/stats), and serve; the same directory
+without the knob must refuse to start, naming what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import urllib.request
+
+import openai
+import pytest
+
+from ds4d.models.deepseek_v4 import write_tiny_checkpoint
+from ds4d.models.deepseek_v41.make_tiny import write_tiny
+from tests.daemon import Daemon
+
+
+def config_only(source, target):
+    target.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(source / name, target / name)
+    return target
+
+
+@pytest.fixture(scope="module", params=["deepseek_v41", "deepseek_v4"])
+def bare(request, tmp_path_factory):
+    """(family, a directory with config.json and tokenizer.json only)."""
+    made = tmp_path_factory.mktemp("made")
+    source = write_tiny(made / "ckpt") if request.param == "deepseek_v41" else write_tiny_checkpoint(
+        made / "ckpt", layers=[0, 4, 128], seed=2)
+    return request.param, config_only(source, tmp_path_factory.mktemp("bare") / "model")
+
+
+def test_a_daemon_serves_random_weights_and_says_so(bare):
+    family, path = bare
+    daemon = Daemon("--model", str(path), "--load-format", "random", "--threads", "1", "--kv-cache-tokens", "512",
+                    "--max-num-seqs", "2", "--device", "cpu", "--dtype", "float32")
+    try:
+        assert "RANDOM WEIGHTS" in daemon.log and f"loading {family} model from" in daemon.log
+        with urllib.request.urlopen(daemon.url + "/v1/ds4d/stats", timeout=30) as resp:
+            stats = json.load(resp)
+        assert stats["model"]["family"] == family and stats["model"]["load_format"] == "random"
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 6 and reply.usage.prompt_tokens > 0
+    finally:
+        daemon.stop()
+
+
+def test_without_the_knob_the_missing_weights_stop_the_start(bare):
+    _, path = bare
+    result = subprocess.run([sys.executable, "-m", "ds4d.cli", "serve", "--model", str(path), "--threads", "1",
+                             "--device", "cpu", "--port", "0"], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "no *.safetensors files (to serve random weights of its config.json: load_format = random)" in " ".join(
+        (result.stderr + result.stdout).split())
