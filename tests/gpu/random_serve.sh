@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# A daemon over random weights (`ds4d serve --load-format random`) at V4.1-Flash widths on one GPU: a
+# directory holding only a config.json (6 layers 0,0,2,2,1,1 and the release's 384 experts by default,
+# LAYERS / EXPERTS to change), the weights drawn as stored; then one cold and one warm 2K-token prompt
+# and a 64-token decode through /v1/completions, timed from the client.  Logs under $OUT (or ./out).
+set -o pipefail
+source "$(dirname "$0")/daemon_lib.sh"
+ds4d_setup || exit 1
+DIR=${DIR:-/tmp/random_v41}; PORT=${PORT:-18431}
+mkdir -p "$DIR"
+$PY - "$DIR" "${LAYERS:-0,0,2,2,1,1}" "${EXPERTS:-384}" <<'PYEOF' || exit 1
+import json, sys
+from ds4d.bench.dsv41 import bench_config
+config, _ = bench_config([int(x) for x in sys.argv[2].split(",")], False, int(sys.argv[3]), 262_144)
+open(sys.argv[1] + "/config.json", "w").write(json.dumps(config))
+PYEOF
+start=$(date +%s)
+$PY -m ds4d.cli serve --model "$DIR" --load-format random --device cuda --port "$PORT" > "$OUT/random_serve.log" 2>&1 &
+PID=$!
+ds4d_wait_ready "$PORT" "$PID" "${READY_S:-400}" || { tail -30 "$OUT/random_serve.log"; kill $PID; exit 1; }
+echo "ready after $(( $(date +%s) - start )) s"
+$PY - "$PORT" <<'PYEOF'
+import random, sys, time
+import openai
+client = openai.OpenAI(base_url=f"http://127.0.0.1:{sys.argv[1]}/v1", api_key="x", max_retries=0, timeout=300)
+model = client.models.list().data[0].id
+rng = random.Random(0)
+def timed(prompt, tokens):
+    t = time.perf_counter()
+    reply = client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    return time.perf_counter() - t, reply.usage
+rows = []
+for case in ("cold", "another"):
+    seconds, usage = timed([rng.randrange(1000, 120000) for _ in range(2048)], 1)
+    rows.append((f"prefill 2048, {case}", f"{seconds:.3f} s", f"{usage.prompt_tokens / seconds:,.0f} tok/s"))
+short, _ = timed([rng.randrange(1000, 120000) for _ in range(16)], 1)
+seconds, usage = timed([rng.randrange(1000, 120000) for _ in range(16)], 65)
+rows.append(("decode 64 after 16", f"{seconds - short:.3f} s", f"{64 / (seconds - short):,.1f} tok/s"))
+print("| case | time | rate |\n|---|---|---|")
+for row in rows:
+    print("| " + " | ".join(row) + " |")
+PYEOF
+kill "$PID"; wait "$PID"
+grep -E "RANDOM WEIGHTS|weights:|Engram tables|GPU memory plan|forward paths" "$OUT/random_serve.log" | cut -c1-300 | head -8
