@@ -2,7 +2,8 @@
 # A daemon over random weights (`ds4d serve --load-format random`) at V4.1-Flash widths on one GPU: a
 # directory holding only a config.json (6 layers 0,0,2,2,1,1 and the release's 384 experts by default,
 # LAYERS / EXPERTS to change), the weights drawn as stored; then one cold and one warm 2K-token prompt
-# and a 64-token decode through /v1/completions, timed from the client.  Logs under $OUT (or ./out).
+# and a 64-token decode through /v1/completions, timed from the client; SERVE_ARGS go to `ds4d serve`.
+# Logs under $OUT (or ./out).
 set -o pipefail
 source "$(dirname "$0")/daemon_lib.sh"
 ds4d_setup || exit 1
@@ -15,7 +16,8 @@ config, _ = bench_config([int(x) for x in sys.argv[2].split(",")], False, int(sy
 open(sys.argv[1] + "/config.json", "w").write(json.dumps(config))
 PYEOF
 start=$(date +%s)
-$PY -m ds4d.cli serve --model "$DIR" --load-format random --device cuda --port "$PORT" > "$OUT/random_serve.log" 2>&1 &
+$PY -m ds4d.cli serve --model "$DIR" --load-format random --device cuda --port "$PORT" ${SERVE_ARGS:-} \
+  > "$OUT/random_serve.log" 2>&1 &
 PID=$!
 ds4d_wait_ready "$PORT" "$PID" "${READY_S:-400}" || { tail -30 "$OUT/random_serve.log"; kill $PID; exit 1; }
 echo "ready after $(( $(date +%s) - start )) s"

@@ -67,6 +67,26 @@ def test_a_cloned_state_continues_like_the_original(model):
     assert torch.equal(first, second)
 
 
+def test_index_scores_in_query_slices_equal_one_pass(model, monkeypatch):
+    """A step whose per-head index scores would pass INDEX_SCORE_BYTES scores its queries in slices:
+    the same logits bit for bit (here one query a slice, over a prompt where the top-k selects)."""
+    from ds4d.models.deepseek_v41 import attention
+
+    ids = prompt(model, 4 * model.cfg.sliding_window + 3)
+    want = model.prefill(model.new_state(), ids)
+    sliced = []
+    score = attention.index_scores
+
+    def counted(q, keys, head_weights):
+        sliced.append(q.shape[0])
+        return score(q, keys, head_weights)
+
+    monkeypatch.setattr(attention, "index_scores", counted)
+    monkeypatch.setattr(attention, "INDEX_SCORE_BYTES", 1)
+    got = model.prefill(model.new_state(), ids)
+    assert max(sliced) > 1 and torch.equal(got, want)
+
+
 def test_official_and_hf_names_build_the_same_model():
     directory = FIXTURES / "tiny_a"
     hf_named = read_safetensors(directory)

@@ -129,6 +129,28 @@ def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, keep: int, blo
     return chosen.repeat_interleave(block, dim=-1)[..., :width]
 
 
+INDEX_SCORE_BYTES = 1 << 30
+"""The most the indexer's per-head scores ``[queries, heads, entries]`` (float32) take at once: a step
+whose scores would take more scores its queries in slices (at 1M positions the entries of a ratio-2
+group are 512K: 128 MiB a query at 64 heads)."""
+
+
+def index_scores(q: torch.Tensor, keys: torch.Tensor, head_weights: torch.Tensor) -> torch.Tensor:
+    """``q [S, H, width]`` over the index keys ``[T, width]``: each query's sum over heads of its head
+    weight ``[S, H]`` times the rectified, scaled dot products, ``[1, S, T]`` float32.  The queries go in
+    slices of at most :data:`INDEX_SCORE_BYTES` of per-head scores; each query's arithmetic is the same."""
+    queries, heads, width = q.shape
+    step = max(1, INDEX_SCORE_BYTES // (heads * max(1, keys.shape[0]) * 4))
+    parts = []
+    for start in range(0, queries, step):
+        part = slice(start, start + step)
+        # [1, s, H, T] like a batch of one, so the reductions group the same way as the reference's
+        scores = torch.einsum("bshd,btd->bsht", q[part].unsqueeze(0).float(), keys.unsqueeze(0).float())
+        scores = scores.relu_() * width**-0.5
+        parts.append((scores * head_weights[part].unsqueeze(0).unsqueeze(-1)).sum(dim=2))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
 def index_step(x: torch.Tensor, q_residual: torch.Tensor, latent: torch.Tensor | None, first: int,
                plan: LayerPlan, w: IndexerWeights, cfg: DeepseekV41Config, group: GroupState,
                shared: StepShared, rows: StepRows) -> None:
@@ -150,11 +172,8 @@ def index_step(x: torch.Tensor, q_residual: torch.Tensor, latent: torch.Tensor |
     count, heads, width = keys.shape[0], cfg.index_n_heads, cfg.index_head_dim
     q = linear(q_residual, w.wq_b).unflatten(-1, (heads, width))
     q = round_fp4_blocks(apply_rope(q, *rows.compress), 32)
-    # [1, S, H, T] like a batch of one, so the reductions group the same way as the reference's
-    scores = torch.einsum("bshd,btd->bsht", q.unsqueeze(0).float(), keys.unsqueeze(0).float())
-    scores = scores.relu_() * width**-0.5
     head_weights = F.linear(x, w.weights_proj).float() * heads**-0.5
-    scores = (scores * head_weights.unsqueeze(0).unsqueeze(-1)).sum(dim=2)  # [1, S, T]
+    scores = index_scores(q, keys, head_weights)
     visible = (rows.positions.long() + 1).div(ratio, rounding_mode="floor").view(1, -1, 1)
     scores = scores.masked_fill(torch.arange(count, device=scores.device).view(1, 1, -1) >= visible, NEG_INF)
     if plan.is_candidate_source:
