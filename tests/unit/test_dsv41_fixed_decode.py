@@ -23,7 +23,8 @@ import torch
 
 from ds4d.contracts import ForwardBatch, SeqChunk
 from ds4d.models.deepseek_v41 import DeepseekV41Model
-from ds4d.models.deepseek_v41.decode import SlotArrays, pack_rows
+from ds4d.models.deepseek_v4.decode import pack_rows
+from ds4d.models.deepseek_v41.decode import SlotArrays
 from ds4d.models.deepseek_v41.paths import ForwardPaths
 from ds4d.models.deepseek_v41.serving import DeepseekV41Serving
 

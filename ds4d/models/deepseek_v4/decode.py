@@ -23,6 +23,7 @@ can move between the two paths at any step:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -164,3 +165,14 @@ def decode_attention(
         mask = torch.cat([mask, extra], dim=1)
     out = _attend(q, keys, mask, weights.sink, cfg.head_dim**-0.5)
     return project_out(out, weights, cos, sin, cfg)
+
+
+def pack_rows(rows: Sequence[tuple[int, int, int, Sequence[int]]], count: int, width: int, scratch: int,
+              trash: int) -> torch.Tensor:
+    """``(token, position, slot, block ids)`` per sequence as ``[count, 3 + width]`` int64 host rows
+    ``[token, position, slot, block table...]``, tables padded with the ``trash`` block, rows past the
+    sequences padding (the ``scratch`` slot, trash blocks): what a fixed-shape decode step copies over."""
+    table = [[token, position, slot, *blocks] + [trash] * (width - len(blocks))
+             for token, position, slot, blocks in rows]
+    table += [[0, 0, scratch] + [trash] * width] * (count - len(rows))
+    return torch.tensor(table, dtype=torch.long)

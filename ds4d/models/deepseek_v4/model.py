@@ -39,7 +39,7 @@ from ds4d.cuda.graphs import bucket as _bucket
 from ds4d.models.deepseek_v4.attention import ChunkRows, StepInputs, attention_forward
 from ds4d.models.deepseek_v4.cache import DeepseekV4Cache
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
-from ds4d.models.deepseek_v4.decode import DecodeInputs, decode_attention
+from ds4d.models.deepseek_v4.decode import DecodeInputs, decode_attention, pack_rows
 from ds4d.models.deepseek_v4.hyper import hc_boundary, hc_head, hc_post
 from ds4d.models.deepseek_v4.moe import RoutingTally, moe_forward
 from ds4d.models.deepseek_v4.offload import counted_rows
@@ -373,13 +373,9 @@ def _holds_bf16_values(tensor: torch.Tensor) -> bool:
 
 
 def pack_decode_rows(chunks: Sequence[SeqChunk], cache: DeepseekV4Cache, rows: int, width: int) -> torch.Tensor:
-    """One-token chunks as ``[rows, 3 + width]`` int64 host rows ``[token, position, slot, block table...]``:
-    tables padded with the trash block, rows past the chunks padding (scratch slot, trash blocks)."""
-    trash = cache.trash_block
-    table = [[c.token_ids[0], c.start_pos, c.state_slot, *c.block_ids] + [trash] * (width - len(c.block_ids))
-             for c in chunks]
-    table += [[0, 0, cache.scratch_slot] + [trash] * width] * (rows - len(chunks))
-    return torch.tensor(table, dtype=torch.long)
+    """One-token chunks as ``[rows, 3 + width]`` int64 host rows (:func:`~ds4d.models.deepseek_v4.decode.pack_rows`)."""
+    return pack_rows([(c.token_ids[0], c.start_pos, c.state_slot, c.block_ids) for c in chunks], rows, width,
+                     cache.scratch_slot, cache.trash_block)
 
 
 def unpack_decode_rows(packed: torch.Tensor, cache: DeepseekV4Cache, rope_main: Rope, rope_compress: Rope) -> DecodeInputs:

@@ -7,8 +7,9 @@ state sits at a fixed place: the window rings of all slots in one tensor
 (:class:`SlotArrays`), the ratio-2 compressor tails beside them, the
 compressed entries and index keys in the block pool (one trash block takes
 the writes of steps that complete no entry).  One step takes packed rows
-``[token, position, slot, block table...]`` (:func:`pack_rows`, padded to a
-bucket of rows and table width) and the Engram rows gathered for them, and
+``[token, position, slot, block table...]`` (V4's
+:func:`~ds4d.models.deepseek_v4.decode.pack_rows`, padded to a bucket of rows
+and table width) and the Engram rows gathered for them, and
 computes every row's logits with device-side arithmetic only:
 
 * the window: the new KV written at ``position % sliding_window``, then each
@@ -28,7 +29,6 @@ sums run over padded (zero-weighted) keys, so the two agree to float rounding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING
@@ -79,16 +79,6 @@ class SlotArrays:
     def ring_views(self, slot: int) -> list[torch.Tensor]:
         """The slot's ring of every layer, as views (writes through them land here)."""
         return list(self.rings[slot].unbind(0))
-
-
-def pack_rows(rows: Sequence[tuple[int, int, int, Sequence[int]]], count: int, width: int, scratch: int,
-              trash: int) -> torch.Tensor:
-    """``(token, position, slot, block ids)`` per sequence as ``[count, HEADER + width]`` int64 host rows,
-    tables padded with the trash block, rows past the sequences padding (scratch slot, trash blocks)."""
-    table = [[token, position, slot, *blocks] + [trash] * (width - len(blocks))
-             for token, position, slot, blocks in rows]
-    table += [[0, 0, scratch] + [trash] * width] * (count - len(rows))
-    return torch.tensor(table, dtype=torch.long)
 
 
 @dataclass

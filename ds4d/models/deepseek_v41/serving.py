@@ -40,7 +40,8 @@ from ds4d.cuda import moe_gemv
 from ds4d.cuda.devices import to_device_async
 from ds4d.cuda.graphs import EagerBuckets, GraphCache, bucket, compiled
 from ds4d.models.deepseek_v4.cache import payload_rows
-from ds4d.models.deepseek_v41.decode import FixedDecode, SlotArrays, pack_rows
+from ds4d.models.deepseek_v4.decode import pack_rows
+from ds4d.models.deepseek_v41.decode import FixedDecode, SlotArrays
 from ds4d.models.deepseek_v41.model import DeepseekV41Model
 from ds4d.models.deepseek_v41.state import GroupState, GrowingRows, SequenceState
 
