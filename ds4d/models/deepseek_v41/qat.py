@@ -16,13 +16,28 @@ Activations before FP8/FP4 matmuls are *not* rounded here: the reference
 forward does that only inside its quantised GEMM kernels, i.e. only when the
 weights themselves are stored quantised; with float weights (this module's
 input) neither the official float path nor the HF model rounds them.
+
+On CUDA each of the three runs as one Triton kernel (``ds4d.cuda.qat_triton``) that computes the
+same float32 steps bit for bit; :data:`FUSED` turns that off.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ds4d.cuda import qat_triton
 from ds4d.models.deepseek_v4.quant import E2M1_MAX, FP8_E4M3_MAX
+
+FUSED = True
+"""On a CUDA device each rounding runs as one Triton kernel (``ds4d.cuda.qat_triton``, the same bits
+as the torch operations below, which run everywhere else and inside ``torch.compile``)."""
+
+
+def _fused(x: torch.Tensor, block: int, mode: int) -> torch.Tensor | None:
+    if FUSED and x.is_cuda and not torch.compiler.is_compiling() and qat_triton.usable(x, block):
+        return qat_triton.round_blocks(x, block, mode)
+    return None
+
 
 def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
     """``2 ** ceil(log2(t))`` for positive normal float32 ``t``, exactly (a ue8m0 scale)."""
@@ -40,6 +55,9 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
 
 def round_fp8_blocks(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP8 e4m3 with a ue8m0 scale per ``block`` channels, dequantised."""
+    fused = _fused(x, block, qat_triton.FP8)
+    if fused is not None:
+        return fused
     blocks = _blocks(x, block)
     if blocks is None:
         return x
@@ -63,6 +81,9 @@ def round_e2m1(q: torch.Tensor) -> torch.Tensor:
 
 def round_fp4_blocks(x: torch.Tensor, block: int, *, e4m3_scales: bool = False) -> torch.Tensor:
     """FP4 e2m1 with one scale per ``block`` channels (ue8m0, or FP8 e4m3 with ``e4m3_scales``), dequantised."""
+    fused = _fused(x, block, qat_triton.FP4_E4M3_SCALES if e4m3_scales else qat_triton.FP4)
+    if fused is not None:
+        return fused
     blocks = _blocks(x, block)
     if blocks is None:
         return x
