@@ -99,7 +99,7 @@ def bench_config(layers: list[int], tiny: bool, experts: int, engram_vocab: int)
 
 def random_tensors(torch, config: dict, device, seed: int, native: bool = False, fp8: bool = True) -> dict:
     """``{official name: tensor}`` of random weights (``models/deepseek_v41/random_init.py``) on ``device``,
-    the Engram tables and dense routed experts in host memory; with ``native`` the FP8 linears (unless
+    the Engram tables and the routed experts in host memory; with ``native`` the FP8 linears (unless
     not ``fp8``) and the routed experts as stored (e4m3 values, FP4 codes, with e8m0 scales)."""
     from ds4d.models.deepseek_v41.layout import FP4, FP8
     from ds4d.models.deepseek_v41.random_init import RandomTensors

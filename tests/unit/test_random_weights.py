@@ -74,6 +74,27 @@ def test_a_model_of_random_weights_runs(official):
     assert logits.std() > 0
 
 
+def test_random_weights_with_experts_offloaded_give_what_they_give_on_the_device(official):
+    """The routed experts come in host memory, as from a checkpoint: an offloaded model (most experts in
+    RAM) built from them gives the logits of the same random weights with every expert in its banks."""
+    from ds4d.models.deepseek_v4.offload import OffloadOptions
+
+    config = json.loads((official / "config.json").read_text())
+    cfg = DeepseekV41Config.from_file(official)
+    tokenizer, _ = load_tokenizer(official)
+    drawn = RandomTensors(config, seed=2)
+    assert all(drawn[name].device.type == "cpu" for name in drawn if ".ffn.experts." in name)
+    plain = DeepseekV41Model.from_tensors(cfg, drawn, tokenizer)
+    expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 4
+    offloaded = DeepseekV41Model.from_tensors(cfg, drawn, tokenizer, offload=OffloadOptions(
+        vram_bytes=(2 + 4) * expert, stage_experts=2, pin_threads=0))
+    assert offloaded.expert_offload is not None and offloaded.expert_offload.expert_stats()["ram_experts"] > 0
+    ids = list(range(7, 7 + cfg.sliding_window + 3))
+    want = plain.prefill(plain.new_state(), ids)
+    got = offloaded.prefill(offloaded.new_state(), ids)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-5
+
+
 def test_a_family_that_cannot_draw_random_weights_refuses_them():
     config = SimpleNamespace(expert_vram_gib=0, gpus="", load_format="random")
     with pytest.raises(PluginError, match="load_format=random: the plain model family cannot"):

@@ -13,8 +13,9 @@ and a second lookup gives the same tensor.  Scales follow the tiny checkpoints:
 linears with rows of about ``inputs ** -0.5`` (FP8 values with one e8m0 scale,
 FP4 codes with e8m0 scales that put their largest code there), norms near 1,
 small biases; Engram tables FP8 with unit scales, in host memory (page-locked
-with ``pin``).  Dense routed experts come in host memory, as a checkpoint hands
-them over; everything else on ``device``.
+with ``pin``).  The routed experts come in host memory, as a checkpoint hands
+them over (the model copies them into its banks or offloads them); everything
+else on ``device``.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class RandomTensors(Mapping):
                    for name, spec in self._weights.items() if is_engram_table(name))
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._draw(name)
+        return tensor.cpu() if ".ffn.experts." in name else tensor  # as a checkpoint hands them over
+
+    def _draw(self, name: str) -> torch.Tensor:
         if name in self._scales:
             return self._scale(self._scales[name])
         if name not in self._weights:
@@ -76,7 +81,7 @@ class RandomTensors(Mapping):
             values = 0.1 * values
         elif not name.endswith(("attn_sink", "embed.weight")):
             values = values * values.shape[-1] ** -0.5
-        return values.cpu() if ".ffn.experts." in name else values
+        return values
 
     def _scale(self, weight: TensorSpec) -> torch.Tensor:
         scale = self.layout[weight.scale_name]
