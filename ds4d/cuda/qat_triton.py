@@ -58,9 +58,11 @@ def available() -> bool:
 
 
 def usable(x: torch.Tensor, block: int) -> bool:
-    """Whether :func:`round_blocks` takes ``x``: whole blocks in its last dimension, a float dtype, a
+    """Whether :func:`round_blocks` takes ``x``: whole blocks in its last dimension, a float dtype (on
+    CUDA float32 or bfloat16: float16 there did not give the torch functions' bits on an H200), a
     device Triton launches on."""
-    return (x.dim() > 0 and x.shape[-1] % block == 0 and x.is_floating_point() and x.numel() > 0
+    dtypes = (torch.float32, torch.bfloat16) if x.is_cuda else (torch.float32, torch.bfloat16, torch.float16)
+    return (x.dim() > 0 and x.shape[-1] % block == 0 and x.dtype in dtypes and x.numel() > 0
             and triton_launches_on(x) and available())
 
 

@@ -5,7 +5,8 @@ Inputs span the cases the arithmetic treats apart: blocks of zeros (the clamped 
 far below and above the formats' ranges (e4m3 subnormal codes, a saturated e4m3 scale), exact
 ties between codes (round half to even), and the shapes the model rounds (``[rows, width]`` and
 ``[rows, heads, width]``, non-contiguous).  Triton's interpreter runs the kernel here; on a CUDA
-machine the compiled kernel runs on the device against the torch operations on the device.
+machine the compiled kernel runs on the device against the torch operations on the device (float32
+and bfloat16 there: float16 did not give their bits on an H200, so the kernel refuses it on CUDA).
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def inputs(dtype: torch.dtype) -> list[torch.Tensor]:
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_the_kernel_rounds_as_the_torch_functions(mode, dtype, monkeypatch):
     kind, block, fn = MODES[mode]
+    if dtype == torch.float16 and device() == "cuda":  # not its bits on an H200: refused there
+        assert not qat_triton.usable(inputs(dtype)[0], block)
+        return
     for x in inputs(dtype):
         assert qat_triton.usable(x, block)
         want = torch_rounding(fn, x, monkeypatch)
@@ -65,8 +69,10 @@ def test_the_kernel_rounds_as_the_torch_functions(mode, dtype, monkeypatch):
 
 
 def test_the_model_takes_the_kernel_on_cuda_only(monkeypatch):
-    """Off CUDA the torch functions run (the goldens' path); a width that is not whole blocks is left alone."""
+    """With the kernel turned on: off CUDA the torch functions still run (the goldens' path); a width
+    that is not whole blocks is left alone."""
     calls = []
+    monkeypatch.setattr(qat, "FUSED", True)
     monkeypatch.setattr(qat_triton, "round_blocks", lambda *args: calls.append(args) or args[0])
     x = torch.randn(3, 64)
     qat.round_fp8_blocks(x)

@@ -17,8 +17,8 @@ forward does that only inside its quantised GEMM kernels, i.e. only when the
 weights themselves are stored quantised; with float weights (this module's
 input) neither the official float path nor the HF model rounds them.
 
-On CUDA each of the three runs as one Triton kernel (``ds4d.cuda.qat_triton``) that computes the
-same float32 steps bit for bit; :data:`FUSED` turns that off.
+With :data:`FUSED` on, each of the three runs on CUDA as one Triton kernel
+(``ds4d.cuda.qat_triton``) that computes the same float32 steps bit for bit.
 """
 
 from __future__ import annotations
@@ -28,9 +28,11 @@ import torch
 from ds4d.cuda import qat_triton
 from ds4d.models.deepseek_v4.quant import E2M1_MAX, FP8_E4M3_MAX
 
-FUSED = True
-"""On a CUDA device each rounding runs as one Triton kernel (``ds4d.cuda.qat_triton``, the same bits
-as the torch operations below, which run everywhere else and inside ``torch.compile``)."""
+FUSED = False
+"""True: on a CUDA device each rounding runs as one Triton kernel (``ds4d.cuda.qat_triton``, the same
+bits as the torch operations below, which run everywhere else and inside ``torch.compile``).  Off by
+default: on an H200 it gave the same bits in float32 and bfloat16 but no measured speed-up
+(docs/BENCHMARKS.md)."""
 
 
 def _fused(x: torch.Tensor, block: int, mode: int) -> torch.Tensor | None:
