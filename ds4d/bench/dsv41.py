@@ -375,7 +375,8 @@ def run(args: argparse.Namespace) -> int:
     prompt = torch.randint(100, cfg.vocab_size, (prefill_tokens,), generator=gen).tolist()
     rate, moved = _prefill_rate(torch, device, model, prompt)
     last = model.prefill(model.new_state(), prompt, last_only=True)[-1].float().cpu()
-    rows.append(Row(f"prefill {prefill_tokens} (triangle)", ds4d=rate, floor=floors.prefill(prefill_tokens, moved, link),
+    rows.append(Row(f"prefill {prefill_tokens} (triangle)", ds4d=rate,
+                    floor=floors.prefill(prefill_tokens, moved, link),
                     note=f"{moved / 1e9:.2f} GB over the link" if model.expert_offload else ""))
     if model.paths.window_kernel:  # the same weights with the window attention as a dense mask: the kernel's peer
         dense = DeepseekV41Model(cfg, model.weights, model.hasher, device=model.device, dtype=model.dtype,

@@ -4,7 +4,8 @@ The torch functions take about twenty small kernels per call (the block maxima,
 the power-of-two scale through ``frexp`` and ``ldexp``, the division, the clamp,
 the e4m3 cast or the e2m1 grid, the product), and a V4.1 decode step calls them
 a dozen times.  Here one program takes a few blocks, and every step is the same
-float32 arithmetic, so the result is the torch function's bit for bit:
+float32 arithmetic, so the result is the torch function's bit for bit (on CUDA
+it takes float32 and bfloat16 only: float16 did not match there on an H200):
 
 * the block maximum of ``|x|``, clamped below as there;
 * a ue8m0 scale ``2 ** ceil(log2(amax / max))`` from the float32 bits (the
@@ -19,8 +20,8 @@ float32 arithmetic, so the result is the torch function's bit for bit:
 * the product with the scale, in the output's dtype.
 
 The kernel is in ``qat_kernels.py`` (imported on first use, so this module loads where Triton is
-missing); it is launched without fused multiply-adds.  With ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors: the tests compare it
-with the torch functions there and on the GPU.
+missing); it is launched without fused multiply-adds. With ``TRITON_INTERPRET=1`` the kernel runs on
+CPU tensors: the tests compare it with the torch functions there and on the GPU.
 """
 
 from __future__ import annotations

@@ -182,8 +182,9 @@ def load_model(path: str | Path, *, engram_storage: str = "auto", mem_watermark_
             storage = choose_engram_storage(engram_storage, table_bytes, available_bytes, mem_watermark_bytes)
             if storage != "ram":
                 raise PluginError(f"load_format random draws the Engram tables into host memory: "
-                                 f"{table_bytes / GIB:.1f} GiB do not fit (MemAvailable {available_bytes / GIB:.1f} GiB, "
-                                 f"watermark {mem_watermark_bytes / GIB:.1f} GiB) or engram_storage is mmap")
+                                  f"{table_bytes / GIB:.1f} GiB do not fit (MemAvailable "
+                                  f"{available_bytes / GIB:.1f} GiB, watermark {mem_watermark_bytes / GIB:.1f} GiB) "
+                                  "or engram_storage is mmap")
         else:
             checkpoint = OfficialCheckpoint(path, groups=("text",), log=log)
             table_bytes = engram_table_bytes(checkpoint)

@@ -46,8 +46,8 @@ class RandomTensors(Mapping):
             self._weights[spec.name] = spec
             if is_engram_table(spec.name) or (spec.is_quantized and spec.quant in self.stored):
                 self._scales[spec.scale_name] = spec
-        self._names = [name for spec_name in self._weights
-                       for name in (spec_name, scale_name_of(spec_name)) if name in self._weights or name in self._scales]
+        self._names = [name for spec_name in self._weights for name in (spec_name, scale_name_of(spec_name))
+                       if name in self._weights or name in self._scales]
 
     def table_bytes(self) -> int:
         """Bytes the Engram tables and their scales take as stored."""
