@@ -101,3 +101,27 @@ def test_a_family_that_cannot_draw_random_weights_refuses_them():
         refuse_unhonoured_knobs(SimpleNamespace(name="plain"), config)
     refuse_unhonoured_knobs(SimpleNamespace(name="v41", random_weights=True), config)
     refuse_unhonoured_knobs(SimpleNamespace(name="plain"), SimpleNamespace(**{**vars(config), "load_format": "auto"}))
+
+
+def test_random_weights_are_refused_where_they_cannot_be_drawn(official, tmp_path):
+    """V4: not for a model split over gpus, not for a GGUF file; V4.1: not when its Engram tables would
+    not fit in host memory (random tables cannot be memory-mapped)."""
+    import logging
+
+    from ds4d.config import Config
+    from ds4d.contracts import PluginContext
+    from ds4d.models.deepseek_v4.family import DeepseekV4Family
+    from ds4d.models.deepseek_v41.family import load_model
+
+    log = logging.getLogger("test")
+    split = DeepseekV4Family(PluginContext(Config(load_format="random", gpus="cpu:2"), log))
+    with pytest.raises(PluginError, match="a model split over gpus reads its checkpoint"):
+        split.load(tmp_path)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(PluginError, match="not for a GGUF file"):
+        DeepseekV4Family(PluginContext(Config(load_format="random"), log)).load(gguf)
+    with pytest.raises(PluginError, match="draws the Engram tables into host memory"):
+        load_model(official, load_format="random", available_bytes=0)
+    with pytest.raises(PluginError, match="or engram_storage is mmap"):
+        load_model(official, load_format="random", engram_storage="mmap")
