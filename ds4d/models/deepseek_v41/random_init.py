@@ -26,8 +26,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from ds4d.models.deepseek_v41.layout import (FP4, FP8, SCALE, TEXT, CheckpointLayout, TensorSpec, is_engram_table,
-                                             scale_name_of)
+from ds4d.models.deepseek_v41.layout import FP4, FP8, SCALE, TEXT, CheckpointLayout, TensorSpec, is_engram_table
 
 
 class RandomTensors(Mapping):
@@ -40,14 +39,15 @@ class RandomTensors(Mapping):
         self.stored = tuple(stored)
         self._weights: dict[str, TensorSpec] = {}
         self._scales: dict[str, TensorSpec] = {}  # scale name -> its weight's spec, for the weights kept as stored
+        self._names: list[str] = []  # each weight, then its scale if it has one here
         for spec in self.layout.select((TEXT,)):
             if spec.quant == SCALE:
                 continue
             self._weights[spec.name] = spec
+            self._names.append(spec.name)
             if is_engram_table(spec.name) or (spec.is_quantized and spec.quant in self.stored):
                 self._scales[spec.scale_name] = spec
-        self._names = [name for spec_name in self._weights for name in (spec_name, scale_name_of(spec_name))
-                       if name in self._weights or name in self._scales]
+                self._names.append(spec.scale_name)
 
     def table_bytes(self) -> int:
         """Bytes the Engram tables and their scales take as stored."""
