@@ -76,6 +76,7 @@ class Config:
         "step's tokens on the GPU, so the host's work between steps overlaps the GPU's (not while a request "
         "asks for logprobs or a constraint; not with expert offload or a model split over GPUs). Off: each "
         "step's tokens are read before the next step is planned.", section="engine")
+    warmup: str = knob("auto", "Before /ready, run every kernel variant serving will meet: a few requests of random tokens through a throwaway engine over the model (prompts of 1 token to past prefill_chunk, prompts resumed from a prefix hit with 1 to hundreds of new tokens, greedy, sampled, logprobs, a constraint, decode batches of every bucket up to max_num_seqs), then the decode CUDA graph of every (batch, block-table) bucket up to max_context; nothing it computes can be reused. on, off, or auto = on with CUDA. The time it took is logged and in /v1/ds4d/stats.", section="engine", choices=("auto", "on", "off"))
     prefix_caching: bool = knob(True, "Reuse KV blocks of identical prompt prefixes. Turning it off is a debugging aid.", section="engine", debug=True)
     # --- cache
     cache_tiers: tuple[str, ...] = knob(("gpu", "ram", "disk"), "Prefix-cache tiers, fastest first (cache_tier plugins); the KV pool (gpu) always comes first. A block evicted from one tier moves to the next; a hit below the pool is copied back. A tier with a zero budget or no directory is off.", section="cache")

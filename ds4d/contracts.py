@@ -481,6 +481,16 @@ class AsyncBlockCopyModel(Protocol):
 
 
 @runtime_checkable
+class DecodeWarmableModel(Protocol):
+    """A model whose decode steps go through per-bucket work done on first use (CUDA graph captures), which it
+    can do ahead of serving (``ds4d.engine.warmup``)."""
+
+    def warm_decode(self, max_rows: int, max_blocks: int) -> int:
+        """Prepare every decode bucket of at most ``max_rows`` sequences of at most ``max_blocks`` blocks, without
+        touching any sequence's state or blocks; how many buckets were prepared."""
+
+
+@runtime_checkable
 class StatefulModel(Protocol):
     """A model with per-sequence state beyond its KV blocks (DeepSeek-V4: sliding window ring and compressor
     tails).

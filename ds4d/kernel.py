@@ -186,6 +186,17 @@ class Kernel:
         plugins.update(chat_encoder=encoder_name, reasoning_parser=reasoning_name, tool_parser=tool_name,
                        scheduler_policy=cfg.scheduler_policy)
 
+        warmup = None
+        if cfg.warmup == "on" or (cfg.warmup == "auto" and str(info.device).startswith("cuda")):
+            from ds4d.engine.warmup import warm_up
+
+            log.info("warm-up: running each kernel variant and decode bucket once before serving")
+            report = warm_up(model, policy, num_blocks=num_blocks, max_num_seqs=cfg.max_num_seqs,
+                             step_tokens=cfg.step_tokens, prefill_chunk=cfg.prefill_chunk, max_context=max_context,
+                             lookahead=cfg.decode_lookahead, checkpoints=cfg.cache_checkpoints,
+                             checkpoint_every_tokens=cfg.cache_checkpoint_every_tokens)
+            log.info("%s", report.line())
+            warmup = report.as_dict()
         pool = BlockPool(num_blocks, info.block_size_tokens, prefix_caching=cfg.prefix_caching)
         namespace = hashlib.sha256(json.dumps(
             [str(loaded_model.path), _checkpoint_identity(loaded_model.path), info.family, info.dtype,
@@ -217,7 +228,8 @@ class Kernel:
             self.on_shutdown.append(save_sessions)
         self.state = ServingState(self.loaded, info, model.tokenizer, encoder, reasoning, tools, client,
                                   served, max_context, plugins, sessions,
-                                  memory_plan=self.memory_plan.as_dict() if self.memory_plan else None)
+                                  memory_plan=self.memory_plan.as_dict() if self.memory_plan else None,
+                                  warmup=warmup)
         return self.state
 
     def _prefix_cache(self, pool: BlockPool, model: Model, namespace: bytes):

@@ -27,6 +27,10 @@ from ds4d.cuda.devices import triton_can_launch, triton_launches_on
 
 TUNING = {"block_heads": 64, "block_keys": 32, "warps": 8, "stages": 2}
 """Heads per program, keys or entries per tile, launch settings (``tests/gpu/attention_sweep.py`` on an H200)."""
+PER_REQUEST = ["n_keys", "first", "start", "n_entries", "smn"]
+"""Arguments that change with every prompt (its length, its offset, how many entries it sees): compiled
+once for any value, not once per value class (Triton would otherwise specialise on 1 and on multiples of
+16, and a prompt at a new offset would compile a new kernel while its caller waits)."""
 _state: dict[str, object] = {}
 
 
@@ -35,7 +39,7 @@ def _kernels():
         import triton
         import triton.language as tl
 
-        @triton.jit
+        @triton.jit(do_not_specialize=PER_REQUEST)
         def attention_kernel(q_ptr, keys_ptr, ent_ptr, emask_ptr, sink_ptr, out_ptr, heads, n_keys, first, start,
                              window, n_entries, scale, sqn, sqh, skn, sen, sek, smn, smk, son, soh,
                              d: tl.constexpr, block_h: tl.constexpr, block_k: tl.constexpr, window_tiles: tl.constexpr,

@@ -28,6 +28,20 @@ def bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def decode_buckets(max_rows: int, max_blocks: int, min_width: int = 8) -> list[tuple[int, int]]:
+    """Every (batch, block-table width) bucket a decode step of at most ``max_rows`` sequences of at most
+    ``max_blocks`` blocks each can land in, smallest first (widths start at ``min_width``)."""
+    widths = []
+    width = min_width
+    while True:
+        widths.append(width)
+        if width >= max_blocks:
+            break
+        width *= 2
+    rows = [1 << n for n in range(bucket(max(max_rows, 1)).bit_length())]
+    return [(r, w) for w in widths for r in rows]
+
+
 def compiled(step: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """``step`` through ``torch.compile`` for capture in graphs: inductor fuses the many small
     elementwise kernels of a step (Triton kernels the step calls stay calls of their own); each new

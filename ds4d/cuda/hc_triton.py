@@ -55,7 +55,7 @@ def _kernels():
             norm = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / k + eps)
             tl.store(out_ptr + token * so + col, tl.sum(dot, axis=0) * norm)
 
-        @triton.jit
+        @triton.jit(do_not_specialize=["tokens"])
         def weights_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, tokens, hc_eps,
                            iters: tl.constexpr, m: tl.constexpr, block_t: tl.constexpr):
             t = tl.program_id(0) * block_t + tl.arange(0, block_t)

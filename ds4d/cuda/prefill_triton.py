@@ -44,7 +44,7 @@ def _kernels():
         import triton
         import triton.language as tl
 
-        @triton.jit
+        @triton.jit(do_not_specialize=["tokens"])
         def update_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, new_ptr, sq_ptr, tokens, d: tl.constexpr,
                           m: tl.constexpr, update: tl.constexpr, span: tl.constexpr, block_t: tl.constexpr,
                           block_d: tl.constexpr):

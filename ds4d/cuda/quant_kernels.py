@@ -97,7 +97,7 @@ def fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k: tl.constexpr, sxm, swn, 
     tl.store(out_ptr + row * som + cols, acc.to(out_ptr.dtype.element_ty), mask=live_cols)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["m"])
 def fp8_tiles_kernel(x_ptr, w_ptr, s_ptr, out_ptr, m, n, k: tl.constexpr, sxm, swn, ssn, sos, som,
                      block_m: tl.constexpr, block_n: tl.constexpr, steps: tl.constexpr, block: tl.constexpr,
                      precision: tl.constexpr):

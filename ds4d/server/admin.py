@@ -109,6 +109,7 @@ def snapshot(state: ServingState, engine: EngineSnapshot | None = None) -> dict:
         "host": host_memory(state),
         "gpus": gpus,
         "memory_plan": state.memory_plan,
+        "warmup": state.warmup,
         "engine": {"decode_lookahead": state.client.capabilities.decode_lookahead,
                    "steps_ahead_total": engine.steps_ahead_total},
         "cache": {"hits": engine.cache_hits, "misses": engine.cache_misses, "hit_rate": round(hit_rate, 4),

@@ -45,6 +45,8 @@ class ServingState:
     sessions: SessionMemory
     memory_plan: dict | None = None
     """The GPU memory plan made at start (``GpuMemoryPlan.as_dict``), None without one."""
+    warmup: dict | None = None
+    """What the warm-up before serving ran and how long it took (``WarmupReport.as_dict``), None without one."""
     started_at: float = field(default_factory=time.time)
     draining: bool = False
     malformed_tool_calls_total: int = 0

@@ -101,3 +101,29 @@ def test_compiled_decode_equals_eager(checkpoint):
     got_tokens, got = _greedy(compiled, ids, 12)
     assert got_tokens == want_tokens
     assert (got - want).abs().max().item() < 2e-4
+
+
+def test_a_warmed_up_model_captured_every_bucket_and_gives_the_same_tokens(checkpoint):
+    """``ds4d.engine.warmup`` on the device: every decode bucket captured as a CUDA graph up front, then
+    an agent's two turns (the second reusing the first) give the tokens of a model that was not warmed."""
+    from ds4d.cuda.graphs import decode_buckets
+    from ds4d.engine.offline import default_policy
+    from ds4d.engine.warmup import warm_up
+
+    host = load_model(checkpoint, dtype=torch.float32, device="cpu")
+    turn1, follow = _tokens(host, 300, 70), _tokens(host, 40, 71)
+    results = []
+    for warmed in (False, True):
+        model = load_model(checkpoint, dtype=torch.float32, device="cuda")
+        core, outputs = engine(model, num_blocks=12)
+        if warmed:
+            report = warm_up(model, default_policy(), num_blocks=12, max_num_seqs=2, step_tokens=512, prefill_chunk=512,
+                             max_context=1536, lookahead=True)
+            buckets = decode_buckets(2, 12)
+            assert report.decode_buckets == len(buckets) and len(model._graphs) == len(buckets)
+            assert report.reused_tokens > 0
+        gen1, _, _ = serve(core, outputs, "t1", turn1, 6)
+        gen2, cached2, _ = serve(core, outputs, "t2", turn1 + gen1 + follow, 6)
+        assert cached2 > 0
+        results.append((gen1, gen2, cached2))
+    assert results[0] == results[1]

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ds4d.contracts import ForwardBatch, ModelInfo, SeqChunk, Tokenizer
 from ds4d.cuda.devices import to_device_async
-from ds4d.cuda.graphs import bucket as _bucket
+from ds4d.cuda.graphs import bucket as _bucket, decode_buckets
 from ds4d.models.deepseek_v4.attention import ChunkRows, StepInputs, attention_forward
 from ds4d.models.deepseek_v4.cache import DeepseekV4Cache
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
@@ -312,16 +312,41 @@ class DeepseekV4Model:
         if batch.input_tokens is not None:
             packed[:count, 0] = batch.input_tokens
         if graphs is not None:
-            try:
-                return graphs.run((rows, width), packed)[:count].clone()
-            except RuntimeError as exc:
-                if not self.paths.graph_fallback:
-                    raise
-                # decided when the model was built (paths.graph_fallback): this and later steps run eagerly
-                log.warning("decode graph capture failed; decode steps run eagerly from now on: %s", exc)
-                self._graph_failure = f"{type(exc).__name__}: {exc}"
-                graphs.clear()
+            logits = self._replay(graphs, rows, width, packed)
+            if logits is not None:
+                return logits[:count].clone()
         return self._decode_step(packed, cache)[:count].clone()
+
+    def _replay(self, graphs, rows: int, width: int, packed: torch.Tensor) -> torch.Tensor | None:
+        """The bucket's graph replayed (captured first if new); None when its capture failed, after
+        which every decode step runs eagerly (``paths.graph_fallback``; else the failure is raised)."""
+        try:
+            return graphs.run((rows, width), packed)
+        except RuntimeError as exc:
+            if not self.paths.graph_fallback:
+                raise
+            log.warning("decode graph capture failed; decode steps run eagerly from now on: %s", exc)
+            self._graph_failure = f"{type(exc).__name__}: {exc}"
+            graphs.clear()
+            return None
+
+    @torch.inference_mode()
+    def warm_decode(self, max_rows: int, max_blocks: int) -> int:
+        """Capture now the decode graph of every bucket a step of at most ``max_rows`` sequences of at most
+        ``max_blocks`` blocks can meet (``ds4d.engine.warmup``), each run on padding rows only (the scratch
+        slot and the trash block); how many buckets were run.  Buckets the decode path would not capture
+        (expert offload that cannot) are left out."""
+        graphs, offload, done = self._graphs, self.expert_offload, 0
+        if graphs is None or self._graph_failure is not None or self.cache is None:
+            return 0
+        for rows, width in decode_buckets(max_rows, max_blocks):
+            if offload is not None and not offload.capturable(rows):
+                continue
+            packed = to_device_async(pack_decode_rows([], self.cache, rows, width), self.device)
+            if self._replay(graphs, rows, width, packed) is None:
+                break
+            done += 1
+        return done
 
     def _decode_step(self, packed: torch.Tensor, cache: DeepseekV4Cache | None = None) -> torch.Tensor:
         """Logits ``[B, V]`` for packed decode rows (capturable: no host reads, fixed shapes)."""

@@ -38,7 +38,7 @@ import torch
 from ds4d.contracts import ForwardBatch, ModelInfo, Tokenizer
 from ds4d.cuda import moe_gemv
 from ds4d.cuda.devices import to_device_async
-from ds4d.cuda.graphs import EagerBuckets, GraphCache, bucket, compiled
+from ds4d.cuda.graphs import EagerBuckets, GraphCache, bucket, compiled, decode_buckets
 from ds4d.models.deepseek_v4.cache import payload_rows
 from ds4d.models.deepseek_v4.decode import pack_rows
 from ds4d.models.deepseek_v41.decode import FixedDecode, SlotArrays
@@ -272,24 +272,52 @@ class DeepseekV41Serving:
                             for n, state, ids in singles], rows, width, self.arrays.scratch, self.pool.trash_block)
         packed = to_device_async(packed, self.model.device)
         engram = self._engram_rows(singles, rows)
-        mode = self.model.paths.decode_graphs
-        if mode == "cuda" and (self._graph_failure is not None or not self._capturable(rows)):
-            logits = self.fixed.step(packed, *engram)
-        else:
-            try:
-                logits = self.graphs.run((rows, width), packed, *engram)
-            except RuntimeError as exc:
-                if mode != "cuda":
-                    raise
-                # the step writes each row's state where its position says: running it again is exact
-                log.warning("decode graph capture failed; decode steps run eagerly from now on: %s", exc)
-                self._graph_failure = f"{type(exc).__name__}: {exc}"
-                self.graphs.clear()
-                logits = self.fixed.step(packed, *engram)
-        logits = logits[:count].clone()
+        logits = self._step_bucket(rows, width, packed, engram)[:count].clone()
         for _, state, ids in singles:
             self.model._advance(state, ids)
         return logits
+
+    def _step_bucket(self, rows: int, width: int, packed: torch.Tensor, engram: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The fixed-shape step of one bucket: its graph replayed (captured first if new), or run eagerly
+        where it cannot be captured or a capture failed (from then on)."""
+        mode = self.model.paths.decode_graphs
+        if mode == "cuda" and (self._graph_failure is not None or not self._capturable(rows)):
+            return self.fixed.step(packed, *engram)
+        try:
+            return self.graphs.run((rows, width), packed, *engram)
+        except RuntimeError as exc:
+            if mode != "cuda":
+                raise
+            # the step writes each row's state where its position says: running it again is exact
+            log.warning("decode graph capture failed; decode steps run eagerly from now on: %s", exc)
+            self._graph_failure = f"{type(exc).__name__}: {exc}"
+            self.graphs.clear()
+            return self.fixed.step(packed, *engram)
+
+    @torch.inference_mode()
+    def warm_decode(self, max_rows: int, max_blocks: int) -> int:
+        """Capture now the decode graph of every bucket a step of at most ``max_rows`` sequences of at most
+        ``max_blocks`` blocks can meet (``ds4d.engine.warmup``), each run on padding rows only (the scratch
+        slot, the trash block); how many buckets were run.  Buckets a CUDA device runs eagerly (``_capturable``)
+        are left out."""
+        if self.graphs is None:
+            return 0
+        hasher, done = self.model.hasher, 0
+        for rows, width in decode_buckets(max_rows, max_blocks):
+            if self._graph_failure is not None:
+                break
+            if self.model.paths.decode_graphs == "cuda" and not self._capturable(rows):
+                continue
+            packed = to_device_async(pack_rows([], rows, width, self.arrays.scratch, self.pool.trash_block),
+                                     self.model.device)
+            engram = ()
+            if hasher is not None:
+                gathered = self.model._gather_engram(hasher.row_ids(torch.zeros(0, dtype=torch.long),
+                                                                    torch.zeros(rows, dtype=torch.long)))
+                engram = tuple(gathered[layer] for layer in sorted(gathered))
+            self._step_bucket(rows, width, packed, engram)
+            done += self._graph_failure is None
+        return done
 
     def _capturable(self, rows: int) -> bool:
         """Whether a step of ``rows`` rows can be captured: its routed experts take the row kernel (the

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# A fresh daemon's first request of each kind against the same request warm (tests/gpu/first_use.py), with
+# the warm-up before /ready off and on (WARMUPS="off on"), each daemon with an empty Triton cache of its own
+# (so every kernel variant is compiled in that process, as on a machine's first start).  Random weights of
+# V4-Flash widths (LAYERS, default 0,0,4,128; FAMILY=deepseek_v41 for V4.1-Flash widths, 0,0,2,2,1,1), one
+# GPU; SERVE_ARGS go to `ds4d serve`.  Logs and JSON under $OUT.
+set -o pipefail
+source "$(dirname "$0")/daemon_lib.sh"
+ds4d_setup || exit 1
+FAMILY=${FAMILY:-deepseek_v4}; PORT=${PORT:-18441}; DIR=${DIR:-/tmp/first_use_$FAMILY}
+mkdir -p "$DIR"
+$PY - "$DIR" "$FAMILY" "${LAYERS:-}" <<'PYEOF' || exit 1
+import json, sys
+directory, family, layers = sys.argv[1:4]
+if family == "deepseek_v41":
+    from ds4d.bench.dsv41 import bench_config
+    config, _ = bench_config([int(x) for x in (layers or "0,0,2,2,1,1").split(",")], False, 384, 262_144)
+else:
+    from ds4d.bench.random_v4 import base_config
+    ratios = [int(x) for x in (layers or "0,0,4,128").split(",")]
+    config = {**base_config(False), "num_hidden_layers": len(ratios), "compress_ratios": ratios}
+open(directory + "/config.json", "w").write(json.dumps(config))
+PYEOF
+for mode in ${WARMUPS:-off on}; do
+  export TRITON_CACHE_DIR=$(mktemp -d)
+  start=$(date +%s)
+  $PY -m ds4d.cli serve --model "$DIR" --load-format random --device cuda --port "$PORT" --warmup "$mode" \
+    --max-context "${CTX:-32768}" --max-num-seqs "${SEQS:-4}" ${SERVE_ARGS:-} > "$OUT/first_use_$mode.log" 2>&1 &
+  PID=$!
+  ds4d_wait_ready "$PORT" "$PID" "${READY_S:-500}" || { tail -30 "$OUT/first_use_$mode.log"; kill $PID; exit 1; }
+  echo "warm-up $mode: ready after $(( $(date +%s) - start )) s"
+  grep -E "warm-up:" "$OUT/first_use_$mode.log" | cut -c1-200
+  $PY tests/gpu/first_use.py "$PORT" "warm-up $mode" "$OUT/first_use_$mode.json" || { kill $PID; exit 1; }
+  kill "$PID"; wait "$PID"
+  rm -rf "$TRITON_CACHE_DIR"
+done
