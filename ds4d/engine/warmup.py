@@ -37,8 +37,9 @@ from ds4d.engine.request import EngineRequest, SamplingParams
 log = logging.getLogger("ds4d.engine")
 
 SALT = "ds4d-warmup"
-RESUMED_NEW_TOKENS = (1, 7, 16, 300)
-"""New tokens of the prompts resumed from the first wave's prompt (a one-token step, a few, a tile, many)."""
+RESUMED_NEW_TOKENS = (1, 7, 17, 100, 300)
+"""New tokens of the prompts resumed from the first wave's prompt: a one-token step, then one in each row
+regime of the FP8 kernels (tiles of 16, 32 and 64 rows, the dense path from 257 rows)."""
 
 
 @dataclass(frozen=True)

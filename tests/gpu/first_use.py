@@ -5,12 +5,13 @@ Usage: python tests/gpu/first_use.py PORT LABEL JSON_OUT   (SCALE=0.1: every pro
 Each kind is sent once ("first": nothing of its kind ran in this daemon before, only the kinds listed
 above it), then twice more with fresh random tokens of the same lengths ("warm": the better of the two).
 Prompts are token ids through /v1/completions, streamed, each under its own ``cache_salt`` unless the
-kind is about reuse; times are client-side (HTTP included).  TTFT kinds report the time to the first
+kind is about reuse; times are client-side (HTTP included, a plain HTTP client: see ``stream``).  TTFT kinds report the time to the first
 token, decode kinds the time from the first token to the last.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
@@ -20,8 +21,7 @@ import time
 import openai
 
 PORT, LABEL, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
-client = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="x", max_retries=0, timeout=600)
-MODEL = client.models.list().data[0].id
+MODEL = openai.OpenAI(base_url=f"http://127.0.0.1:{PORT}/v1", api_key="x", max_retries=0).models.list().data[0].id
 rng = random.Random(LABEL)
 salts = iter(range(1_000_000))
 SCALE = float(os.environ.get("SCALE", "1"))
@@ -36,21 +36,32 @@ def ids(count: int) -> list[int]:
 
 
 def stream(prompt: list[int], max_tokens: int, salt: str | None = None, **params) -> tuple[float, float, int]:
-    """(seconds to the first token, seconds from the first token to the last, cached prompt tokens)."""
+    """(seconds to the first token, seconds from the first token to the last, cached prompt tokens).
+
+    A plain HTTP client: the ``openai`` SDK spends tens of milliseconds preparing a request of thousands of
+    token ids (its parameter transform walks the list in Python), which would hide the server's time."""
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                       "stream_options": {"include_usage": True}, "temperature": params.pop("temperature", 0),
+                       "ignore_eos": True, "cache_salt": salt or f"s{next(salts)}", **params})
+    connection = http.client.HTTPConnection("127.0.0.1", int(PORT), timeout=600)
     began = time.perf_counter()
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:300]!r}")
     first = last = None
     cached = 0
-    for chunk in client.completions.create(
-            model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True, stream_options={"include_usage": True},
-            temperature=params.pop("temperature", 0), extra_body={"ignore_eos": True,
-                                                                    "cache_salt": salt or f"s{next(salts)}", **params}):
+    for line in response:
+        if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+            continue
         now = time.perf_counter()
-        if chunk.choices and chunk.choices[0].text is not None:
+        chunk = json.loads(line[6:])
+        if chunk.get("choices") and chunk["choices"][0].get("text") is not None:
             first = first or now
             last = now
-        if chunk.usage is not None:
-            details = chunk.usage.prompt_tokens_details
-            cached = details.cached_tokens if details else 0
+        if chunk.get("usage"):
+            cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    connection.close()
     return first - began, last - first, cached
 
 

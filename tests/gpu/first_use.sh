@@ -28,9 +28,31 @@ for mode in ${WARMUPS:-off on}; do
     --max-context "${CTX:-32768}" --max-num-seqs "${SEQS:-4}" ${SERVE_ARGS:-} > "$OUT/first_use_$mode.log" 2>&1 &
   PID=$!
   ds4d_wait_ready "$PORT" "$PID" "${READY_S:-500}" || { tail -30 "$OUT/first_use_$mode.log"; kill $PID; exit 1; }
-  echo "warm-up $mode: ready after $(( $(date +%s) - start )) s"
+  ready=$(date +%s)
+  echo "warm-up $mode: ready after $(( ready - start )) s"
   grep -E "warm-up:" "$OUT/first_use_$mode.log" | cut -c1-200
   $PY tests/gpu/first_use.py "$PORT" "warm-up $mode" "$OUT/first_use_$mode.json" || { kill $PID; exit 1; }
   kill "$PID"; wait "$PID"
+  # which Triton kernels were compiled once serving had begun (what the warm-up did not run)
+  $PY - "$TRITON_CACHE_DIR" "$ready" <<'PYEOF'
+import collections, json, pathlib, sys
+root, ready = pathlib.Path(sys.argv[1]), float(sys.argv[2])
+before, after = collections.Counter(), []
+for meta in root.glob("*/*.json"):
+    try:
+        data = json.loads(meta.read_text())
+    except (OSError, ValueError):
+        continue
+    if not isinstance(data, dict) or "name" not in data:
+        continue
+    if meta.stat().st_mtime < ready:
+        before[data["name"]] += 1
+    else:
+        detail = {k: data[k] for k in ("constants", "attrs", "signature") if k in data}
+        after.append(f"{data['name']} {json.dumps(detail)[:300]}")
+print(f"Triton variants compiled before ready: {sum(before.values())} ({len(before)} kernels); after: {len(after)}")
+for line in after:
+    print("  after ready:", line)
+PYEOF
   rm -rf "$TRITON_CACHE_DIR"
 done
