@@ -8,9 +8,9 @@ algorithms, the caching allocators grow.  A fresh daemon would charge that to it
 * waves of requests of random token ids through a throwaway engine over the same model: its own block
   pool and prefix cache with no lower tiers, so nothing it computes is ever reused by a real request or
   reaches the RAM or disk tier, and its state slots and pool blocks are simply free again afterwards;
-  the waves meet every path of a step once: prompts of one token to past ``prefill_chunk`` (a second
-  chunk at an offset, beside a decoding row), prompts resumed from a prefix hit with 1 to hundreds of
-  new tokens, greedy, sampled (temperature, top-k, top-p, seeded), logprobs and prompt logprobs, a
+  the waves meet every path of a step once: prompts of one token to past twice ``prefill_chunk`` (chunks
+  at offsets, beside a decoding row) in each size class, prompts resumed from a prefix hit with 1 to a
+  thousand new tokens, greedy, sampled (temperature, top-k, top-p, seeded), logprobs and prompt logprobs, a
   constrained row, decode batches of every bucket size up to ``max_num_seqs``;
 * then the model's decode graphs for every (batch, block-table) bucket up to ``max_context``
   (:class:`~ds4d.contracts.DecodeWarmableModel`), run on padding rows.
@@ -37,9 +37,13 @@ from ds4d.engine.request import EngineRequest, SamplingParams
 log = logging.getLogger("ds4d.engine")
 
 SALT = "ds4d-warmup"
-RESUMED_NEW_TOKENS = (1, 7, 17, 100, 300)
+RESUMED_NEW_TOKENS = (1, 7, 17, 100, 300, 1000)
 """New tokens of the prompts resumed from the first wave's prompt: a one-token step, then one in each row
-regime of the FP8 kernels (tiles of 16, 32 and 64 rows, the dense path from 257 rows)."""
+regime of the FP8 kernels (tiles of 16, 32 and 64 rows, the dense path from 257 rows) and a longer one."""
+FRESH_LENGTHS = (1, 64, 256, 1024, 2048)
+"""Prompts from position 0 besides the first wave's: one of each size class of the torch and cuBLAS kernels
+(which pick their kernels by size, and whose kernels CUDA loads lazily, on first use: each costs milliseconds
+then, so a first prompt of a new size class would pay tens of them)."""
 
 
 @dataclass(frozen=True)
@@ -88,11 +92,11 @@ def warmup_waves(vocab_size: int, *, prefill_chunk: int, max_context: int, max_n
             cache_salt=SALT)
 
     budget = min(max_context, pool_tokens // 2)
-    long = tokens(max(min(prefill_chunk + 17, budget // 2), 1))
+    long = tokens(max(min(2 * prefill_chunk + 809, budget // 2), 1))  # three chunks, two of them at offsets
     short = max(min(24, budget // 8), 1)
-    waves = [[request(long), request(tokens(short), max_tokens=4)][:max_num_seqs]]  # a second chunk beside a decoding row
+    waves = [[request(long), request(tokens(short), max_tokens=4)][:max_num_seqs]]  # beside a decoding row
     waves += [[request(long + tokens(n))] for n in RESUMED_NEW_TOKENS if len(long) + n + 2 <= budget]
-    waves.append([request(tokens(1))])
+    waves += [[request(tokens(n))] for n in FRESH_LENGTHS if n + 2 <= budget]
     mixed = [request(tokens(short), max_tokens=3, temperature=0.7, top_k=40, top_p=0.9, seed=1),
              request(tokens(short), max_tokens=3, temperature=1.0),
              request(tokens(short), max_tokens=3, logprobs=5, prompt_logprobs=5),

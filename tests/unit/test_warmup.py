@@ -14,7 +14,7 @@ from ds4d.cache.blocks import BlockPool
 from ds4d.cache.manager import PrefixCache
 from ds4d.cuda.graphs import decode_buckets
 from ds4d.engine.offline import OfflineEngine, default_policy
-from ds4d.engine.warmup import RESUMED_NEW_TOKENS, SALT, warm_up, warmup_waves
+from ds4d.engine.warmup import FRESH_LENGTHS, RESUMED_NEW_TOKENS, SALT, warm_up, warmup_waves
 from ds4d.models.deepseek_v4.paths import ForwardPaths
 from ds4d.models.deepseek_v41.family import load_model
 from ds4d.models.deepseek_v41.paths import ForwardPaths as V41Paths
@@ -37,10 +37,14 @@ def test_the_waves_fit_and_meet_each_path(max_context, pool_tokens, chunk, seqs)
         assert sum(len(r.prompt_ids) + r.params.max_tokens for r in wave) <= pool_tokens
         assert len(wave) <= seqs
     long = waves[0][0].prompt_ids
-    assert len(long) == min(chunk + 17, len(long)) and len(long) >= 1
+    budget = min(max_context, pool_tokens // 2)
+    assert len(long) == max(min(2 * chunk + 809, budget // 2), 1)
+    fresh = sorted(len(r.prompt_ids) for w in waves[1:] for r in w if len(w) == 1 and r.params.max_tokens == 2
+                   and r.prompt_ids[:len(long)] != long)
+    assert fresh == [n for n in FRESH_LENGTHS if n + 2 <= budget] and fresh[0] == 1
     resumed = [r for r in requests[1:] if r.prompt_ids[:len(long)] == long and len(r.prompt_ids) > len(long)]
     assert [len(r.prompt_ids) - len(long) for r in resumed] == [
-        n for n in RESUMED_NEW_TOKENS if len(long) + n + 2 <= min(max_context, pool_tokens // 2)]
+        n for n in RESUMED_NEW_TOKENS if len(long) + n + 2 <= budget]
     assert 1 in RESUMED_NEW_TOKENS and len(resumed) >= 1  # a one-token step after a prefix hit, at least
     if len(long) > chunk and seqs > 1:
         assert len(waves[0]) == 2  # the long prompt's second chunk beside a decoding row
@@ -48,7 +52,6 @@ def test_the_waves_fit_and_meet_each_path(max_context, pool_tokens, chunk, seqs)
     assert any(p.temperature > 0 and p.top_p < 1 and p.top_k and p.seed is not None for p in params)
     assert any(p.logprobs and p.prompt_logprobs for p in params)
     assert any(p.constraint is not None for p in params)
-    assert any(len(r.prompt_ids) == 1 for r in requests)
     batches = [len(w) for w in waves[1:] if all(r.params.max_tokens == 6 for r in w)]
     assert batches == sorted({min(2 ** n, seqs) for n in range(1, seqs.bit_length() + 1)} - {1})
 
