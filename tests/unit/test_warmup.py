@@ -9,10 +9,11 @@ included: the warm-up's blocks, checkpoints and state slots are not the real eng
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ds4d.cache.blocks import BlockPool
 from ds4d.cache.manager import PrefixCache
-from ds4d.cuda.graphs import decode_buckets
+from ds4d.cuda.graphs import EagerBuckets, decode_buckets
 from ds4d.engine.offline import OfflineEngine, default_policy
 from ds4d.engine.warmup import FRESH_LENGTHS, RESUMED_NEW_TOKENS, SALT, warm_up, warmup_waves
 from ds4d.models.deepseek_v4.paths import ForwardPaths
@@ -113,3 +114,33 @@ def test_a_warmed_v41_gives_the_same_tokens(tmp_path):
     assert report.reused_tokens > 0
     assert _turns(_engine(warmed, seqs, 32, blocks),
                   prompt, follow) == expected
+
+
+def _run_out_of_memory_from(graphs, width: int):
+    """``graphs.run`` that runs out of device memory for buckets of ``width`` blocks or more."""
+    run = graphs.run
+
+    def limited(key, *inputs):
+        if key[1] >= width:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return run(key, *inputs)
+
+    graphs.run = limited
+
+
+def test_a_bucket_that_does_not_fit_ends_the_warmup_of_larger_ones_only(model, tmp_path):  # noqa: F811
+    """A decode bucket whose capture runs out of memory during the warm-up leaves the graphs on (it and
+    the larger ones are captured when first needed), where a failed capture while serving turns them off."""
+    v4 = model.with_paths(ForwardPaths(fast_path=True, decode_graphs="padded"))
+    v4.allocate_cache(40, 3)
+    _run_out_of_memory_from(v4._graphs, 16)
+    assert v4.warm_decode(3, 40) == len(decode_buckets(3, 8))
+    assert v4.graph_failure is None
+
+    v41 = load_model(checkpoint_dir("tiny_b", tmp_path / "tiny_b"), block_tokens=BLOCK,
+                     paths=V41Paths(decode_graphs="cuda"))
+    v41.allocate_cache(48, 2)
+    v41.graphs = EagerBuckets(v41.fixed.step)  # the CUDA path's bookkeeping, the step run eagerly
+    v41._capturable = lambda rows: True
+    _run_out_of_memory_from(v41.graphs, 16)
+    assert v41.warm_decode(2, 48) == len(decode_buckets(2, 8)) and v41.graph_failure is None

@@ -317,13 +317,15 @@ class DeepseekV4Model:
                 return logits[:count].clone()
         return self._decode_step(packed, cache)[:count].clone()
 
-    def _replay(self, graphs, rows: int, width: int, packed: torch.Tensor) -> torch.Tensor | None:
+    def _replay(self, graphs, rows: int, width: int, packed: torch.Tensor, *,
+                out_of_memory: bool = False) -> torch.Tensor | None:
         """The bucket's graph replayed (captured first if new); None when its capture failed, after
-        which every decode step runs eagerly (``paths.graph_fallback``; else the failure is raised)."""
+        which every decode step runs eagerly (``paths.graph_fallback``; else the failure is raised).
+        ``out_of_memory``: a capture that ran out of device memory is raised, not a reason to stop capturing."""
         try:
             return graphs.run((rows, width), packed)
         except RuntimeError as exc:
-            if not self.paths.graph_fallback:
+            if not self.paths.graph_fallback or (out_of_memory and isinstance(exc, torch.OutOfMemoryError)):
                 raise
             log.warning("decode graph capture failed; decode steps run eagerly from now on: %s", exc)
             self._graph_failure = f"{type(exc).__name__}: {exc}"
@@ -343,7 +345,12 @@ class DeepseekV4Model:
             if offload is not None and not offload.capturable(rows):
                 continue
             packed = to_device_async(pack_decode_rows([], self.cache, rows, width), self.device)
-            if self._replay(graphs, rows, width, packed) is None:
+            try:
+                if self._replay(graphs, rows, width, packed, out_of_memory=True) is None:
+                    break
+            except torch.OutOfMemoryError as exc:
+                log.warning("warm-up: the decode graph of %d rows x %d blocks does not fit now (%s); it and the "
+                            "larger ones are captured when first needed", rows, width, str(exc).splitlines()[0])
                 break
             done += 1
         return done

@@ -277,16 +277,18 @@ class DeepseekV41Serving:
             self.model._advance(state, ids)
         return logits
 
-    def _step_bucket(self, rows: int, width: int, packed: torch.Tensor, engram: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def _step_bucket(self, rows: int, width: int, packed: torch.Tensor, engram: tuple[torch.Tensor, ...], *,
+                     out_of_memory: bool = False) -> torch.Tensor:
         """The fixed-shape step of one bucket: its graph replayed (captured first if new), or run eagerly
-        where it cannot be captured or a capture failed (from then on)."""
+        where it cannot be captured or a capture failed (from then on).  ``out_of_memory``: a capture that ran
+        out of device memory is raised, not a reason to stop capturing."""
         mode = self.model.paths.decode_graphs
         if mode == "cuda" and (self._graph_failure is not None or not self._capturable(rows)):
             return self.fixed.step(packed, *engram)
         try:
             return self.graphs.run((rows, width), packed, *engram)
         except RuntimeError as exc:
-            if mode != "cuda":
+            if mode != "cuda" or (out_of_memory and isinstance(exc, torch.OutOfMemoryError)):
                 raise
             # the step writes each row's state where its position says: running it again is exact
             log.warning("decode graph capture failed; decode steps run eagerly from now on: %s", exc)
@@ -315,7 +317,12 @@ class DeepseekV41Serving:
                 gathered = self.model._gather_engram(hasher.row_ids(torch.zeros(0, dtype=torch.long),
                                                                     torch.zeros(rows, dtype=torch.long)))
                 engram = tuple(gathered[layer] for layer in sorted(gathered))
-            self._step_bucket(rows, width, packed, engram)
+            try:
+                self._step_bucket(rows, width, packed, engram, out_of_memory=True)
+            except torch.OutOfMemoryError as exc:
+                log.warning("warm-up: the decode graph of %d rows x %d blocks does not fit now (%s); it and the "
+                            "larger ones are captured when first needed", rows, width, str(exc).splitlines()[0])
+                break
             done += self._graph_failure is None
         return done
 
