@@ -20,8 +20,10 @@ survive the others' traffic.  Every request has its session's ``x-session-id`` a
 ``cache_salt``: what sessions share (the system prompt and tools) may be reused across them.
 
 Reported per step kind: requests, TTFT p50 and p99, the cached fraction (cached prompt
-tokens over prompt tokens) and the cached tokens per tier; and over every step after each
-session's first (``next``, ``subagent first``, ``subagent next``) the cached fraction.
+tokens over prompt tokens) and the cached tokens per tier; the same over the first steps of
+the sessions after the first (``first, later sessions``: how much of an earlier session's
+system prompt and tools a new session reuses) and over every step after each session's first
+(``next``, ``subagent first``, ``subagent next``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ AGENT_REQUEST = "run2_tool_read_002_POST_v1_chat_completions.json"
 TITLE_REQUEST = "run2_tool_read_001_POST_v1_chat_completions.json"
 KINDS = ("title", "first", "next", "subagent first", "subagent next")
 AFTER_FIRST = ("next", "subagent first", "subagent next")
+LATER_FIRST = "first, later sessions"
+"""The first steps of every session but the trace's first: what a new session reuses of an earlier one's prompt."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -190,8 +194,9 @@ def summarise(records: list[Recorded]) -> dict:
     for record in records:
         by_kind[record.kind].append(record.result)
     by_kind["after first"] = [r.result for r in records if r.kind in AFTER_FIRST]
+    by_kind[LATER_FIRST] = by_kind.get("first", [])[1:]
     out = {}
-    for kind in (*KINDS, "after first"):
+    for kind in (*KINDS[:2], LATER_FIRST, *KINDS[2:], "after first"):
         results = by_kind.get(kind, [])
         if not results:
             continue

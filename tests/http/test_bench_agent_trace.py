@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from ds4d.bench.agent_trace import AFTER_FIRST, load_recorded
+from ds4d.bench.agent_trace import AFTER_FIRST, LATER_FIRST, load_recorded
 from ds4d.models.deepseek_v4 import write_tiny_checkpoint
 from tests.daemon import REPO, Daemon
 
@@ -30,13 +30,17 @@ def check_shape(result: dict) -> dict:
     summary = result["summary"]
     counts = {kind: row["requests"] for kind, row in summary.items()}
     # 2 sessions x 2 steps, a title beside each first step, 1 subagent each x 2 steps
-    assert counts == {"title": 2, "first": 2, "next": 2, "subagent first": 2, "subagent next": 2, "after first": 6}
+    assert counts == {"title": 2, "first": 2, LATER_FIRST: 1, "next": 2, "subagent first": 2, "subagent next": 2,
+                      "after first": 6}
     assert len(result["requests"]) == 10
     for row in summary.values():
         assert row["ttft_ms"]["p50"] > 0 and row["ttft_ms"]["p99"] >= row["ttft_ms"]["p50"]
         assert sum(row["cached_by_tier"].values()) == row["cached_tokens"]
     after = summary["after first"]
     assert after["cached_tokens"] == sum(summary[k]["cached_tokens"] for k in AFTER_FIRST)
+    later = [r for r in result["requests"] if r["kind"] == "first"][1:]
+    assert summary[LATER_FIRST]["cached_tokens"] == sum(r["cached_tokens"] for r in later)
+    assert summary[LATER_FIRST]["prompt_tokens"] == sum(r["prompt_tokens"] for r in later)
     return summary
 
 
@@ -76,6 +80,7 @@ def check_the_system_prompt_is_reused(model_dir, tmp_path) -> str:
     firsts = [r for r in result["requests"] if r["kind"] == "first"]
     assert firsts[0]["cached_tokens"] == 0 and firsts[0]["prompt_tokens"] > 7000
     assert firsts[1]["cached_tokens"] > 0.95 * firsts[1]["prompt_tokens"]  # all but the session's own task
+    assert summary[LATER_FIRST]["cached_fraction"] > 0.95
     assert summary["subagent first"]["cached_fraction"] > 0.95
     assert summary["next"]["cached_fraction"] > 0.9 and summary["after first"]["cached_fraction"] > 0.9
     return daemon.log
