@@ -15,9 +15,11 @@ algorithms, the caching allocators grow.  A fresh daemon would charge that to it
 * then the model's decode graphs for every (batch, block-table) bucket up to ``max_context``
   (:class:`~ds4d.contracts.DecodeWarmableModel`), run on padding rows.
 
-Lengths and offsets need no more cover than that: the Triton kernels do not specialise on arguments
-that change per prompt (``do_not_specialize``), so one compiled variant serves every prompt length and
-offset of a path.
+For the Triton kernels lengths and offsets need no more cover than that: they do not specialise on the
+arguments that change per prompt (``do_not_specialize``), so one compiled variant serves every prompt
+length and offset of a path.  The torch and cuBLAS kernels are met by size class only: a first prompt of
+a size the waves missed can still pay a few tens of milliseconds (docs/BENCHMARKS.md, the first-request
+table).
 """
 
 from __future__ import annotations
