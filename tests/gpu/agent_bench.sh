@@ -20,14 +20,7 @@ free -g | tee -a "$OUT/gpu.txt"
 
 LOAD_ARGS=""
 if [ "${LOAD:-}" = random ]; then
-  mkdir -p "$CKPT"
-  $PY - "$CKPT" "$WIDTHS" "$LAYERS" <<'PYEOF' || exit 1
-import json, sys
-from ds4d.bench.random_v4 import base_config
-ratios = [int(x) for x in sys.argv[3].split(",")]
-config = {**base_config(sys.argv[2] == "tiny"), "num_hidden_layers": len(ratios), "compress_ratios": ratios}
-open(sys.argv[1] + "/config.json", "w").write(json.dumps(config))
-PYEOF
+  ds4d_random_config "$CKPT" deepseek_v4 "$LAYERS" 0 "$WIDTHS" || exit 1
   LOAD_ARGS="--load-format random"
 else
   began=$(date +%s%N)

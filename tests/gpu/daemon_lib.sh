@@ -33,3 +33,21 @@ while time.time() < deadline:
 sys.exit(f"daemon not ready after {limit:g} s")
 PYEOF
 }
+
+ds4d_random_config() {  # DIR FAMILY [LAYERS] [EXPERTS] [WIDTHS]: a config.json for `ds4d serve --load-format random`
+  # FAMILY deepseek_v4: V4-Flash widths (WIDTHS=tiny: small ones), LAYERS its compress ratios (default 0,0,4,128);
+  # deepseek_v41: V4.1-Flash widths, LAYERS its layer modes (default 0,0,2,2,1,1), EXPERTS routed experts (384)
+  mkdir -p "$1"
+  $PY - "$1" "$2" "${3:-}" "${4:-384}" "${5:-flash}" <<'PYEOF'
+import json, sys
+directory, family, layers, experts, widths = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+if family == "deepseek_v41":
+    from ds4d.bench.dsv41 import bench_config
+    config, _ = bench_config([int(x) for x in (layers or "0,0,2,2,1,1").split(",")], widths == "tiny", experts, 262_144)
+else:
+    from ds4d.bench.random_v4 import base_config
+    ratios = [int(x) for x in (layers or "0,0,4,128").split(",")]
+    config = {**base_config(widths == "tiny"), "num_hidden_layers": len(ratios), "compress_ratios": ratios}
+open(directory + "/config.json", "w").write(json.dumps(config))
+PYEOF
+}

@@ -8,19 +8,7 @@ set -o pipefail
 source "$(dirname "$0")/daemon_lib.sh"
 ds4d_setup || exit 1
 FAMILY=${FAMILY:-deepseek_v4}; PORT=${PORT:-18441}; DIR=${DIR:-/tmp/first_use_$FAMILY}
-mkdir -p "$DIR"
-$PY - "$DIR" "$FAMILY" "${LAYERS:-}" <<'PYEOF' || exit 1
-import json, sys
-directory, family, layers = sys.argv[1:4]
-if family == "deepseek_v41":
-    from ds4d.bench.dsv41 import bench_config
-    config, _ = bench_config([int(x) for x in (layers or "0,0,2,2,1,1").split(",")], False, 384, 262_144)
-else:
-    from ds4d.bench.random_v4 import base_config
-    ratios = [int(x) for x in (layers or "0,0,4,128").split(",")]
-    config = {**base_config(False), "num_hidden_layers": len(ratios), "compress_ratios": ratios}
-open(directory + "/config.json", "w").write(json.dumps(config))
-PYEOF
+ds4d_random_config "$DIR" "$FAMILY" "${LAYERS:-}" || exit 1
 for mode in ${WARMUPS:-off on}; do
   export TRITON_CACHE_DIR=$(mktemp -d)
   start=$(date +%s)

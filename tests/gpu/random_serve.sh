@@ -9,20 +9,8 @@ set -o pipefail
 source "$(dirname "$0")/daemon_lib.sh"
 ds4d_setup || exit 1
 DIR=${DIR:-/tmp/random_v41}; PORT=${PORT:-18431}
-mkdir -p "$DIR"
 FAMILY=${FAMILY:-deepseek_v41}
-$PY - "$DIR" "$FAMILY" "${LAYERS:-}" "${EXPERTS:-384}" <<'PYEOF' || exit 1
-import json, sys
-directory, family, layers, experts = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-if family == "deepseek_v41":
-    from ds4d.bench.dsv41 import bench_config
-    config, _ = bench_config([int(x) for x in (layers or "0,0,2,2,1,1").split(",")], False, experts, 262_144)
-else:
-    from ds4d.bench.random_v4 import base_config
-    ratios = [int(x) for x in (layers or "0,0,4,128").split(",")]
-    config = {**base_config(False), "num_hidden_layers": len(ratios), "compress_ratios": ratios}
-open(directory + "/config.json", "w").write(json.dumps(config))
-PYEOF
+ds4d_random_config "$DIR" "$FAMILY" "${LAYERS:-}" "${EXPERTS:-384}" || exit 1
 start=$(date +%s)
 $PY -m ds4d.cli serve --model "$DIR" --load-format random --device cuda --port "$PORT" ${SERVE_ARGS:-} \
   > "$OUT/random_serve.log" 2>&1 &
