@@ -91,6 +91,8 @@ KINDS = [
     ("prompt 9,000 (3 chunks), TTFT", lambda: stream(ids(9000), 1)[0]),
     ("8,000 reused + 1,441 new, TTFT", lambda: resumed(8000, 1441)[0]),
     ("8,000 reused + 1 new, TTFT", lambda: resumed(8000, 1)[0]),
+    ("5,000 reused + 2,600 new, TTFT", lambda: resumed(5000, 2600)[0]),
+    ("prompt 3,300, TTFT", lambda: stream(ids(3300), 1)[0]),
     ("sampled decode 64 (T 0.8, top-p 0.95)", lambda: stream(ids(64), 65, temperature=0.8, top_p=0.95)[1]),
     ("logprobs 5, decode 32", lambda: stream(ids(64), 33, logprobs=5)[1]),
     ("4 at once, 256 + 32 tokens each, wall", lambda: concurrent(4, 256, 32)),
