@@ -60,6 +60,7 @@ class Config:
     expert_cpu_threads: int = knob(4, "Host threads that compute cold experts during decode.", section="model")
     expert_calibration: str = knob("", "Routing counts written by `ds4d calibrate` that seed the hot-expert placement; empty = start from no counts.", section="model")
     expert_decode_cold: str = knob("auto", "Decode with cold experts: cpu = compute on the host, copy = stream them in, auto = whichever the bandwidths measured at start favour.", section="model", choices=("auto", "cpu", "copy"))
+    prefill_block: int = knob(0, "DeepSeek-V4: a prompt step of more tokens than this runs layer by layer, each layer over the step's tokens this many at a time (the activations of one block; with routed experts offloaded, each cold expert a step uses crosses to the GPU once per layer per step instead of once per block, so raise prefill_chunk and step_tokens with offload: state checkpoints, every cache_checkpoint_every_tokens, still end a step); 0 = auto: 4096 with expert offload, otherwise every layer takes the whole step at once.", section="model")
     engram_storage: str = knob("auto", "DeepSeek-V4.1 Engram tables: ram = read into host memory (page-locked with CUDA); mmap = kept as read-only memory maps of the checkpoint shards, paged in as rows are gathered; auto = ram when the tables fit in MemAvailable minus mem_watermark_gib, else mmap. The choice is logged at load.", section="model", choices=("auto", "ram", "mmap"))
     # --- engine
     max_context: int = knob(0, "Longest prompt + output in tokens; 0 = the model's own limit.", section="engine")
@@ -250,7 +251,7 @@ def _validate(config: Config) -> None:
     if config.mem_floor_gib > config.mem_watermark_gib:
         raise ConfigError("mem_floor_gib must not exceed mem_watermark_gib")
     for name in ("cache_ram_gib", "cache_disk_gib", "cache_disk_read_ahead_gib", "cache_checkpoints",
-                 "cache_checkpoint_every_tokens"):
+                 "cache_checkpoint_every_tokens", "prefill_block"):
         if getattr(config, name) < 0:
             raise ConfigError(f"config knob {name!r} must not be negative")
     if config.step_tokens < config.max_num_seqs:

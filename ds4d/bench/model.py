@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
                    help="also prefill one prompt of this many tokens and decode after it (e.g. 500000): "
                         "KV/state bytes per token, peak GPU memory, and the refusal of one token more")
     p.add_argument("--prefill-chunk", type=int, default=2048, help="ds4d's prefill chunk (tokens per step)")
+    p.add_argument("--prefill-block", type=int, default=0,
+                   help="with --expert-gpu-fraction and --context: also the --context prompt as one step, each "
+                        "layer over blocks of this many tokens (prefill_block; cold experts copied once per layer)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF peer")
     p.add_argument("--no-reference", action="store_true", help="skip ds4d's reference-path rows")
     p.add_argument("--seed", type=int, default=0)

@@ -29,7 +29,14 @@ import torch
 from ds4d.contracts import Model, PluginContext
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.gguf_loader import is_v4_gguf, load_gguf_model
-from ds4d.models.deepseek_v4.knobs import check_split_knobs, native_weights, offload_options, split_native, torch_dtype
+from ds4d.models.deepseek_v4.knobs import (
+    check_split_knobs,
+    native_weights,
+    offload_options,
+    prefill_block,
+    split_native,
+    torch_dtype,
+)
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader, load_tokenizer
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
@@ -163,8 +170,10 @@ class DeepseekV4Family:
             self.ctx.log.warning("load_format = random: RANDOM WEIGHTS for %s/config.json (a benchmark mode: "
                                  "the output is noise)", path)
         self.ctx.log.info("loading DeepSeek-V4 checkpoint %s (%s on %s)", path, dtype, device)
+        offload = offload_options(config, self.options)
         paths = ForwardPaths.for_device(device, compile_decode=bool(getattr(config, "compile_decode", False)))
-        model = load_model(path, dtype=dtype, device=device, offload=offload_options(config, self.options),
+        paths = paths.replace(prefill_block=prefill_block(config, offload is not None))
+        model = load_model(path, dtype=dtype, device=device, offload=offload,
                            weight_format=str(getattr(config, "weight_format", "auto")), paths=paths,
                            load_format=load_format)
         self.ctx.log.info(
@@ -180,4 +189,10 @@ class DeepseekV4Family:
             self.ctx.log.info("decode steps go through torch.compile (each new bucket compiles on first use)")
         if model.expert_offload is not None:
             model.expert_offload.log_memory_plan(self.ctx.log, model.weights.parameter_bytes())
+            chunk = int(getattr(config, "prefill_chunk", 0) or 0)
+            if paths.prefill_block and chunk <= paths.prefill_block:
+                self.ctx.log.info("expert offload: a prompt copies each cold expert once per %d-token step "
+                                  "(prefill_chunk); a larger prefill_chunk and step_tokens copy it once per "
+                                  "step, run layer by layer in blocks of %d (prefill_block)", chunk,
+                                  paths.prefill_block)
         return model

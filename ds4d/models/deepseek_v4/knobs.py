@@ -58,6 +58,16 @@ def offload_options(config: Any, options: Mapping[str, Any]) -> OffloadOptions |
     )
 
 
+OFFLOAD_PREFILL_BLOCK = 4096
+"""``prefill_block`` 0 (auto) with routed experts offloaded: the default ``prefill_chunk``'s activations."""
+
+
+def prefill_block(config: Any, offloaded: bool) -> int:
+    """Rows a layer takes at once in a larger prompt step (``ForwardPaths.prefill_block``; 0 = the whole step)."""
+    block = int(getattr(config, "prefill_block", 0) or 0)
+    return block or (OFFLOAD_PREFILL_BLOCK if offloaded else 0)
+
+
 def check_split_knobs(config: Any) -> None:
     """Knobs a model split over ``gpus`` cannot honour: refused at start, not ignored."""
     if config.weight_format == "int4":

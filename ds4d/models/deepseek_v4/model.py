@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -279,7 +280,10 @@ class DeepseekV4Model:
         rows = torch.tensor(keep, dtype=torch.long, device=device)
         # always run the layers: they write the chunks' KV and state; every row through all of them where
         # calibration counts routing, where asked to, or where every row is wanted anyway
-        if self.routing_tally is not None or not self.paths.last_layer_rows_only or len(keep) == len(ids):
+        block = self.paths.prefill_block
+        if block and len(ids) > block:  # layer by layer over blocks of rows (see ``_blocks``)
+            hidden = self._blocks(token_ids, step, cache, keep, block)
+        elif self.routing_tally is not None or not self.paths.last_layer_rows_only or len(keep) == len(ids):
             hidden = self._layers(token_ids, step, cache)[rows]
         else:
             hidden = self._layers(token_ids, step, cache, keep=rows)
@@ -398,6 +402,71 @@ class DeepseekV4Model:
                 output = moe_forward(x, token_ids, layer.ffn, cfg, grouped=paths.fast_path, kernels=kernels,
                                      tally=None if tally is None else tally.layer(index))
         return hc_post(output, streams, post, comb)
+
+
+    def _blocks(self, token_ids: torch.Tensor, step: StepInputs, cache: DeepseekV4Cache, keep: list[int],
+                block: int) -> torch.Tensor:
+        """The streams of the ``keep`` rows after the last layer, computed layer by layer: each layer
+        takes the step's rows ``block`` at a time, in order, before the next layer starts.
+
+        A block's attention at a layer reads that layer's KV and state as the blocks before it left
+        them, as a later engine step would, so the result is the one a step per block computes.  With
+        routed experts offloaded, a cold expert the step uses is copied once per layer (it stays on
+        the device while the layer's blocks run: ``ExpertOffload.layer_pass``), not once per block.
+        Every block's streams stay on the device between layers (``hc_mult x hidden`` values a row)."""
+        cfg, eps, paths = self.cfg, self.cfg.rms_norm_eps, self.paths
+        kernels = paths.fast_path and paths.fused_prefill
+        attend = partial(attention_forward, local_window=paths.fast_path,
+                         fused=paths.fast_path and paths.fused_attention, kernels=kernels)
+        boundary = partial(hc_boundary, iterations=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=eps,
+                           fused=paths.fused_hc, kernels=kernels)
+        offload, tally = self.expert_offload, self.routing_tally
+        all_rows = tally is not None or not paths.last_layer_rows_only
+        parts = []
+        for begin in range(0, len(token_ids), block):
+            ids = token_ids[begin : begin + block]
+            wanted = [r - begin for r in keep if begin <= r < begin + len(ids)]
+            streams = self.weights.embed[ids].to(self.dtype).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+            parts.append({"ids": ids, "step": step_rows(step, begin, begin + len(ids)), "streams": streams,
+                          "output": None, "post": None, "comb": None,
+                          "keep": torch.tensor(wanted, dtype=torch.long, device=self.device)})
+        last = len(self.weights.layers) - 1
+        for index, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache.layers)):
+            with offload.layer_pass(index) if offload is not None else nullcontext():
+                for part in parts:
+                    x, part["streams"], part["post"], part["comb"] = boundary(
+                        part["output"], part["streams"], part["post"], part["comb"], layer.attn_hc, layer.attn_norm)
+                    part["output"] = attend(x, part["step"], layer.attn, layer_cache, cfg, self.rope_compress)
+                    if index == last and not all_rows:  # the last feed-forward on the wanted rows only
+                        wanted = part["keep"]
+                        part["keep"] = torch.arange(len(wanted), device=self.device)
+                        for name in ("output", "streams", "post", "comb", "ids"):
+                            part[name] = part[name][wanted]
+                        if not len(wanted):
+                            continue
+                    x, part["streams"], part["post"], part["comb"] = boundary(
+                        part["output"], part["streams"], part["post"], part["comb"], layer.ffn_hc, layer.ffn_norm)
+                    if offload is not None:
+                        part["output"] = offload.moe_forward(index, x, part["ids"], layer.ffn, cfg,
+                                                             tally=None if tally is None else tally.layer(index))
+                    else:
+                        part["output"] = moe_forward(x, part["ids"], layer.ffn, cfg, grouped=paths.fast_path,
+                                                     kernels=kernels, tally=None if tally is None else tally.layer(index))
+        pieces = [hc_post(p["output"], p["streams"], p["post"], p["comb"])[p["keep"]] for p in parts if len(p["keep"])]
+        if not pieces:
+            return parts[0]["streams"][:0]
+        return torch.cat(pieces)
+
+
+def step_rows(step: StepInputs, begin: int, end: int) -> StepInputs:
+    """The rows ``[begin, end)`` of a prefill step as a step of their own: each chunk cut to its rows
+    there (a chunk's later rows start where its earlier ones end)."""
+    chunks = [ChunkRows(begin=max(c.begin, begin) - begin, end=min(c.end, end) - begin,
+                        start_pos=c.start_pos + max(begin - c.begin, 0), slot=c.slot, block_ids=c.block_ids)
+              for c in step.chunks if c.begin < end and c.end > begin]
+    return StepInputs(chunks=chunks, positions=step.positions[begin:end],
+                      rope_main=tuple(t[begin:end] for t in step.rope_main),
+                      rope_compress=tuple(t[begin:end] for t in step.rope_compress))
 
 
 def _holds_bf16_values(tensor: torch.Tensor) -> bool:

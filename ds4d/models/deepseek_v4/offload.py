@@ -303,6 +303,17 @@ class ExpertOffload:
                                                   self.form.pair_weighted)
         return self.staged.routed(layer, x, expert_weights, indices, limit, decode)
 
+    @contextmanager
+    def layer_pass(self, layer: int):
+        """While ``layer`` runs the blocks of one prefill step in turn (the model's layer-by-layer
+        prefill): a cold expert copied for one block stays on the device for the next ones
+        (``StagedCompute.begin_pass``)."""
+        self.staged.begin_pass(layer)
+        try:
+            yield
+        finally:
+            self.staged.end_pass()
+
     def capturable(self, rows: int) -> bool:
         """Whether a decode step of ``rows`` sequences runs without host reads (zero-copy experts)."""
         return self.zero_copy and rows * self.cfg.num_experts_per_tok <= moe_gemv.MAX_ROWS
@@ -316,7 +327,8 @@ class ExpertOffload:
         return expert_report(self.stats, self.residency, self.zero_copy_experts, sizes)
 
     def memory_plan(self) -> dict[str, dict[str, int]]:
-        return memory_plan(self.residency, self.pinned, self.device_expert_bytes, self.staging_bytes)
+        return memory_plan(self.residency, self.pinned, self.device_expert_bytes, self.staging_bytes,
+                           self.staged.pass_bytes if self.staged is not None else 0)
 
     def log_memory_plan(self, log, dense_bytes: int) -> None:
         """One log line per part of the plan: the dense weights (``dense_bytes`` on the device), then

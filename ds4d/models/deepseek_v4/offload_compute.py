@@ -12,7 +12,10 @@
    decoded on the device after the copy, except with ``native`` MXFP4, where
    staging holds the stored bytes and the ``quant_matmul`` kernels read them as
    copied;
-5. in decode steps, cold experts with at most ``cpu_max_rows`` tokens may run on
+5. while a layer's blocks of one prefill step run one after another (``begin_pass``, the model's
+   layer-by-layer prefill), a cold expert copied for one block stays in a pass bank of its own
+   (room for every cold expert of a layer) for the next ones, so the step copies it once;
+6. in decode steps, cold experts with at most ``cpu_max_rows`` tokens may run on
    the host instead (threads reading the host copy while the device works),
    when the copy bandwidth and the CPU expert time measured at start
    (:meth:`StagedCompute.measure`) say that is cheaper (``decode_cold``:
@@ -36,7 +39,7 @@ import torch
 from ds4d.cuda.host_memory import CopyStream
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.moe import combine_sorted, expert_ffn
-from ds4d.models.deepseek_v4.offload_parts import ExpertForm, StagingBank, bank_slots, decode_parts
+from ds4d.models.deepseek_v4.offload_parts import ExpertForm, StagingBank, bank_slots, decode_parts, staging_bank
 from ds4d.models.deepseek_v4.offload_residency import ExpertResidency
 from ds4d.models.deepseek_v4.offload_stats import LayerStats
 from ds4d.models.deepseek_v4.placement import PlacementPolicy
@@ -59,6 +62,31 @@ class StagedCompute:
         """Host -> device copy bandwidth for staged experts (set by :meth:`measure`)."""
         self.cpu_expert_s = 0.0
         """Seconds for one expert on one row on the host (set by :meth:`measure`)."""
+        self.pass_bank: StagingBank | None = None
+        """Room for one layer's cold experts while its blocks run (made at the first :meth:`begin_pass`)."""
+        self.pass_layer: int | None = None
+        self.pass_slot_of: dict[int, int] = {}
+        """Cold experts of ``pass_layer`` in the pass bank, and their slots there."""
+
+    @property
+    def pass_bytes(self) -> int:
+        """Device bytes of the pass bank (0 until a layer-by-layer prefill made it)."""
+        if self.pass_bank is None:
+            return 0
+        tensors = list(self.pass_bank.packed.values())
+        if self.form.decodes:
+            tensors += [self.pass_bank.gate_up, self.pass_bank.down]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def begin_pass(self, layer: int) -> None:
+        """The next calls of ``layer`` are blocks of one step: copied cold experts stay for the next block."""
+        if self.pass_bank is None:
+            most = max(self.form.experts - len(bank.ids) for bank in self.residency.banks)
+            self.pass_bank = staging_bank(self.form, self.residency.slots.layout, max(1, most))
+        self.pass_layer, self.pass_slot_of = layer, {}
+
+    def end_pass(self) -> None:
+        self.pass_layer = None
 
     def measure(self) -> None:
         """Time a host -> device copy of a staging bank and one expert on one row on the host."""
@@ -101,10 +129,11 @@ class StagedCompute:
         bank, stats = self.residency.banks[layer], self.stats[layer]
         cold = [e for e in range(experts) if counts[e] and bank.slot_of[e] < 0]
         on_host, copied = self.split_cold(cold, counts, decode)
+        held = None if decode else self._pass_slots(layer, copied)
         key = list(bank.slot_of)
         base = len(bank.ids)
         for position, expert in enumerate(copied + on_host):
-            key[expert] = base + position
+            key[expert] = base + (position if held is None else self.pass_slot_of[expert])
         sorted_key, order = torch.sort(torch.tensor(key, device=x.device)[flat], stable=True)
         rows = x[order // k]
         hot_rows = sum(counts[e] for e in bank.ids)
@@ -129,8 +158,13 @@ class StagedCompute:
             offsets = self._offsets([counts[e] for e in bank.ids], len(bank.ids), x.device)
             pieces.append(expert_ffn(rows[:hot_rows], bank.gate_up, bank.down, offsets, sorted_key[:hot_rows],
                                      limit, step_rows=tokens * k, pair_weights=weights_of(0, hot_rows)))
-        pieces.extend(self._staged(layer, copied, counts, rows[hot_rows:begin], sorted_key[hot_rows:begin] - base,
-                                   limit, tokens * k, weights_of(hot_rows, begin)))
+        if held is not None:
+            pieces.extend(self._held(layer, copied, held, counts, rows[hot_rows:begin],
+                                     sorted_key[hot_rows:begin] - base, limit, tokens * k, weights_of(hot_rows, begin)))
+        else:
+            pieces.extend(self._staged(layer, copied, counts, rows[hot_rows:begin],
+                                       sorted_key[hot_rows:begin] - base, limit, tokens * k,
+                                       weights_of(hot_rows, begin)))
         if on_host:  # the device works through the launches above meanwhile
             began = time.perf_counter()
             pieces.append(self._host_experts(layer, on_host, counts, host_rows, host_weights).to(x.device))
@@ -193,6 +227,49 @@ class StagedCompute:
             stage.free = self.copier.compute_event()
             row += n
         return out
+
+    def _pass_slots(self, layer: int, copied: list[int]) -> list[int] | None:
+        """In a pass over ``layer``: give the call's cold experts slots in the pass bank and return the
+        ones it must copy there (the rest are there from an earlier block); None outside a pass, or
+        when the bank has no room left for them (they then go through the staging banks)."""
+        if self.pass_layer != layer or not copied:
+            return None
+        new = [e for e in copied if e not in self.pass_slot_of]
+        if len(self.pass_slot_of) + len(new) > bank_slots(self.pass_bank.gate_up):
+            return None
+        for expert in new:
+            self.pass_slot_of[expert] = len(self.pass_slot_of)
+        return new
+
+    def _held(self, layer, copied, new, counts, rows, slots, limit, step_rows, pair_weights=None) -> list[torch.Tensor]:
+        """Cold experts from the pass bank: ``new`` ones copied there first (the rows of ``copied`` come
+        sorted by pass-bank slot)."""
+        stage = self.pass_bank
+        if new:
+            self.copier.wait(stage.free)  # the blocks before may still read the bank
+            for expert in new:
+                for name, tensor in self.residency.expert_parts(layer, expert).items():
+                    self.copier.copy(stage.packed[name][self.pass_slot_of[expert]], tensor)
+            stage.ready = self.copier.record()
+            stats = self.stats[layer]
+            stats.copied_experts += len(new)
+            stats.bytes_copied += len(new) * self.form.host_expert_bytes
+        self.copier.compute_waits(stage.ready)
+        if new and self.form.decodes:
+            for expert in new:
+                slot = self.pass_slot_of[expert]
+                gate_up, down = decode_parts(self.form.kind, {n: t[slot] for n, t in stage.packed.items()},
+                                             self.form.dtype, self.form.block)
+                stage.gate_up[slot].copy_(gate_up)
+                stage.down[slot].copy_(down)
+        per_slot = [0] * len(self.pass_slot_of)
+        for expert in copied:
+            per_slot[self.pass_slot_of[expert]] = counts[expert]
+        offsets = self._offsets(per_slot, bank_slots(stage.gate_up), rows.device)
+        out = expert_ffn(rows, stage.gate_up, stage.down, offsets, slots, limit, step_rows=step_rows,
+                         pair_weights=pair_weights)
+        stage.free = self.copier.compute_event()
+        return [out]
 
     def _cpu_expert(self, parts: dict[str, torch.Tensor], rows: torch.Tensor,
                     pair_weights: torch.Tensor | None = None) -> torch.Tensor:

@@ -82,13 +82,15 @@ def expert_report(stats: list[LayerStats], residency: ExpertResidency, zero_copy
 
 
 def memory_plan(residency: ExpertResidency, pinned: PinnedRegistry, device_expert_bytes: int,
-                staging_bytes: int) -> dict[str, dict[str, int]]:
-    """Device and host memory the offload holds, by use."""
+                staging_bytes: int, pass_bytes: int = 0) -> dict[str, dict[str, int]]:
+    """Device and host memory the offload holds, by use (``pass_bytes``: the bank that keeps one layer's
+    cold experts through a layer-by-layer prefill, once one has run)."""
     gpu = residency.device_experts()
     slots: HostSlots = residency.slots
     return {
         "routed experts (device banks)": {"vram_bytes": gpu * device_expert_bytes, "experts": gpu},
         "expert staging (2 banks, decode gather scratch)": {"vram_bytes": staging_bytes},
+        **({"expert staging (one layer, layer-by-layer prefill)": {"vram_bytes": pass_bytes}} if pass_bytes else {}),
         "routed experts (host RAM, pinned)": {
             "ram_bytes": slots.bytes, "experts": residency.host_experts(), "slots": slots.slots,
             "huge_pages": int(slots.arena.huge_pages),

@@ -50,10 +50,17 @@ class ForwardPaths:
     """Decode steps go through ``torch.compile`` inside their CUDA graphs (each new bucket compiles once)."""
     last_layer_rows_only: bool = True
     """The last layer's feed-forward runs on the rows whose logits are asked for only."""
+    prefill_block: int = 0
+    """A step of more rows than this (not a pure decode step) runs layer by layer, each layer over
+    its rows this many at a time (``DeepseekV4Model._blocks``): activations of one block, and with
+    routed experts offloaded each cold expert copied once per layer per step; 0: every layer takes
+    the whole step at once."""
 
     def __post_init__(self) -> None:
         if self.hc_kernels not in HC_KERNELS:
             raise ValueError(f"hc_kernels {self.hc_kernels!r}: use one of {', '.join(HC_KERNELS)}")
+        if self.prefill_block < 0:
+            raise ValueError(f"prefill_block {self.prefill_block}: 0 (off) or a positive row count")
         if self.decode_graphs not in DECODE_GRAPHS:
             raise ValueError(f"decode_graphs {self.decode_graphs!r}: use one of {', '.join(DECODE_GRAPHS)}")
 
