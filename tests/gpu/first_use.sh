@@ -17,7 +17,8 @@ for mode in ${WARMUPS:-off on}; do
   PID=$!
   ds4d_wait_ready "$PORT" "$PID" "${READY_S:-500}" || { tail -30 "$OUT/first_use_$mode.log"; kill $PID; exit 1; }
   ready=$(date +%s)
-  echo "warm-up $mode: ready after $(( ready - start )) s"
+  echo "warm-up $mode: ready after $(( ready - start )) s${CUDA_MODULE_LOADING:+ (CUDA_MODULE_LOADING=$CUDA_MODULE_LOADING)}," \
+    "GPU memory used $(nvidia-smi --query-gpu=memory.used --format=csv,noheader 2>/dev/null | head -1)"
   grep -E "warm-up:" "$OUT/first_use_$mode.log" | cut -c1-200
   $PY tests/gpu/first_use.py "$PORT" "warm-up $mode" "$OUT/first_use_$mode.json" || { kill $PID; exit 1; }
   kill "$PID"; wait "$PID"
