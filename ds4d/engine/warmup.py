@@ -9,17 +9,17 @@ algorithms, the caching allocators grow.  A fresh daemon would charge that to it
   pool and prefix cache with no lower tiers, so nothing it computes is ever reused by a real request or
   reaches the RAM or disk tier, and its state slots and pool blocks are simply free again afterwards;
   the waves meet every path of a step once: prompts of one token to past twice ``prefill_chunk`` (chunks
-  at offsets, beside a decoding row) in each size class, prompts resumed from a prefix hit with 1 to a
-  thousand new tokens, greedy, sampled (temperature, top-k, top-p, seeded), logprobs and prompt logprobs, a
+  at offsets, beside a decoding row), steps of every row class up to ``step_tokens`` (``ds4d.cuda.rows``),
+  prompts resumed from a prefix hit with 1 to a thousand new tokens, greedy, sampled (temperature, top-k, top-p, seeded), logprobs and prompt logprobs, a
   constrained row, decode batches of every bucket size up to ``max_num_seqs``;
 * then the model's decode graphs for every (batch, block-table) bucket up to ``max_context``
   (:class:`~ds4d.contracts.DecodeWarmableModel`), run on padding rows.
 
 For the Triton kernels lengths and offsets need no more cover than that: they do not specialise on the
 arguments that change per prompt (``do_not_specialize``), so one compiled variant serves every prompt
-length and offset of a path.  The torch and cuBLAS kernels are met by size class only: a first prompt of
-a size the waves missed can still pay a few tens of milliseconds (docs/BENCHMARKS.md, the first-request
-table).
+length and offset of a path.  cuBLAS picks a kernel per matmul shape on first use; a model that rounds
+its prompt steps' rows to a few classes (DeepSeek-V4 on CUDA: ``ds4d.cuda.rows``) meets all of them here.
+Other torch kernels are met by size class only (docs/BENCHMARKS.md, the first-request table).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 from ds4d.cache.blocks import BlockPool
 from ds4d.cache.manager import PrefixCache
 from ds4d.contracts import DecodeWarmableModel, Model, SchedulerPolicy
+from ds4d.cuda.rows import row_classes_up_to
 from ds4d.engine.request import EngineRequest, SamplingParams
 
 log = logging.getLogger("ds4d.engine")
@@ -42,11 +43,14 @@ SALT = "ds4d-warmup"
 RESUMED_NEW_TOKENS = (1, 7, 17, 100, 300, 1000)
 """New tokens of the prompts resumed from the first wave's prompt: a one-token step, then one in each row
 regime of the FP8 kernels (tiles of 16, 32 and 64 rows, the dense path from 257 rows) and a longer one."""
-FRESH_LENGTHS = (1, 64, 256, 512, 768, 1024, 1536, 2048, 3072, 4096)
-"""Prompts from position 0 besides the first wave's, their lengths about 1.5x apart from 256 up to the
-default ``prefill_chunk``: the torch and cuBLAS kernels pick their kernels by the row count, and CUDA loads
-each kernel lazily, on first use, for milliseconds, so a first prompt whose row count falls in a class no
-prompt before it met would pay tens of them (1,441 rows after 1,024 and 2,048 had run: 85 ms against 58)."""
+
+
+def fresh_lengths(prefill_chunk: int) -> list[int]:
+    """Prompts from position 0 besides the first wave's: one token, then one of each row class up to
+    ``prefill_chunk`` (``ds4d.cuda.rows``): a model whose prompt steps round their matmul rows to those
+    classes (DeepSeek-V4 on CUDA) meets in them every shape cuBLAS would otherwise pick a kernel for on
+    a first prompt of a new length (about half a millisecond per shape, tens per step)."""
+    return [1] + [rows for rows in row_classes_up_to(prefill_chunk) if rows <= prefill_chunk]
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,12 @@ class _AnyToken:
 
 
 def warmup_waves(vocab_size: int, *, prefill_chunk: int, max_context: int, max_num_seqs: int, pool_tokens: int,
-                 seed: int = 0) -> list[list[EngineRequest]]:
+                 step_tokens: int = 0, seed: int = 0) -> list[list[EngineRequest]]:
     """The requests, in waves: each wave is submitted at once and runs to its end before the next.
 
     Every prompt and output fits ``max_context`` and each wave fits ``pool_tokens`` (the first wave's
-    long prompt is cut to what they leave)."""
+    long prompt is cut to what they leave).  With ``step_tokens``, the row classes above
+    ``prefill_chunk`` up to it come as waves of prompts whose first chunks fill one step of that many rows."""
     rng = random.Random(seed)
     names = iter(range(1_000_000))
 
@@ -99,7 +104,11 @@ def warmup_waves(vocab_size: int, *, prefill_chunk: int, max_context: int, max_n
     short = max(min(24, budget // 8), 1)
     waves = [[request(long), request(tokens(short), max_tokens=4)][:max_num_seqs]]  # beside a decoding row
     waves += [[request(long + tokens(n))] for n in RESUMED_NEW_TOKENS if len(long) + n + 2 <= budget]
-    waves += [[request(tokens(n))] for n in FRESH_LENGTHS if n + 2 <= budget]
+    waves += [[request(tokens(n))] for n in fresh_lengths(prefill_chunk) if n + 2 <= budget]
+    for rows in row_classes_up_to(step_tokens) if step_tokens > prefill_chunk else []:
+        pieces = [prefill_chunk] * (rows // prefill_chunk) + [rows % prefill_chunk] * bool(rows % prefill_chunk)
+        if prefill_chunk < rows <= step_tokens and len(pieces) <= max_num_seqs and rows + 2 * len(pieces) <= budget:
+            waves.append([request(tokens(n)) for n in pieces])
     mixed = [request(tokens(short), max_tokens=3, temperature=0.7, top_k=40, top_p=0.9, seed=1),
              request(tokens(short), max_tokens=3, temperature=1.0),
              request(tokens(short), max_tokens=3, logprobs=5, prompt_logprobs=5),
@@ -132,7 +141,8 @@ def warm_up(model: Model, policy: SchedulerPolicy, *, num_blocks: int, max_num_s
                       prefill_chunk=prefill_chunk, namespace=b"ds4d-warmup", publish=outputs.extend,
                       lookahead=lookahead)
     waves = warmup_waves(info.vocab_size, prefill_chunk=prefill_chunk, max_context=max_context,
-                         max_num_seqs=max_num_seqs, pool_tokens=num_blocks * info.block_size_tokens)
+                         max_num_seqs=max_num_seqs, pool_tokens=num_blocks * info.block_size_tokens,
+                         step_tokens=step_tokens)
     requests = prompt_tokens = 0
     for wave in waves:
         for request in wave:

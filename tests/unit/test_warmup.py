@@ -15,7 +15,8 @@ from ds4d.cache.blocks import BlockPool
 from ds4d.cache.manager import PrefixCache
 from ds4d.cuda.graphs import EagerBuckets, decode_buckets
 from ds4d.engine.offline import OfflineEngine, default_policy
-from ds4d.engine.warmup import FRESH_LENGTHS, RESUMED_NEW_TOKENS, SALT, warm_up, warmup_waves
+from ds4d.cuda.rows import row_class, row_classes_up_to
+from ds4d.engine.warmup import RESUMED_NEW_TOKENS, SALT, fresh_lengths, warm_up, warmup_waves
 from ds4d.models.deepseek_v4.paths import ForwardPaths
 from ds4d.models.deepseek_v41.family import load_model
 from ds4d.models.deepseek_v41.paths import ForwardPaths as V41Paths
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("max_context,pool_tokens,chunk,seqs", [(4096, 16384, 512, 4), (256, 512, 64, 3), (48, 64, 16, 1)])
 def test_the_waves_fit_and_meet_each_path(max_context, pool_tokens, chunk, seqs):
     waves = warmup_waves(1000, prefill_chunk=chunk, max_context=max_context, max_num_seqs=seqs,
-                         pool_tokens=pool_tokens)
+                         pool_tokens=pool_tokens, step_tokens=2 * chunk)
     requests = [r for wave in waves for r in wave]
     assert all(r.cache_salt == SALT for r in requests)
     assert len({r.request_id for r in requests}) == len(requests)
@@ -42,7 +43,13 @@ def test_the_waves_fit_and_meet_each_path(max_context, pool_tokens, chunk, seqs)
     assert len(long) == max(min(2 * chunk + 809, budget // 2), 1)
     fresh = sorted(len(r.prompt_ids) for w in waves[1:] for r in w if len(w) == 1 and r.params.max_tokens == 2
                    and r.prompt_ids[:len(long)] != long)
-    assert fresh == [n for n in FRESH_LENGTHS if n + 2 <= budget] and fresh[0] == 1
+    assert fresh == [n for n in fresh_lengths(chunk) if n + 2 <= budget] and fresh[0] == 1
+    assert all(row_class(n) == n for n in fresh[1:]) and (budget < chunk + 2 or fresh[-1] == chunk)
+    # steps of the row classes past one chunk: several prompts whose first chunks fill one step
+    filled = sorted(sum(len(r.prompt_ids) for r in w) for w in waves[1:] if len(w) > 1
+                    and all(r.params.max_tokens == 2 for r in w))
+    wanted = [n for n in row_classes_up_to(2 * chunk) if chunk < n <= 2 * chunk and n + 4 <= budget and seqs >= 2]
+    assert filled == wanted
     resumed = [r for r in requests[1:] if r.prompt_ids[:len(long)] == long and len(r.prompt_ids) > len(long)]
     assert [len(r.prompt_ids) - len(long) for r in resumed] == [
         n for n in RESUMED_NEW_TOKENS if len(long) + n + 2 <= budget]
@@ -89,7 +96,7 @@ def test_a_warmed_v4_gives_the_same_tokens_and_prepared_every_bucket(model):  # 
     assert report.decode_buckets == len(buckets) and warmed._graphs.keys == set(buckets)
     assert report.requests == sum(len(w) for w in warmup_waves(
         model.info.vocab_size, prefill_chunk=64, max_context=context, max_num_seqs=seqs,
-        pool_tokens=blocks * model.info.block_size_tokens))
+        pool_tokens=blocks * model.info.block_size_tokens, step_tokens=256))
     assert report.reused_tokens > 0 and report.prompt_tokens > 0 and report.seconds > 0
     engine = _engine(warmed, seqs, 64, blocks)
     assert _turns(engine, prompt, follow) == expected

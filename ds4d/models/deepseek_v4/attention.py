@@ -94,7 +94,7 @@ def _indexer_topk(
     n, count = x.shape[0], keys.shape[0]
     q = linear(q_residual, indexer.wq_b).view(n, cfg.index_n_heads, cfg.index_head_dim)
     q = apply_rope(q, *cos_sin).float()
-    head_weights = F.linear(x, indexer.weights_proj).float() * cfg.index_n_heads**-0.5
+    head_weights = linear(x, indexer.weights_proj).float() * cfg.index_n_heads**-0.5
     visible = (positions + 1) // indexer.compressor.ratio
     keys = keys.float()
     rows = max(1, SCORE_BLOCK_BYTES // (4 * cfg.index_n_heads * max(1, count)))

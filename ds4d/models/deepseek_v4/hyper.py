@@ -15,13 +15,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ds4d.cuda.rows import padded_product
 from ds4d.models.deepseek_v4.ops import linear_f32, rms_norm, unweighted_rms_norm
 from ds4d.models.deepseek_v4.weights import HyperWeights
 
 
 def _mixes(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     flat = unweighted_rms_norm(streams.flatten(-2).float(), norm_eps)
-    return F.linear(flat, fn.float())
+    return padded_product(flat, lambda rows: F.linear(rows, fn.float()))
 
 
 def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from ds4d.contracts import ForwardBatch, ModelInfo, SeqChunk, Tokenizer
 from ds4d.cuda.devices import to_device_async
 from ds4d.cuda.graphs import bucket as _bucket, decode_buckets
+from ds4d.cuda.rows import row_classes
 from ds4d.models.deepseek_v4.attention import ChunkRows, StepInputs, attention_forward
 from ds4d.models.deepseek_v4.cache import DeepseekV4Cache
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
@@ -277,13 +278,19 @@ class DeepseekV4Model:
             rope_main=self.rope_main.cos_sin(pos),
             rope_compress=self.rope_compress.cos_sin(pos),
         )
+        with row_classes():  # the step's matmuls meet one of a few row counts (``ds4d.cuda.rows``)
+            return self._prompt_step(token_ids, step, cache, keep)
+
+    def _prompt_step(self, token_ids: torch.Tensor, step: StepInputs, cache: DeepseekV4Cache,
+                     keep: list[int]) -> torch.Tensor:
+        cfg, device = self.cfg, self.device
         rows = torch.tensor(keep, dtype=torch.long, device=device)
         # always run the layers: they write the chunks' KV and state; every row through all of them where
         # calibration counts routing, where asked to, or where every row is wanted anyway
         block = self.paths.prefill_block
-        if block and len(ids) > block:  # layer by layer over blocks of rows (see ``_blocks``)
+        if block and len(token_ids) > block:  # layer by layer over blocks of rows (see ``_blocks``)
             hidden = self._blocks(token_ids, step, cache, keep, block)
-        elif self.routing_tally is not None or not self.paths.last_layer_rows_only or len(keep) == len(ids):
+        elif self.routing_tally is not None or not self.paths.last_layer_rows_only or len(keep) == len(token_ids):
             hidden = self._layers(token_ids, step, cache)[rows]
         else:
             hidden = self._layers(token_ids, step, cache, keep=rows)

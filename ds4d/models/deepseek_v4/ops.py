@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from ds4d.cuda.rows import padded_product
 from ds4d.models.deepseek_v4.config import DeepseekV4Config, YarnScaling
 
 
@@ -102,7 +103,7 @@ def linear_bf16_weight_f32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.T
         high = x.to(torch.bfloat16)
         low = (x - high.float()).to(torch.bfloat16)
         try:
-            both = torch.mm(torch.cat([high, low]), weight.t(), out_dtype=torch.float32)
+            both = padded_product(torch.cat([high, low]), lambda rows: torch.mm(rows, weight.t(), out_dtype=torch.float32))
             return both[: x.shape[0]] + both[x.shape[0] :]
         except (RuntimeError, TypeError):
             _MM_OUT_DTYPE["ok"] = False
@@ -122,7 +123,7 @@ def linear_split(x: torch.Tensor, split: torch.Tensor) -> torch.Tensor:
     bf16 matmul with float32 results (each product exact in float32), whose two halves then add.
     On the CPU, where that matmul is missing, the same products in a float32 matmul."""
     if x.is_cuda:
-        both = torch.mm(x, split.t(), out_dtype=torch.float32)
+        both = padded_product(x, lambda rows: torch.mm(rows, split.t(), out_dtype=torch.float32))
     else:
         both = x.float() @ split.float().t()
     half = split.shape[0] // 2
@@ -134,11 +135,11 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, split: torch.Tensor | None
     ``weight``) for a bf16 ``x`` where given, else with ``x`` widened."""
     if split is not None and x.dtype == torch.bfloat16:
         return linear_split(x, split)
-    return torch.nn.functional.linear(x.float(), weight.float())
+    return padded_product(x.float(), lambda rows: torch.nn.functional.linear(rows, weight.float()))
 
 
 def linear(x: torch.Tensor, weight) -> torch.Tensor:
     """``x @ weight^T`` for a decoded weight, or for an FP8 one kept as stored (``stored.Fp8Weight``)."""
     if isinstance(weight, torch.Tensor):
-        return torch.nn.functional.linear(x, weight)
-    return weight.matmul(x)
+        return padded_product(x, lambda rows: torch.nn.functional.linear(rows, weight))
+    return padded_product(x, weight.matmul)
