@@ -10,8 +10,9 @@ algorithms, the caching allocators grow.  A fresh daemon would charge that to it
   reaches the RAM or disk tier, and its state slots and pool blocks are simply free again afterwards;
   the waves meet every path of a step once: prompts of one token to past twice ``prefill_chunk`` (chunks
   at offsets, beside a decoding row), steps of every row class up to ``step_tokens`` (``ds4d.cuda.rows``),
-  prompts resumed from a prefix hit with 1 to a thousand new tokens, greedy, sampled (temperature, top-k, top-p, seeded), logprobs and prompt logprobs, a
-  constrained row, decode batches of every bucket size up to ``max_num_seqs``;
+  prompts resumed from a prefix hit with 1 to a thousand new tokens, greedy, sampled (temperature, top-k,
+  top-p, seeded), logprobs and prompt logprobs, a constrained row, decode batches of every bucket size up
+  to ``max_num_seqs``;
 * then the model's decode graphs for every (batch, block-table) bucket up to ``max_context``
   (:class:`~ds4d.contracts.DecodeWarmableModel`), run on padding rows.
 

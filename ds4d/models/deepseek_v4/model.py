@@ -457,8 +457,9 @@ class DeepseekV4Model:
                         part["output"] = offload.moe_forward(index, x, part["ids"], layer.ffn, cfg,
                                                              tally=None if tally is None else tally.layer(index))
                     else:
+                        layer_tally = None if tally is None else tally.layer(index)
                         part["output"] = moe_forward(x, part["ids"], layer.ffn, cfg, grouped=paths.fast_path,
-                                                     kernels=kernels, tally=None if tally is None else tally.layer(index))
+                                                     kernels=kernels, tally=layer_tally)
         pieces = [hc_post(p["output"], p["streams"], p["post"], p["comb"])[p["keep"]] for p in parts if len(p["keep"])]
         if not pieces:
             return parts[0]["streams"][:0]

@@ -103,7 +103,8 @@ def linear_bf16_weight_f32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.T
         high = x.to(torch.bfloat16)
         low = (x - high.float()).to(torch.bfloat16)
         try:
-            both = padded_product(torch.cat([high, low]), lambda rows: torch.mm(rows, weight.t(), out_dtype=torch.float32))
+            both = padded_product(torch.cat([high, low]),
+                                  lambda rows: torch.mm(rows, weight.t(), out_dtype=torch.float32))
             return both[: x.shape[0]] + both[x.shape[0] :]
         except (RuntimeError, TypeError):
             _MM_OUT_DTYPE["ok"] = False
