@@ -201,3 +201,30 @@ def test_prefill_block_knob():
         load_config({"prefill_block": -1}, environ={})
     with pytest.raises(ValueError, match="prefill_block"):
         ForwardPaths(prefill_block=-2)
+
+
+def test_the_family_sets_the_block_from_the_knob(checkpoint, caplog):
+    """``ds4d serve``'s loader: auto gives blocks of 4096 only with experts offloaded (and says how to use
+    them when ``prefill_chunk`` is no larger), an explicit value always; the model then runs them."""
+    import logging
+
+    from ds4d.contracts import PluginContext
+    from ds4d.models.deepseek_v4.family import DeepseekV4Family
+
+    def loaded(**knobs):
+        base = dict(dtype="float32", device="cpu", gpus="", weight_format="auto", load_format="auto",
+                    compile_decode=False, prefill_chunk=4096, prefill_block=0, expert_vram_gib=0,
+                    expert_placement="static", expert_cpu_threads=1, expert_decode_cold="copy", mem_watermark_gib=0,
+                    expert_calibration="")
+        config = SimpleNamespace(**{**base, **knobs})
+        return DeepseekV4Family(PluginContext(config=config, log=logging.getLogger("test.layer_major")), {}).load(
+            checkpoint)
+
+    assert loaded().paths.prefill_block == 0
+    with caplog.at_level(logging.INFO, logger="test.layer_major"):
+        offloaded = loaded(expert_vram_gib=1e-6)
+    assert offloaded.expert_offload is not None and offloaded.paths.prefill_block == OFFLOAD_PREFILL_BLOCK
+    assert any("prefill_block" in r.getMessage() for r in caplog.records)
+    blocked = loaded(prefill_block=48)
+    assert blocked.paths.prefill_block == 48 and blocked.info.extra["forward_paths"]["prefill_block"] == 48
+    _assert_same(_solo(blocked, 230), _solo(loaded(), 48))
