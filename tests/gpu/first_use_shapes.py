@@ -1,8 +1,9 @@
 """Which prompt steps pay a first-use cost after the warm-up: fresh prompts of lengths the warm-up did not
-meet, each timed twice (first, then with other tokens of the same length), in one process, on an engine over
-a warmed-up model; then the profiler's op table for a new length's first and second run.
+meet, each timed three times (first, then twice with other tokens of the same length), in one process, on an
+engine over a warmed-up model; then the profiler's op table for a new length's first and second run.
 
 Usage: python tests/gpu/first_use_shapes.py CONFIG_DIR   (random weights for CONFIG_DIR/config.json, CUDA)
+       LENGTHS=5000,2600 the prompt lengths; PROFILED=5555 the profiled one; DEVICE=cpu a smoke run on a tiny config
 """
 
 from __future__ import annotations
