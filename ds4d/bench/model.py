@@ -66,6 +66,9 @@ def add_parser(sub) -> None:
                         "that sets nothing gets), and temperature 1 with top-p 0.95")
     p.add_argument("--profile", action="store_true",
                    help="only profile decode at batch 1 (1K context) per path: time and kernels per step, top kernels")
+    p.add_argument("--gguf", default="", choices=["", "q2"],
+                   help="the linears and routed experts in GGUF blocks of a recipe (q2: ds4's q2 files: routed "
+                        "gate/up IQ2_XXS, down Q2_K, the FP8 linears Q8_0), random, kept as stored")
     p.add_argument("--native", action="store_true",
                    help="FP8 linears and MXFP4 experts as the release stores them (weight_format native)")
     p.add_argument("--kernels", action="store_true",
@@ -224,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
                 Path(args.json).with_suffix(".kernels.json").write_text(json.dumps(kernel_rows, indent=1))
     t0 = time.perf_counter()
     cfg, reader, model, hf, hf_note = build(torch, args, device)
-    floors = Floors(cfg, reader.issued, bandwidth, matmul, native=args.native)
+    floors = Floors(cfg, reader.issued, bandwidth, matmul, native=args.native, gguf=args.gguf)
     best = model.paths.replace(compile_decode=args.compile)  # each row runs a model of its own over these weights
     say(f"built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}, HF {hf_note}, "
         f"hyper-connection kernel {'on' if best.hc_kernels != 'torch' else 'off'}")

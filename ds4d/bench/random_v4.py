@@ -53,17 +53,22 @@ class Floors:
     ``ep``: routed experts split over that many GPUs working at once (each reads
     and multiplies its share; everything else is replicated)."""
 
-    def __init__(self, cfg, issued, bandwidth: float, matmul: float, native: bool = False, ep: int = 1) -> None:
-        from ds4d.models.deepseek_v4.random_init import FP8_IN_RELEASE
+    def __init__(self, cfg, issued, bandwidth: float, matmul: float, native: bool = False, ep: int = 1,
+                 gguf: str = "") -> None:
+        from ds4d.models.deepseek_v4.random_init import FP8_IN_RELEASE, GGUF_RECIPES
 
         self.cfg, self.bandwidth, self.matmul, self.ep = cfg, bandwidth, matmul, ep
         dense = {n: t.numel() for n, t in issued.items() if ".experts." not in n and not n.endswith("tid2eid")}
         self.dense_params = sum(dense.values()) - issued["embed.weight"].numel() + cfg.hidden_size  # one row
-        fp8 = sum(v for n, v in dense.items() if native and FP8_IN_RELEASE.search(n))
+        fp8 = sum(v for n, v in dense.items() if (native or gguf) and FP8_IN_RELEASE.search(n))
         self.dense_bytes = 2 * self.dense_params - fp8 * (1 - 4 / 128**2)
         self.head_params = issued["head.weight"].numel()
         self.expert_params = 3 * cfg.moe_intermediate_size * cfg.hidden_size
         self.expert_bytes = self.expert_params * (17 / 32 if native else 2)
+        if gguf:  # the recipe's bytes per value: its linears in place of FP8's, its experts
+            recipe = GGUF_RECIPES[gguf]
+            self.dense_bytes = 2 * self.dense_params - fp8 * (2 - _bytes_per_value(recipe["linear"]))
+            self.expert_bytes = self.expert_params * sum(_bytes_per_value(recipe[w]) for w in ("w1", "w2", "w3")) / 3
         self.shared_params = sum(t.numel() for n, t in issued.items() if ".shared_experts." in n)
 
     def _kv_bytes(self, context: int) -> float:
@@ -90,6 +95,13 @@ class Floors:
         flops_s = 2 * (self.dense_params - self.head_params + routed) * tokens / self.matmul
         all_bytes = self.dense_bytes + cfg.num_hidden_layers * cfg.n_routed_experts * self.expert_bytes / self.ep
         return tokens / max(flops_s, all_bytes / self.bandwidth)
+
+
+def _bytes_per_value(qtype: str) -> float:
+    from ds4d.cuda import gguf_matmul
+
+    values, nbytes = gguf_matmul.block_shape(qtype)
+    return nbytes / values
 
 
 def base_config(tiny: bool) -> dict:
@@ -136,8 +148,16 @@ def build(torch, args, device, offload_options=None):
 
     cfg = bench_config(args)
     dtype = getattr(torch, args.dtype)
-    reader = RandomReader(cfg, dtype=dtype, device=device, seed=args.seed, native=args.native,
-                          keep_values=offload_options is None)
+    if getattr(args, "gguf", ""):
+        if offload_options is not None:
+            raise SystemExit("--gguf: expert offload of GGUF blocks is not built yet")
+        from ds4d.models.deepseek_v4.random_init import RandomGgufReader
+
+        args.no_hf = True
+        reader = RandomGgufReader(cfg, dtype=dtype, device=device, recipe=args.gguf, seed=args.seed)
+    else:
+        reader = RandomReader(cfg, dtype=dtype, device=device, seed=args.seed, native=args.native,
+                              keep_values=offload_options is None)
     offload = None
     if offload_options is not None:
         args.no_hf = True

@@ -31,6 +31,17 @@ TYPES = {"Q8_0": 0, "Q2_K": 1, "IQ2_XXS": 2, "Q4_K": 3, "Q6_K": 4, "Q5_K": 5, "Q
          "IQ2_XS": 9, "MXFP4": 10}
 """The quant types with a decoder, by name (``gguf.GGMLQuantizationType`` names)."""
 
+BLOCKWISE = {"Q8_0": {"block_n": 8, "supers": 2, "warps": 4}, "Q2_K": {"block_n": 8, "supers": 1, "warps": 4},
+             "IQ2_XXS": {"block_n": 8, "supers": 1, "warps": 4}}
+"""Types with a block-by-block GEMV (``gguf_gemv``) and its launch: weight rows per program, blocks of 256
+values per trip of its loop, warps (``tests/gpu/gguf_gemv_sweep.py`` times the candidates)."""
+
+TILES = {"block_m": 64, "block_n": 32, "warps": 4}
+"""The block-wise tensor-core tiles' launch (:func:`tiles`): rows and weight rows per program, warps."""
+
+MULTI_ROWS = 8
+"""Input rows a block-wise GEMV program takes at most (each weight tile decoded once for all of them)."""
+
 _state: dict[str, object] = {}
 
 
@@ -47,6 +58,14 @@ def _kernels():
 
         _state["kernels"] = gguf_kernels
     return _state["kernels"]
+
+
+def _blockwise():
+    if "blockwise" not in _state:
+        from ds4d.cuda import gguf_blockwise
+
+        _state["blockwise"] = gguf_blockwise
+    return _state["blockwise"]
 
 
 def block_shape(qtype: str) -> tuple[int, int]:
@@ -94,13 +113,20 @@ def _check(raw: torch.Tensor, qtype: str, cols: int) -> int:
     return row_bytes
 
 
-def dequantize(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
-    """float32 ``[N, cols]``: the values of ``raw``'s blocks."""
+def dequantize(raw: torch.Tensor, qtype: str, cols: int, *, blockwise: bool = True) -> torch.Tensor:
+    """float32 ``[N, cols]``: the values of ``raw``'s blocks (the types of :data:`BLOCKWISE` by
+    ``gguf_blockwise``'s decoders unless ``blockwise`` is False)."""
     row_bytes = _check(raw, qtype, cols)
     k = _kernels()
     grid_table, signs = _tables(raw.device, qtype)
     n = raw.shape[0]
     out = torch.empty(n, cols, dtype=torch.float32, device=raw.device)
+    if blockwise and qtype in BLOCKWISE:
+        block_n = 16
+        _blockwise().dequant_kernel[(-(-n // block_n), -(-cols // 256))](
+            raw, out, grid_table, signs, n, cols, row_bytes, out.stride(0), qtype=TYPES[qtype], block_n=block_n,
+            enable_fp_fusion=False)
+        return out
     block_n, block_k = 16, 256
     grid = (-(-n // block_n), -(-cols // block_k))
     k.dequant_kernel[grid](raw, out, grid_table, signs, n, cols, row_bytes, out.stride(0), qtype=TYPES[qtype],
@@ -117,22 +143,32 @@ def _bank(raw: torch.Tensor, qtype: str, cols: int) -> tuple[torch.Tensor, int, 
     return raw, _check(raw, qtype, cols), 0
 
 
-def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor | None = None, *,
+         blockwise: bool = True) -> torch.Tensor:
     """float32 ``[M, N]``: each row of ``x [M, K]`` times every weight row of ``raw`` (``N`` rows of
     ``K`` values in ``qtype`` blocks), summed in float32; with ``experts [M]`` (int), ``raw`` is a bank
-    ``[E, N, row_bytes]`` and row ``m`` takes expert ``experts[m]``'s matrix."""
+    ``[E, N, row_bytes]`` and row ``m`` takes expert ``experts[m]``'s matrix.  The types of
+    :data:`BLOCKWISE` take a kernel of their own (``gguf_gemv``) unless ``blockwise`` is False."""
     cols = x.shape[-1]
     flat, row_bytes, expert_bytes = _bank(raw, qtype, cols)
     if (experts is None) != (raw.dim() == 2):
         raise ValueError("gemv takes a matrix [N, row_bytes], or a bank [E, N, row_bytes] with experts")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    block_k = 256 if cols % 256 == 0 else 32
-    k = _kernels()
     grid_table, signs = _tables(raw.device, qtype)
     n, m = raw.shape[-2], x.shape[0]
     out = torch.empty(m, n, dtype=torch.float32, device=raw.device)
     chosen = experts.to(device=raw.device, dtype=torch.int32) if experts is not None else signs
+    if blockwise and qtype in BLOCKWISE:
+        launch = BLOCKWISE[qtype]
+        rows_per = 1 if experts is not None else min(MULTI_ROWS, 1 << (m - 1).bit_length())
+        _blockwise().gemv_kernel[(-(-n // launch["block_n"]), -(-m // rows_per))](
+            x, flat, out, grid_table, signs, chosen, n, m, cols, row_bytes, expert_bytes, x.stride(0), out.stride(0),
+            qtype=TYPES[qtype], by_expert=experts is not None, block_n=launch["block_n"], supers=launch["supers"],
+            rows_per=rows_per, num_warps=launch["warps"], enable_fp_fusion=False)
+        return out
+    block_k = 256 if cols % 256 == 0 else 32
+    k = _kernels()
     block_n = 16
     k.gemv_kernel[(-(-n // block_n), m)](x, flat, out, grid_table, signs, chosen, n, cols, row_bytes, expert_bytes,
                                          x.stride(0), out.stride(0), qtype=TYPES[qtype], by_expert=experts is not None,
@@ -140,10 +176,12 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor |
     return out
 
 
-def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor | None = None) -> torch.Tensor:
+def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor | None = None, *,
+          blockwise: bool = True) -> torch.Tensor:
     """float32 ``[M, N]``: ``x [M, K]`` (float32, bfloat16 or float16) times the weight rows of ``raw``
     on tensor cores, each weight tile decoded into ``x``'s dtype; with ``offsets [E]`` (group ends),
-    ``x``'s rows are sorted by expert and ``raw`` is a bank ``[E, N, row_bytes]``."""
+    ``x``'s rows are sorted by expert and ``raw`` is a bank ``[E, N, row_bytes]``.  The types of
+    :data:`BLOCKWISE` decode whole blocks (``gguf_blockwise``) unless ``blockwise`` is False."""
     from ds4d.cuda.quant_matmul import _precision, expert_tiles
 
     cols = x.shape[-1]
@@ -156,13 +194,44 @@ def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor 
     out = torch.empty(m, n, dtype=torch.float32, device=raw.device)
     if not m:
         return out
-    block_m, block_n, block_k = 32, 32, 32
+    blockwise = qtype in BLOCKWISE and blockwise
+    block_m, block_n, block_k = (TILES["block_m"], TILES["block_n"], 256) if blockwise else (32, 32, 32)
     if offsets is None:
         offsets = torch.tensor([m], dtype=torch.int32, device=raw.device)
     expert, first, end = expert_tiles(offsets.to(raw.device), m, block_m)
     grid_table, signs = _tables(raw.device, qtype)
+    if blockwise:
+        _blockwise().tiles_kernel[(expert.shape[0], -(-n // block_n))](
+            x, flat, out, grid_table, signs, expert, first, end, n, cols, row_bytes, expert_bytes, x.stride(0),
+            out.stride(0), qtype=TYPES[qtype], block_m=block_m, block_n=block_n, precision=_precision(x),
+            num_warps=TILES["warps"], enable_fp_fusion=False)
+        return out
     _kernels().tiles_kernel[(expert.shape[0], -(-n // block_n))](
         x, flat, out, grid_table, signs, expert, first, end, n, cols, row_bytes, expert_bytes, x.stride(0),
         out.stride(0), qtype=TYPES[qtype], block_m=block_m, block_n=block_n, block_k=block_k,
         precision=_precision(x), enable_fp_fusion=False)
     return out
+
+
+GEMV_ROWS = 8
+""":func:`linear` takes the GEMV up to this many rows (decode), and the decoded weight past it."""
+
+
+def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str) -> torch.Tensor:
+    """``x [M, K] @ W^T`` in ``x``'s dtype for a weight ``raw`` of ``qtype`` blocks: a GEMV per row up to
+    :data:`GEMV_ROWS` rows (float32 sums), else the weight decoded into ``x``'s dtype and one dense
+    product (prefill: bound by compute, the decoding a small share of it)."""
+    if x.shape[0] <= GEMV_ROWS:
+        return gemv(x, raw, qtype).to(x.dtype)
+    return torch.nn.functional.linear(x, dequantize(raw, qtype, x.shape[-1]).to(x.dtype))
+
+
+def expert_rows(x: torch.Tensor, raw: torch.Tensor, qtype: str, expert_of_row: torch.Tensor,
+                offsets: torch.Tensor | None) -> torch.Tensor:
+    """Rows of ``x [M, K]`` times their expert's matrix of the bank ``raw [E, N, row_bytes]``, in ``x``'s
+    dtype: a GEMV per row by ``expert_of_row`` when ``offsets`` is None, else tensor-core tiles over the
+    rows sorted by expert (group ends ``offsets``)."""
+    if offsets is None:
+        return gemv(x, raw, qtype, expert_of_row).to(x.dtype)
+    return tiles(x, raw, qtype, offsets).to(x.dtype)
+

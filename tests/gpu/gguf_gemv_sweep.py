@@ -1,50 +1,106 @@
-"""Time ``gguf_matmul.gemv`` (one row) per quant type at DeepSeek-V4-Flash expert shapes, against the
-bf16 matmul of the same weight, on one GPU.  Random blocks (finite float16 scale fields); each case
-is the median of 20 timed calls after 3 warm ones.  Prints a table: bytes read, time, GB/s.
+"""Time ``gguf_matmul.gemv`` on one GPU for the ds4 q2 recipe's types at DeepSeek-V4-Flash shapes: the
+block-by-block kernels (``gguf_gemv``) over candidate launches, the element-wise kernel, and cuBLAS on the
+bf16 weight of the same shape.
+
+Each case is a CUDA graph of one call per weight over enough distinct weights (or expert banks) to fill
+several times the 50 MB L2, replayed; a call's time is the replay's over the calls (``do_bench`` median).
+Cases: Q8_0 linears of one row (``wq_b`` [32768, 1024], ``wo_b`` [4096, 8192]) and of eight, and the routed
+experts of a batch-1 decode step: six rows, each its own expert of a bank of 64 (gate/up IQ2_XXS
+[4096 (w1 over w3), 4096], down Q2_K [4096, 2048]).  GB/s counts the weight bytes the call reads (the six
+experts' matrices for the banks).  Prints each candidate, then a table of the best per type against the
+element-wise kernel and cuBLAS, and the best launches as ``gguf_matmul.BLOCKWISE`` takes them.
 
     python3 tests/gpu/gguf_gemv_sweep.py
 """
 
 from __future__ import annotations
 
-import time
+import itertools
+import json
 
-import numpy as np
 import torch
+import triton
 
 from ds4d.cuda import gguf_matmul
 from tests.unit.test_gguf_kernels import random_blocks
 
-SHAPES = {"gate/up [4096, 4096]": (4096, 4096), "down [4096, 2048]": (4096, 2048)}
+CASES = [  # (label, type, N, K, rows, experts in the bank; 0: one matrix)
+    ("wq_b [32768, 1024], 1 row", "Q8_0", 32768, 1024, 1, 0),
+    ("wo_b [4096, 8192], 1 row", "Q8_0", 4096, 8192, 1, 0),
+    ("wo_b [4096, 8192], 8 rows", "Q8_0", 4096, 8192, 8, 0),
+    ("gate/up [4096, 4096], 6 rows by expert", "IQ2_XXS", 4096, 4096, 6, 64),
+    ("down [4096, 2048], 6 rows by expert", "Q2_K", 4096, 2048, 6, 64),
+]
+LAUNCHES = [dict(block_n=b, supers=s, warps=w) for b, s, w in itertools.product((4, 8, 16), (1, 2), (4, 8))]
+L2_BYTES = 50 << 20
 
 
-def timed(fn) -> float:
-    for _ in range(3):
-        fn()
+def graph_time(calls) -> float:
+    """Seconds per call of a CUDA graph replaying ``calls`` (a list of thunks)."""
+    for call in calls:
+        call()
     torch.cuda.synchronize()
-    seconds = []
-    for _ in range(20):
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
-    return float(np.median(seconds))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    return triton.testing.do_bench(graph.replay, warmup=5, rep=40, return_mode="median") / 1e3 / len(calls)
+
+
+def case_inputs(qtype: str, n: int, k: int, rows: int, experts: int):
+    """(weights, x, expert ids, bytes one call reads): enough distinct weights to overflow the L2."""
+    one = random_blocks(qtype, n * max(experts, 1), k, seed=n + k)
+    raw = torch.from_numpy(one).cuda()
+    if experts:
+        raw = raw.view(experts, n, -1)
+        read = rows * raw[0].nbytes
+    else:
+        read = raw.nbytes
+    copies = max(2, -(-4 * L2_BYTES // raw.nbytes))
+    weights = [raw] + [raw.clone() for _ in range(copies - 1)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randperm(experts, device="cuda")[:rows].int() if experts else None
+    return weights, x, ids, read
 
 
 def main() -> None:
-    print(f"{torch.cuda.get_device_name()}: one row, median of 20")
-    print("| weight | type | bytes | time | GB/s |")
-    print("|---|---|---|---|---|")
-    for label, (n, k) in SHAPES.items():
-        x = torch.randn(1, k, device="cuda")
+    print(f"{torch.cuda.get_device_name()}: CUDA graphs over distinct weights, do_bench median")
+    best: dict[str, tuple[float, dict]] = {}
+    rows_out = []
+    for label, qtype, n, k, rows, experts in CASES:
+        weights, x, ids, read = case_inputs(qtype, n, k, rows, experts)
+        times = {}
+        for launch in LAUNCHES:
+            gguf_matmul.BLOCKWISE[qtype] = launch
+            try:
+                s = graph_time([lambda w=w: gguf_matmul.gemv(x, w, qtype, ids) for w in weights])
+            except Exception as error:  # noqa: BLE001 - a launch that does not compile is reported and skipped
+                print(f"  {label} {launch}: failed: {type(error).__name__}: {str(error)[:120]}")
+                continue
+            times[json.dumps(launch)] = s
+            print(f"  {label} {launch}: {s * 1e6:.1f} us, {read / s / 1e9:.0f} GB/s")
+        plain = graph_time([lambda w=w: gguf_matmul.gemv(x, w, qtype, ids, blockwise=False) for w in weights])
         dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        xb = x.bfloat16()
-        s = timed(lambda: xb @ dense.T)
-        print(f"| {label} | bf16 (cuBLAS) | {dense.nbytes / 2**20:.1f} MiB | {s * 1e6:.1f} us | {dense.nbytes / s / 1e9:.0f} |")
-        for qtype in sorted(gguf_matmul.TYPES):
-            raw = torch.from_numpy(random_blocks(qtype, n, k, seed=1)).cuda()
-            s = timed(lambda: gguf_matmul.gemv(x, raw, qtype))
-            print(f"| {label} | {qtype} | {raw.nbytes / 2**20:.1f} MiB | {s * 1e6:.1f} us | {raw.nbytes / s / 1e9:.0f} |")
+        dense_copies = [dense] + [dense.clone() for _ in range(max(1, -(-4 * L2_BYTES // dense.nbytes)) - 1)]
+        cublas = graph_time([lambda d=d: x @ d.T for d in dense_copies])
+        dense_read = dense.nbytes * (rows if experts else 1)
+        if experts:  # cuBLAS multiplies all rows by one matrix: the per-expert bytes are rows x that
+            cublas *= rows
+        fastest = min(times, key=times.get)
+        for launch, s in times.items():  # a launch's score: its time summed over the type's cases
+            total, _ = best.get(qtype + launch, (0.0, {}))
+            best[qtype + launch] = (total + s / read, json.loads(launch))
+        rows_out.append((label, qtype, read, times[fastest], fastest, plain, dense_read, cublas))
+    print("\n| case | type | bytes | block-wise us | GB/s | element-wise us | GB/s | bf16 cuBLAS us | GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, qtype, read, s, launch, plain, dense_read, cublas in rows_out:
+        print(f"| {label} | {qtype} | {read / 2**20:.1f} MiB | {s * 1e6:.1f} | {read / s / 1e9:,.0f} | "
+              f"{plain * 1e6:.1f} | {read / plain / 1e9:,.0f} | {cublas * 1e6:.1f} | {dense_read / cublas / 1e9:,.0f} |")
+    chosen = {}
+    for qtype in sorted({c[1] for c in CASES}):
+        scored = {key: v for key, v in best.items() if key.startswith(qtype + "{")}
+        chosen[qtype] = min(scored.values(), key=lambda v: v[0])[1]
+    print(f"\nbest launches (each type's cases, time per byte summed): {json.dumps(chosen)}")
 
 
 if __name__ == "__main__":

@@ -97,6 +97,39 @@ def test_gemv_is_the_product_with_the_dequantised_weight(qtype, rows):
         assert bool(((got - want).abs() <= 1e-5 * scale + 1e-30).all()), qtype
 
 
+@pytest.mark.parametrize("qtype", sorted(gguf_matmul.BLOCKWISE))
+@pytest.mark.parametrize("cols, inputs", [(256, 2), (1280, 11)])
+def test_blockwise_gemv_against_the_element_wise_one(qtype, cols, inputs):
+    """The block-by-block GEMV (``gguf_gemv``) and the element-wise one give the product of the same
+    decoded values, for a width that leaves a trip of the loop part full (1,280: five blocks of 256, or
+    forty of 32 in trips of sixteen), a weight row count that leaves a program part full, and input rows
+    that leave one (eleven: a program of eight, then one of three)."""
+    raw = random_blocks(qtype, 21, cols, seed=cols)
+    weight = torch.from_numpy(numpy_values(raw, qtype).reshape(21, cols).astype(np.float32))
+    x = torch.randn(inputs, cols, generator=torch.Generator().manual_seed(11))
+    raw_t = torch.from_numpy(raw).to(device())
+    fast = gguf_matmul.gemv(x.to(device()), raw_t, qtype).cpu()
+    plain = gguf_matmul.gemv(x.to(device()), raw_t, qtype, blockwise=False).cpu()
+    assert within_rounding(fast, x, weight.expand(inputs, -1, -1))
+    assert within_rounding(plain, x, weight.expand(inputs, -1, -1))
+    for row in range(inputs):  # a row's sums do not depend on the rows beside it
+        assert torch.equal(gguf_matmul.gemv(x[row:row + 1].to(device()), raw_t, qtype).cpu()[0], fast[row])
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_matmul.BLOCKWISE))
+def test_blockwise_dequantize_and_tiles_against_the_element_wise_ones(qtype):
+    """The block-wise decoders give the element-wise kernel's values bit for bit (a width that is not a
+    whole number of 256-value trips for Q8_0; rows that leave a program part full), and the block-wise
+    tiles the same products within float32 rounding."""
+    cols = 288 if qtype == "Q8_0" else 512
+    raw = torch.from_numpy(random_blocks(qtype, 21, cols, seed=cols + 1)).to(device())
+    fast = gguf_matmul.dequantize(raw, qtype, cols)
+    assert torch.equal(fast.view(torch.int32), gguf_matmul.dequantize(raw, qtype, cols, blockwise=False).view(torch.int32))
+    x = torch.randn(70, cols, generator=torch.Generator().manual_seed(3))
+    got = gguf_matmul.tiles(x.to(device()), raw, qtype).cpu()
+    assert within_rounding(got, x, fast.cpu().expand(70, -1, -1))
+
+
 def bank(qtype: str, experts: int, rows: int, cols: int) -> tuple[np.ndarray, torch.Tensor]:
     """(raw ``[E, rows, row_bytes]``, its values ``[E, rows, cols]`` by the numpy dequantiser)."""
     raw = np.stack([random_blocks(qtype, rows, cols, seed=100 + e) for e in range(experts)])

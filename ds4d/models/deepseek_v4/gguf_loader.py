@@ -1,4 +1,4 @@
-"""Loads DeepSeek-V4 GGUF files written by llama.cpp's converter, dequantised to float.
+"""Loads DeepSeek-V4 GGUF files written by llama.cpp's converter.
 
 A file is one ``.gguf`` or a split set (``name-00001-of-00003.gguf`` ... as
 ``convert_hf_to_gguf.py --split-max-*`` and ``llama-gguf-split`` write them: the
@@ -10,8 +10,13 @@ Every tensor is decoded on the CPU by the ``gguf`` package's numpy dequantisers
 Q8_0, the K-quants, the IQ types, MXFP4, whatever the installed package can decode.
 A tensor of a type it cannot decode is refused before anything is decoded, naming
 the tensor and the type.  The weights then go through the same ``read_weights`` as
-a safetensors checkpoint (:class:`GGUFWeightReader` answers its questions), so the
-model is the plain float model: there are no kernels that read GGUF blocks yet.
+a safetensors checkpoint (:class:`GGUFWeightReader` answers its questions).  With
+native weights (on CUDA; ``weight_format`` auto or native) the linears and routed
+expert banks of a type ``ds4d.cuda.gguf_matmul`` reads stay in their blocks on the
+device (``stored.GgufWeight``, ``GgufMatrices``): a decode step multiplies them by a
+GEMV per row, a prefill decodes each linear into the activations' dtype for one
+dense product and runs the experts on tensor-core tiles.  Everything else (norms,
+the float32 head and router, ``wo_a``, and tensors of other types) is decoded.
 
 The tokenizer: the real V4 tokenizer when the file's vocabulary is the V4 one, id
 for id (the converter writes it from the checkpoint's ``tokenizer.json``); otherwise
@@ -31,6 +36,7 @@ import gguf
 import numpy as np
 import torch
 
+from ds4d.cuda import gguf_matmul
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.gguf_names import (
     ARCHITECTURE,
@@ -42,7 +48,8 @@ from ds4d.models.deepseek_v4.gguf_names import (
 )
 from ds4d.models.deepseek_v4.loader import CheckpointError, expected_tensors
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
-from ds4d.models.deepseek_v4.weights import read_weights
+from ds4d.models.deepseek_v4.stored import GgufMatrices, GgufWeight
+from ds4d.models.deepseek_v4.weights import ExpertBank, read_weights
 from ds4d.models.gguf_file import SPLIT_NAME, GGUFFile, is_gguf_file, peek_string
 
 log = logging.getLogger(__name__)
@@ -108,6 +115,10 @@ class GGUFSet:
     def shape(self, name: str) -> tuple[int, ...]:
         return self.file_of(name).tensor_info(name).shape
 
+    def raw(self, name: str) -> torch.Tensor:
+        """A quantised tensor's blocks as stored: uint8 ``[..., row_bytes]`` (a copy)."""
+        return torch.from_numpy(np.array(self.file_of(name)._get_tensor(name).data, dtype=np.uint8, copy=True))
+
     def tensor(self, name: str) -> torch.Tensor:
         """The tensor dequantised to float32 (integer tables as int64), in torch order."""
         file = self.file_of(name)
@@ -169,14 +180,15 @@ class GGUFWeightReader:
     """Answers ``weights.read_weights``' questions from a :class:`GGUFSet` (reference names in,
     dequantised tensors out), like ``loader.WeightReader`` does for safetensors."""
 
-    native = False
-
     def __init__(self, files: GGUFSet, cfg: DeepseekV4Config, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", native: bool = False) -> None:
         self.files = files
         self.cfg = cfg
         self.dtype = dtype
         self.device = torch.device(device)
+        self.native = native
+        """Keep the linears and routed experts whose type a kernel reads (``gguf_matmul.TYPES``) in their
+        blocks (``stored.GgufWeight``, ``GgufMatrices``); every other tensor is decoded."""
         self.block = (128, 128)  # unused: nothing is FP8 here
         self._stacked: tuple[str, torch.Tensor] | None = None
 
@@ -199,6 +211,50 @@ class GGUFWeightReader:
 
     def expert_stored(self, layer: int, expert: int, which: str) -> tuple[str, torch.Tensor, None]:
         return "float", self.expert(layer, expert, which), None
+
+    def _kept(self, name: str) -> str | None:
+        """``name``'s GGUF type when a kernel reads it as stored, else None."""
+        qtype = self.files.quant_type(name)
+        return qtype if qtype in gguf_matmul.TYPES else None
+
+    def stored_linear(self, name: str) -> GgufWeight | None:
+        """The linear ``name`` in its GGUF blocks, or None when its type is decoded."""
+        gguf_tensor = gguf_name(name)
+        qtype = self._kept(gguf_tensor)
+        if qtype is None:
+            return None
+        raw = self.files.raw(gguf_tensor).to(self.device)
+        return GgufWeight(raw, qtype, self.files.shape(gguf_tensor)[-1], self.dtype)
+
+    def stored_bank(self, layer: int, device: torch.device | None) -> ExpertBank | None:
+        """Layer ``layer``'s routed experts with each matrix a kernel reads kept in its blocks (gate and up
+        only when they share a type: they are stacked as one bank), the others decoded; None when no
+        matrix is kept."""
+        names = {which: expert_gguf_name(layer, which) for which in EXPERT_TENSORS}
+        kept = {which: self._kept(name) for which, name in names.items()}
+        if kept["w1"] != kept["w3"]:
+            kept["w1"] = kept["w3"] = None
+        if not any(kept.values()):
+            return None
+        device = device or self.device
+        weights: dict[str, torch.Tensor] = {}
+        blocks: dict[str, GgufMatrices] = {}
+        for which, name in names.items():
+            if kept[which]:
+                weights[which] = self.files.raw(name).to(device)
+                blocks[which] = GgufMatrices(weights[which], kept[which], self.files.shape(name)[-1])
+            else:
+                weights[which] = self.files.tensor(name).to(device=device, dtype=self.dtype)
+        inter = weights["w1"].shape[1]
+        gate_up = torch.cat([weights["w1"], weights["w3"]], 1)
+        weights.update(w1=gate_up[:, :inter], w3=gate_up[:, inter:])
+        if kept["w1"]:
+            blocks.update(w1=GgufMatrices(weights["w1"], kept["w1"], blocks["w1"].cols),
+                          w3=GgufMatrices(weights["w3"], kept["w3"], blocks["w3"].cols))
+        native = (GgufMatrices(gate_up, kept["w1"], blocks["w1"].cols) if kept["w1"] else gate_up,
+                  blocks.get("w2", weights["w2"]))
+        return ExpertBank(kind="gguf", weights=weights, scales={}, dtype=self.dtype, block=self.block,
+                          gate_up=None if kept["w1"] else gate_up, native=native, gguf=blocks)
 
     def gguf_names(self) -> list[str]:
         """Every GGUF tensor the forward pass reads."""
@@ -273,21 +329,57 @@ def load_tokenizer(files: GGUFSet):
     return GGUFTokenizer.from_gguf(files.first, log)
 
 
+def gguf_native(weight_format: str, device: str) -> bool:
+    """Whether the linears and experts stay in their GGUF blocks (``weight_format``: auto | dense | native):
+    native needs a CUDA device and Triton (the kernels of ``gguf_matmul``), and auto takes it there."""
+    if weight_format not in ("auto", "dense", "native"):
+        raise ValueError(f"weight_format {weight_format!r}: a DeepSeek-V4 GGUF file takes auto, dense or native")
+    usable = torch.device(device).type == "cuda" and gguf_matmul.available()
+    if weight_format == "native" and not usable:
+        raise ValueError(f"weight_format native for a GGUF file needs a CUDA device and Triton (here: {device})")
+    return weight_format == "native" or (weight_format == "auto" and usable)
+
+
+def kept_summary(weights) -> str:
+    """Which linears and expert matrices stay in their GGUF blocks, by type, and how many are decoded."""
+    kept: dict[str, int] = {}
+    decoded = 0
+    for layer in weights.layers:
+        attn, ffn = layer.attn, layer.ffn
+        linears = [attn.wq_a, attn.wq_b, attn.wkv, attn.wo_b, ffn.shared_w1, ffn.shared_w2, ffn.shared_w3]
+        linears += [attn.indexer.wq_b] if attn.indexer is not None else []
+        for linear in linears:
+            if isinstance(linear, GgufWeight):
+                kept[linear.qtype] = kept.get(linear.qtype, 0) + 1
+            else:
+                decoded += 1
+        blocks = ffn.experts.gguf or {}
+        for which in EXPERT_TENSORS:
+            if which in blocks:
+                name = f"{blocks[which].qtype} experts"
+                kept[name] = kept.get(name, 0) + 1
+            else:
+                decoded += 1
+    listed = ", ".join(f"{count} {name}" for name, count in sorted(kept.items()))
+    return f"kept in GGUF blocks: {listed or 'nothing'}; decoded: {decoded} linears and expert matrices"
+
+
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                     offload: Any = None, weight_format: str = "auto", paths: Any = None) -> DeepseekV4Model:
-    """Load a DeepSeek-V4 GGUF file (or split set) as a float model."""
+    """Load a DeepSeek-V4 GGUF file (or split set): with native weights (:func:`gguf_native`) the linears
+    and routed experts of a type the kernels read stay in their blocks, everything else is decoded."""
     path = Path(path)
-    if weight_format == "native":
-        raise ValueError(f"{path.name}: weight_format native: GGUF blocks are dequantised to float "
-                         "(no kernels read them yet); use auto or dense")
+    native = gguf_native(weight_format, device)
     if offload is not None:
         raise ValueError(f"{path.name}: expert offload (expert_vram_gib > 0) is not supported for GGUF files yet")
     files = GGUFSet(path)
     try:
         cfg = read_config(files)
-        reader = GGUFWeightReader(files, cfg, dtype=dtype, device=device)
+        reader = GGUFWeightReader(files, cfg, dtype=dtype, device=device, native=native)
         reader.check_complete()
         weights = read_weights(reader)
+        if native:
+            log.info("%s: %s", path.name, kept_summary(weights))
         tokenizer = load_tokenizer(files)
     finally:
         files.close()

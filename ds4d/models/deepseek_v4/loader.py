@@ -332,7 +332,7 @@ class WeightReader:
             raise CheckpointError(f"tensor {name!r}: {error}") from error
         return weight.float() * scale.float()  # a float weight with a plain multiplier
 
-    def fp8(self, name: str):
+    def stored_linear(self, name: str):
         """An FP8 linear with 128 x 128 block scales as stored (``stored.Fp8Weight``), or None when
         ``name`` is stored any other way."""
         scale_name = name[: -len("weight")] + "scale"
@@ -345,6 +345,10 @@ class WeightReader:
             raise CheckpointError(f"tensor {name!r}: scale shape {tuple(scale.shape)} does not match "
                                   f"weight {tuple(weight.shape)}")
         return Fp8Weight.from_stored(weight.to(self.device), scale.to(self.device), self.dtype)
+
+    def stored_bank(self, layer: int, device: torch.device | None) -> None:
+        """None: this reader's experts are read one matrix at a time (``expert_stored``)."""
+        return None
 
     def index(self, name: str) -> torch.Tensor:
         """An integer table (``gate.tid2eid``) as int64."""

@@ -47,7 +47,7 @@ from ds4d.models.deepseek_v4.moe import RoutingTally, moe_forward
 from ds4d.models.deepseek_v4.offload import counted_rows
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
 from ds4d.models.deepseek_v4.paths import ForwardPaths
-from ds4d.models.deepseek_v4.stored import Fp8Weight
+from ds4d.models.deepseek_v4.stored import Fp8Weight, GgufWeight
 from ds4d.models.deepseek_v4.weights import ModelWeights, add_split_weights
 
 
@@ -86,9 +86,10 @@ class DeepseekV4Model:
             weights.head = weights.head.to(torch.bfloat16)  # same values, half the bytes read per token
         self.rope_main, self.rope_compress = Rope.for_layers(cfg, self.device)
         self.cache: DeepseekV4Cache | None = None
-        self.native_weights = any(isinstance(layer.attn.wq_b, Fp8Weight) or layer.ffn.experts.native is not None
-                                  for layer in weights.layers)
-        """FP8 linears / MXFP4 experts are multiplied as stored (``ds4d.cuda.quant_matmul``)."""
+        self.native_weights = any(isinstance(layer.attn.wq_b, (Fp8Weight, GgufWeight))
+                                  or layer.ffn.experts.native is not None for layer in weights.layers)
+        """FP8 linears / MXFP4 experts / GGUF blocks are multiplied as stored (``ds4d.cuda.quant_matmul``,
+        ``gguf_matmul``)."""
         self.expert_offload = expert_offload
         self.routing_tally = routing_tally
         if self.paths.fused_prefill and dtype == torch.bfloat16:

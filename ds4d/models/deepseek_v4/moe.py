@@ -28,10 +28,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds4d.cuda import moe_gemv, prefill_triton, quant_matmul
+from ds4d.cuda import gguf_matmul, moe_gemv, prefill_triton, quant_matmul
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.ops import linear, linear_f32
-from ds4d.models.deepseek_v4.stored import Linear, Mxfp4Addresses, Mxfp4Matrices
+from ds4d.models.deepseek_v4.stored import GgufMatrices, Linear, Mxfp4Addresses, Mxfp4Matrices, gguf_values
 from ds4d.models.deepseek_v4.weights import MoEWeights
 
 
@@ -78,14 +78,19 @@ def route(
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor,
                     step_rows: int):
     """Rows of ``x`` (sorted by expert, group ends ``offsets``) times their expert's ``weight [E, out, in]``
-    (decoded values, MXFP4 as stored, or MXFP4 found by address).
+    (decoded values, MXFP4 or GGUF blocks as stored, or MXFP4 found by address).
 
     ``step_rows``: the (token, expert) rows of the whole MoE call this is part of; the kernel is
     chosen by it, so every bank of one call (device, staging) uses the same arithmetic."""
     if isinstance(weight, Mxfp4Addresses):  # small-batch decode only (``ExpertOffload.capturable``)
         return quant_matmul.mxfp4_rows_at(x, weight.packed, weight.scales, expert_of_row, weight.rows,
                                           weight.inputs // 2, weight.inputs // 32, aligned=weight.aligned)
+    if isinstance(weight, GgufMatrices) and not gguf_matmul.available():  # no kernel here: the decoded bank
+        weight = gguf_values(weight.raw, weight.qtype, weight.cols).to(x.dtype)
     per_row = _per_row_kernel(x, weight, step_rows)
+    if isinstance(weight, GgufMatrices):
+        return gguf_matmul.expert_rows(x, weight.raw, weight.qtype, expert_of_row,
+                                       None if per_row or offsets is None else offsets)
     if isinstance(weight, Mxfp4Matrices):
         if per_row:
             return quant_matmul.mxfp4_rows(x, weight.packed, weight.scales, expert_of_row)
@@ -141,8 +146,8 @@ def combine_sorted(
 def _per_row_kernel(x: torch.Tensor, weight, step_rows: int) -> bool:
     """Whether :func:`_grouped_linear` takes each row on its own (a GEMV or batched product per row,
     by its expert index) rather than groups of rows sorted by expert (the grouped kernels: MXFP4
-    as stored, or bf16 on CUDA, past ``moe_gemv.MAX_ROWS`` rows)."""
-    if isinstance(weight, Mxfp4Matrices):
+    or GGUF blocks as stored, or bf16 on CUDA, past ``moe_gemv.MAX_ROWS`` rows)."""
+    if isinstance(weight, (Mxfp4Matrices, GgufMatrices)):
         return step_rows <= moe_gemv.MAX_ROWS
     if x.is_cuda and x.dtype == torch.bfloat16:
         return step_rows <= moe_gemv.MAX_ROWS and moe_gemv.available()

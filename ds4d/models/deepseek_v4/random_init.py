@@ -30,7 +30,8 @@ import torch
 
 from ds4d.models.deepseek_v4.config import CSA_RATIO, DeepseekV4Config
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, quantize_fp8_block, quantize_mxfp4
-from ds4d.models.deepseek_v4.stored import Fp8Weight
+from ds4d.models.deepseek_v4.stored import Fp8Weight, GgufMatrices, GgufWeight
+from ds4d.models.deepseek_v4.weights import ExpertBank
 
 FP8_IN_RELEASE = re.compile(r"\.(wq_a|wq_b|wkv|wo_b|shared_experts\.w[123])\.weight$")
 """The linears the release stores as FP8 (CHECKPOINT.md); wo_a and weights_proj are bf16 there."""
@@ -76,13 +77,17 @@ class RandomReader:
         self._issue(name, table)
         return table
 
-    def fp8(self, name: str):
+    def stored_linear(self, name: str):
         """With ``native``: the random linear ``name`` quantised to FP8 as the release stores it."""
         if not self.native or not FP8_IN_RELEASE.search(name):
             return None
         weight, scale = quantize_fp8_block(self.tensor(name, torch.float32))
         self._issue(name, dequant_fp8_block(weight, scale, self.block).to(self.dtype))
         return Fp8Weight.from_stored(weight, scale, self.dtype)
+
+    def stored_bank(self, layer: int, device: torch.device | None) -> None:
+        """None: this reader's experts are read one matrix at a time (``expert_stored``)."""
+        return None
 
     def expert_stored(self, layer: int, expert: int, which: str) -> tuple[str, torch.Tensor, torch.Tensor | None]:
         name = f"layers.{layer}.ffn.experts.{expert}.{which}.weight"
@@ -155,3 +160,78 @@ def _shape(cfg: DeepseekV4Config, name: str) -> tuple[tuple[int, ...], str]:
     if rest not in table:
         raise KeyError(f"no random initialiser for {name!r}")
     return table[rest]
+
+
+GGUF_RECIPES = {"q2": {"linear": "Q8_0", "w1": "IQ2_XXS", "w3": "IQ2_XXS", "w2": "Q2_K"}}
+"""Quant types by role: ``q2`` is the ds4 q2 files' recipe (routed gate/up IQ2_XXS, down Q2_K, the linears
+the release stores in FP8 as Q8_0)."""
+
+_HALVES = {"Q8_0": (0,), "Q2_K": (80, 82), "IQ2_XXS": (0,)}
+"""Byte offsets of each block's float16 fields (``d``; Q2_K's ``d`` and ``dmin``)."""
+_SPREAD = {"Q8_0": 1 / 74, "Q2_K": 1 / 8, "IQ2_XXS": 1 / 50}
+"""``d`` times ``in ** 0.5`` that gives random blocks values of std about ``in ** -0.5``."""
+
+
+def random_gguf_blocks(rows: int, cols: int, qtype: str, generator: torch.Generator,
+                       device: torch.device) -> torch.Tensor:
+    """uint8 ``[rows, row_bytes]``: random codes, scales and signs in ``qtype`` blocks, their float16
+    fields set so the values have std about ``cols ** -0.5`` (Q2_K's ``dmin`` 1.5 ``d``: about zero mean)."""
+    from ds4d.cuda import gguf_matmul
+
+    values, nbytes = gguf_matmul.block_shape(qtype)
+    raw = torch.randint(0, 256, (rows, cols // values, nbytes), generator=generator, device=device,
+                        dtype=torch.uint8)
+    d = _SPREAD[qtype] * cols ** -0.5
+    for at, field in zip(_HALVES[qtype], (d, 1.5 * d)):
+        raw[:, :, at:at + 2] = torch.tensor([field], dtype=torch.float16).view(torch.uint8).to(device)
+    return raw.reshape(rows, -1)
+
+
+def _fitting(qtype: str, cols: int) -> str:
+    """``qtype``, or Q8_0 for rows narrower than its blocks (as llama-quantize falls back for such tensors)."""
+    from ds4d.cuda import gguf_matmul
+
+    return qtype if cols % gguf_matmul.block_shape(qtype)[0] == 0 else "Q8_0"
+
+
+class RandomGgufReader(RandomReader):
+    """Random V4 weights with the linears and routed experts in GGUF blocks by a recipe
+    (:data:`GGUF_RECIPES`), on the device, as a GGUF file's native model holds them: a benchmark of
+    low-bit weights at real widths and depth without a file (a matrix narrower than its type's blocks takes
+    Q8_0).  Every other tensor is :class:`RandomReader`'s;
+    :attr:`issued` keeps the quantised ones' shapes only."""
+
+    def __init__(self, cfg: DeepseekV4Config, *, dtype: torch.dtype, device: str | torch.device, recipe: str,
+                 seed: int = 0) -> None:
+        super().__init__(cfg, dtype=dtype, device=device, seed=seed, native=True, keep_values=False)
+        self.recipe = GGUF_RECIPES[recipe]
+
+    def stored_linear(self, name: str) -> GgufWeight | None:
+        if not FP8_IN_RELEASE.search(name):
+            return None
+        shape, _ = _shape(self.cfg, name)
+        qtype = _fitting(self.recipe["linear"], shape[1])
+        self._issue(name, torch.empty(shape, device="meta"))
+        raw = random_gguf_blocks(shape[0], shape[1], qtype, self._generator(name), self.device)
+        return GgufWeight(raw, qtype, shape[1], self.dtype)
+
+    def stored_bank(self, layer: int, device: torch.device | None) -> ExpertBank:
+        cfg, device = self.cfg, device or self.device
+        experts, inter, hidden = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
+        types = {which: _fitting(self.recipe[which], cols) for which, (_, cols) in shapes.items()}
+        weights = {}
+        for which, (rows, cols) in shapes.items():
+            name = f"layers.{layer}.ffn.experts.{which}"
+            for expert in range(experts):  # the shapes a checkpoint's experts would be issued as
+                self._issue(f"layers.{layer}.ffn.experts.{expert}.{which}.weight", torch.empty(rows, cols, device="meta"))
+            gen = self._generator(name)
+            weights[which] = torch.stack([random_gguf_blocks(rows, cols, types[which], gen, device)
+                                          for _ in range(experts)])
+        gate_up = torch.cat([weights["w1"], weights["w3"]], 1)
+        del weights["w1"], weights["w3"]
+        weights.update(w1=gate_up[:, :inter], w3=gate_up[:, inter:])
+        blocks = {which: GgufMatrices(weights[which], types[which], shapes[which][1]) for which in shapes}
+        native = (GgufMatrices(gate_up, types["w1"], hidden), blocks["w2"])
+        return ExpertBank(kind="gguf", weights=weights, scales={}, dtype=self.dtype, block=self.block,
+                          native=native, gguf=blocks)

@@ -1,8 +1,10 @@
-"""Weights kept as the checkpoint stores them, read directly by the kernels of ``ds4d.cuda.quant_matmul``.
+"""Weights kept as the checkpoint stores them, read directly by the kernels of ``ds4d.cuda.quant_matmul``
+and ``ds4d.cuda.gguf_matmul``.
 
 FP8 linears (:class:`Fp8Weight`: e4m3 values with float32 scales per 128 x 128
-block) and MXFP4 expert matrices (:class:`Mxfp4Matrices`, and
-:class:`Mxfp4Addresses` when found by address).  Below both the checkpoint
+block), MXFP4 expert matrices (:class:`Mxfp4Matrices`, and
+:class:`Mxfp4Addresses` when found by address), and a GGUF file's quantised blocks
+(:class:`GgufWeight` for a linear, :class:`GgufMatrices` for an expert bank).  Below both the checkpoint
 reader (``loader.py``), which makes them, and the weight records (``weights.py``),
 which hold them.
 """
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ds4d.cuda import quant_matmul
+from ds4d.cuda import gguf_matmul, quant_matmul
 from ds4d.models.deepseek_v4.quant import decode_e8m0, dequant_fp8_block
 
 
@@ -49,8 +51,57 @@ class Fp8Weight:
         return torch.nn.functional.linear(x, self.dense())  # no kernel here: decode, then the plain product
 
 
-Linear = torch.Tensor | Fp8Weight
-"""A linear's weight ``[out, in]``: decoded values, or FP8 as stored."""
+@dataclass
+class GgufWeight:
+    """A linear's ``[out, in]`` weight in GGUF blocks of ``qtype`` as the file stores them: ``raw`` uint8
+    ``[out, in / block_values * block_bytes]`` (``ds4d.cuda.gguf_matmul``)."""
+
+    raw: torch.Tensor
+    qtype: str
+    cols: int
+    dtype: torch.dtype  # the activations' dtype (and the result's)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.raw.shape[0], self.cols))
+
+    def dense(self) -> torch.Tensor:
+        """The decoded ``[out, in]`` values in the activations' dtype."""
+        return gguf_values(self.raw, self.qtype, self.cols).to(self.dtype)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., in] @ W^T``."""
+        if gguf_matmul.available() and x.device == self.raw.device:
+            flat = x.reshape(-1, x.shape[-1])
+            return gguf_matmul.linear(flat, self.raw, self.qtype).view(*x.shape[:-1], -1)
+        return torch.nn.functional.linear(x, self.dense())
+
+
+@dataclass
+class GgufMatrices:
+    """One matrix per expert in GGUF blocks of ``qtype``: uint8 ``[E, out, row_bytes]`` (``cols`` inputs)."""
+
+    raw: torch.Tensor
+    qtype: str
+    cols: int
+
+
+def gguf_values(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
+    """float32 ``[..., cols]``: the values of GGUF blocks ``raw [..., row_bytes]`` (the kernel where it
+    runs, else the ``gguf`` package's numpy dequantiser: the same bits)."""
+    flat = raw.reshape(-1, raw.shape[-1])
+    if gguf_matmul.available() and (flat.is_cuda or not torch.cuda.is_available()):
+        values = gguf_matmul.dequantize(flat.contiguous(), qtype, cols)
+    else:
+        import gguf
+
+        decoded = gguf.quants.dequantize(flat.cpu().numpy(), gguf.GGMLQuantizationType[qtype])
+        values = torch.from_numpy(decoded.reshape(flat.shape[0], cols).astype("float32")).to(raw.device)
+    return values.reshape(*raw.shape[:-1], cols)
+
+
+Linear = torch.Tensor | Fp8Weight | GgufWeight
+"""A linear's weight ``[out, in]``: decoded values, FP8 as stored, or GGUF blocks as stored."""
 
 
 @dataclass

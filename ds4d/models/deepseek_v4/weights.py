@@ -20,7 +20,7 @@ import torch
 from ds4d.models.deepseek_v4.config import CSA_RATIO, DeepseekV4Config
 from ds4d.models.deepseek_v4.loader import CheckpointError, WeightReader
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4
-from ds4d.models.deepseek_v4.stored import Fp8Weight, Linear, Mxfp4Matrices
+from ds4d.models.deepseek_v4.stored import Fp8Weight, GgufMatrices, Linear, Mxfp4Matrices, gguf_values
 
 
 @dataclass
@@ -70,7 +70,7 @@ class AttentionWeights:
 
 @dataclass
 class ExpertBank:
-    """One layer's routed experts as stored: ``kind`` is ``mxfp4``, ``fp8`` or ``float``.
+    """One layer's routed experts as stored: ``kind`` is ``mxfp4``, ``fp8``, ``float`` or ``gguf``.
 
     ``weights[w]`` stacks expert matrices ``w`` in (w1, w2, w3) over experts
     (packed bytes for mxfp4 / fp8, model-dtype values for float) and
@@ -83,13 +83,19 @@ class ExpertBank:
     block: tuple[int, int]
     gate_up: torch.Tensor | None = None
     """Float banks: ``[E, 2I, D]`` holding w1 over w3 (``weights["w1"]`` and ``["w3"]`` are views of it)."""
-    native: tuple[Mxfp4Matrices, Mxfp4Matrices] | None = None
-    """MXFP4 banks multiplied as stored: (w1 over w3, w2); ``weights``/``scales`` are views of them."""
+    native: tuple | None = None
+    """Banks multiplied as stored: (w1 over w3, w2), MXFP4 (:class:`Mxfp4Matrices`) or, for ``gguf``, each
+    :class:`GgufMatrices` or decoded ``[E, out, in]``; ``weights``/``scales`` are views of them."""
+    gguf: dict[str, GgufMatrices] | None = None
+    """``gguf`` banks: the matrices (w1, w2, w3) kept in their GGUF blocks (``weights`` holds their bytes);
+    the others are decoded in ``weights``."""
     _dense_cache: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def weight(self, which: str, expert: int) -> torch.Tensor:
         """Expert ``expert``'s matrix ``which`` as ``[out, in]`` in the model dtype."""
         stored = self.weights[which][expert]
+        if self.gguf and which in self.gguf:
+            return gguf_values(stored, self.gguf[which].qtype, self.gguf[which].cols).to(self.dtype)
         if self.kind == "mxfp4":
             return dequant_mxfp4(stored, self.scales[which][expert]).to(self.dtype)
         if self.kind == "fp8":
@@ -171,7 +177,7 @@ def _walk(obj):
                 yield from _walk(getattr(obj, name))
 
 
-_NOT_PARAMETERS = {"gate_up", "native", "_dense_cache", "fn_split", "split", "gate_split"}
+_NOT_PARAMETERS = {"gate_up", "native", "gguf", "_dense_cache", "fn_split", "split", "gate_split"}
 """Views over, or copies of, tensors counted elsewhere."""
 
 
@@ -200,9 +206,9 @@ F32 = torch.float32
 
 
 def _linear(reader: WeightReader, name: str) -> Linear:
-    """A linear's weight: as stored (:class:`Fp8Weight`) when the reader keeps native weights and
-    the weight is FP8, else decoded to the model dtype."""
-    stored = reader.fp8(name) if getattr(reader, "native", False) else None
+    """A linear's weight: as stored (:class:`Fp8Weight`, :class:`GgufWeight`) when the reader keeps
+    native weights and the weight is stored in a form a kernel reads, else decoded to the model dtype."""
+    stored = reader.stored_linear(name) if getattr(reader, "native", False) else None
     return stored if stored is not None else reader.tensor(name)
 
 
@@ -254,7 +260,12 @@ def _experts(
     reader: WeightReader, cfg: DeepseekV4Config, layer: int, device: torch.device | None, experts: range | None = None
 ) -> ExpertBank:
     """Routed experts ``experts`` of ``layer`` (default all; local index 0 = ``experts[0]``) stacked as
-    an :class:`ExpertBank`, on ``device`` when given (the host, for expert offload)."""
+    an :class:`ExpertBank`, on ``device`` when given (the host, for expert offload); a reader keeping
+    native weights may answer with a whole bank of its own (``stored_bank``: GGUF blocks)."""
+    if experts is None and getattr(reader, "native", False):
+        stored = reader.stored_bank(layer, device)
+        if stored is not None:
+            return stored
     experts = range(cfg.n_routed_experts) if experts is None else experts
     count = len(experts)
     kind = None

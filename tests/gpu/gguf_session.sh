@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# DeepSeek-V4 GGUF blocks on one GPU, in one device call: the kernels' and the native model's GPU tests,
+# the GEMV sweep (tests/gpu/gguf_gemv_sweep.py), then `bench model --gguf q2` against the native FP8/MXFP4
+# model of the same depth, back to back.  Carry the gguf wheel in .whl/ (daemon_lib.sh installs it).
+#
+#   LAYERS=0,0,4,128 tests/gpu/gguf_session.sh      # the depth of both benchmarks (default: V4-Flash's first 4)
+#   SWEEP=0 TESTS=0 tests/gpu/gguf_session.sh       # benchmarks only
+set -o pipefail
+source "$(dirname "$0")/daemon_lib.sh"
+ds4d_setup || exit 1
+LAYERS=${LAYERS:-0,0,4,128}
+COMMON="--no-hf --no-reference --batches ${BATCHES:-1,8} --decode-tokens 64 ${BENCH_ARGS:-}"
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout 240 $PY -m pytest -q -x tests/unit/test_gguf_kernels.py tests/gpu/test_dsv4_gguf_gpu.py 2>&1 | tail -6
+fi
+if [ "${SWEEP:-1}" = 1 ]; then
+  timeout 300 $PY tests/gpu/gguf_gemv_sweep.py 2>&1 | tee "$OUT/sweep.txt" | tail -12
+fi
+for kind in gguf native; do
+  flag=$([ $kind = gguf ] && echo "--gguf q2" || echo "--native")
+  echo "== bench model $flag $COMMON --layers $LAYERS"
+  timeout "${BENCH_S:-240}" $PY -m ds4d.cli bench model $flag $COMMON --layers "$LAYERS" --json "$OUT/$kind.json" \
+    2>&1 | tee "$OUT/$kind.log" | grep -v "^  " | tail -14
+done

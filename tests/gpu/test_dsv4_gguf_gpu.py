@@ -1,0 +1,59 @@
+"""DeepSeek-V4 GGUF files on a CUDA GPU with their blocks kept as stored (``weight_format = native``: the
+compiled kernels of ``gguf_matmul`` inside the model, decode steps in CUDA graphs) against the same file
+decoded to float (``dense``), in float32 on the same GPU: llama.cpp's tiny Q8_0/MXFP4, Q2_K, IQ2_XXS and
+Q6_K files (tests/fixtures/gguf_v4).  Decoding is exact, so logits agree within float32 summation order
+(1e-4 of the largest) and greedy tokens are the same; bfloat16 native decodes with the float32 model's
+tokens wherever its top-2 margin is clear.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ds4d.models.deepseek_v4.gguf_loader import load_gguf_model
+from tests.parity.make_gguf_v4_fixtures import OUT as FIXTURES
+from tests.unit.test_dsv4_model import Driver
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+pytest.importorskip("gguf")
+
+PROMPT = [(i * 7919) % 500 + 3 for i in range(150)]
+FILES = ["converted.gguf", "quant-Q2_K.gguf", "quant-IQ2_XXS.gguf", "quant-Q6_K.gguf"]
+
+
+def _run(model, steps: int = 8) -> tuple[torch.Tensor, list[int]]:
+    driver = Driver(model)
+    driver.start("a")
+    logits = [driver.prefill("a", PROMPT, chunk=150).float()]
+    ids = [int(logits[0][-1].argmax())]
+    for _ in range(steps):
+        logits.append(driver.step([("a", ids[-1:], 1)])[0].float())
+        ids.append(int(logits[-1][-1].argmax()))
+    return torch.cat(logits), ids
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_native_blocks_give_the_decoded_models_logits_on_cuda(name):
+    native = load_gguf_model(FIXTURES / name, dtype=torch.float32, device="cuda", weight_format="native")
+    assert native.native_weights and native.paths.decode_graphs == "cuda"
+    dense = load_gguf_model(FIXTURES / name, dtype=torch.float32, device="cuda", weight_format="dense")
+    assert not dense.native_weights
+    (got, got_ids), (want, want_ids) = _run(native), _run(dense)
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    assert got_ids == want_ids
+
+
+@pytest.mark.parametrize("name", FILES)
+def test_auto_keeps_blocks_in_bfloat16(name):
+    model = load_gguf_model(FIXTURES / name, dtype=torch.bfloat16, device="cuda")
+    assert model.native_weights
+    got, _ = _run(model, steps=2)
+    want, _ = _run(load_gguf_model(FIXTURES / name, dtype=torch.float32, device="cuda", weight_format="dense"), 2)
+    top2 = want.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.05 * want.abs().amax(dim=-1)
+    assert torch.isfinite(got).all()
+    assert (got.argmax(-1) == want.argmax(-1))[clear].float().mean().item() >= 0.95

@@ -1,0 +1,108 @@
+"""A DeepSeek-V4 GGUF file with its linears and routed experts kept in their blocks (``weight_format =
+native``) against the same file decoded to float.
+
+llama.cpp's own tiny quantised files (tests/fixtures/gguf_v4): the converter's Q8_0 linears with MXFP4
+experts, and llama-quantize's Q2_K, IQ2_XXS and Q6_K files, whose down projections (and some attention
+linears) are of types no kernel reads (Q4_0, IQ4_NL) or narrower than a block of 256, so they stay decoded
+beside the kept ones: banks mixing blocks and decoded matrices run too.  Here the kernels run in Triton's
+interpreter in float32, inside the whole model: a 150-token prefill (each kept linear decoded for one dense
+product, the experts on grouped tiles) and decode steps (a GEMV per row; per (row, expert) pair in the
+experts).  Decoding is exact, so the two models differ only in the order of float32 sums.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+pytest.importorskip("gguf")
+
+from ds4d.models.deepseek_v4.gguf_loader import (  # noqa: E402
+    GGUFSet,
+    GGUFWeightReader,
+    gguf_native,
+    kept_summary,
+    load_gguf_model,
+    read_config,
+)
+from ds4d.models.deepseek_v4.model import DeepseekV4Model  # noqa: E402
+from ds4d.models.deepseek_v4.paths import ForwardPaths  # noqa: E402
+from ds4d.models.deepseek_v4.stored import GgufMatrices, GgufWeight  # noqa: E402
+from ds4d.models.deepseek_v4.weights import read_weights  # noqa: E402
+from tests.parity.make_gguf_v4_fixtures import OUT as FIXTURES  # noqa: E402
+from tests.unit.test_dsv4_model import Driver  # noqa: E402
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the GPU tests run the compiled kernels")]
+
+PROMPT = [(i * 7919) % 500 + 3 for i in range(150)]
+
+
+def _load(name: str, native: bool) -> DeepseekV4Model:
+    files = GGUFSet(FIXTURES / name)
+    try:
+        cfg = read_config(files)
+        weights = read_weights(GGUFWeightReader(files, cfg, dtype=torch.float32, native=native))
+    finally:
+        files.close()
+    return DeepseekV4Model(cfg, weights, tokenizer=None, dtype=torch.float32,
+                           paths=ForwardPaths(fast_path=True, decode_graphs="off"))
+
+
+def _run(model: DeepseekV4Model) -> tuple[torch.Tensor, list[int]]:
+    driver = Driver(model)
+    driver.start("a")
+    logits = [driver.prefill("a", PROMPT, chunk=150)]
+    ids = [int(logits[0][-1].argmax())]
+    for _ in range(3):
+        logits.append(driver.step([("a", ids[-1:], 1)])[0])
+        ids.append(int(logits[-1][-1].argmax()))
+    return torch.cat(logits), ids
+
+
+@pytest.mark.parametrize("name, linear_type, kept_experts", [
+    ("converted.gguf", "Q8_0", {"w1": "MXFP4", "w2": "MXFP4", "w3": "MXFP4"}),
+    ("quant-Q2_K.gguf", "Q2_K", {"w1": "Q2_K", "w3": "Q2_K"}),
+    ("quant-IQ2_XXS.gguf", "IQ2_XXS", {"w1": "IQ2_XXS", "w3": "IQ2_XXS"}),
+    ("quant-Q6_K.gguf", "Q6_K", {"w1": "Q6_K", "w2": "Q8_0", "w3": "Q6_K"}),
+])
+def test_blocks_as_stored_give_the_decoded_models_logits(name, linear_type, kept_experts):
+    native = _load(name, native=True)
+    assert native.native_weights and native.info.extra["weights"] == "native"
+    attn, ffn = native.weights.layers[1].attn, native.weights.layers[1].ffn
+    assert isinstance(attn.wq_a, GgufWeight) and attn.wq_a.qtype == linear_type
+    assert attn.wq_a.raw.dtype == torch.uint8
+    assert {which: m.qtype for which, m in ffn.experts.gguf.items()} == kept_experts
+    gate_up, down = ffn.experts.native
+    assert isinstance(gate_up, GgufMatrices) and gate_up.raw.shape[1] == 2 * native.cfg.moe_intermediate_size
+    assert isinstance(down, GgufMatrices) == ("w2" in kept_experts)
+    decoded = _load(name, native=False)
+    assert not decoded.native_weights
+    assert native.info.parameter_bytes < decoded.info.parameter_bytes
+    for which in ("w1", "w2", "w3"):  # the reference path's matrices: the decoded ones, bit for bit
+        assert torch.equal(ffn.experts.weight(which, 3), decoded.weights.layers[1].ffn.experts.weight(which, 3))
+    assert torch.equal(attn.wq_a.dense(), decoded.weights.layers[1].attn.wq_a)
+    (got, got_ids), (want, want_ids) = _run(native), _run(decoded)
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    assert torch.equal(got.argmax(-1), want.argmax(-1)) and got_ids == want_ids
+
+
+def test_the_summary_names_what_stays_in_blocks():
+    model = _load("quant-Q2_K.gguf", native=True)
+    summary = kept_summary(model.weights)
+    assert "Q2_K experts" in summary and "decoded:" in summary
+
+
+def test_weight_format_choice_for_gguf_files():
+    assert not gguf_native("auto", "cpu")
+    assert not gguf_native("dense", "cpu")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        gguf_native("native", "cpu")
+    with pytest.raises(ValueError, match="auto, dense or native"):
+        gguf_native("int4", "cpu")
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        load_gguf_model(FIXTURES / "converted.gguf", weight_format="native")
