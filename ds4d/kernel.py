@@ -55,8 +55,8 @@ def embedded_model_path() -> Path:
 
 def refuse_unhonoured_knobs(family: ModelFamily, config) -> None:
     """``gpus`` is for a :class:`SplitModelFamily`, ``expert_vram_gib`` for one of those or a family that
-    says it offloads experts (``offloads_experts = True``), ``load_format = random`` for a family that
-    draws random weights (``random_weights = True``): refused at start for any other."""
+    says it offloads experts (``offloads_experts = True``), a random ``load_format`` for a family that
+    draws random weights in that format (``random_formats``): refused at start for any other."""
     split = isinstance(family, SplitModelFamily)
     if config.expert_vram_gib > 0 and not (split or getattr(family, "offloads_experts", False)):
         raise PluginError(f"expert_vram_gib={config.expert_vram_gib:g}: the {family.name} model family cannot "
@@ -64,9 +64,9 @@ def refuse_unhonoured_knobs(family: ModelFamily, config) -> None:
     if config.gpus and not split:
         raise PluginError(f"gpus={config.gpus!r}: the {family.name} model family cannot be split over processes; "
                           "leave gpus empty")
-    if config.load_format == "random" and not getattr(family, "random_weights", False):
-        raise PluginError(f"load_format=random: the {family.name} model family cannot draw random weights; "
-                          "use auto")
+    if config.load_format != "auto" and config.load_format not in getattr(family, "random_formats", ()):
+        raise PluginError(f"load_format={config.load_format}: the {family.name} model family cannot draw random "
+                          "weights in that format; use auto")
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ ds4d_setup || exit 1
 LAYERS=${LAYERS:-0,0,4,128}
 COMMON="--no-hf --no-reference --batches ${BATCHES:-1,8} --decode-tokens 64 ${BENCH_ARGS:-}"
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout 240 $PY -m pytest -q -x tests/unit/test_gguf_kernels.py tests/gpu/test_dsv4_gguf_gpu.py 2>&1 | tail -6
+  timeout 200 $PY -m pytest -q -x tests/unit/test_gguf_kernels.py tests/gpu/test_dsv4_gguf_gpu.py 2>&1 | tail -6
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
-  timeout 300 $PY tests/gpu/gguf_gemv_sweep.py 2>&1 | tee "$OUT/sweep.txt" | tail -12
+  timeout 280 $PY tests/gpu/gguf_gemv_sweep.py 2>&1 | tee "$OUT/sweep.txt" | grep -v "^  "
 fi
 for kind in gguf native; do
   flag=$([ $kind = gguf ] && echo "--gguf q2" || echo "--native")

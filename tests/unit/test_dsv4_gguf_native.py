@@ -106,3 +106,27 @@ def test_weight_format_choice_for_gguf_files():
         gguf_native("int4", "cpu")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         load_gguf_model(FIXTURES / "converted.gguf", weight_format="native")
+
+
+def test_random_q2_blocks_take_the_recipes_types_where_they_fit():
+    """``RandomGgufReader`` (``bench model --gguf q2``, ``load_format = random-q2``) at 256-wide experts of
+    128: gate/up IQ2_XXS, the down projection (128 inputs: not a block of 256) Q8_0, the linears Q8_0; the
+    model runs, its random blocks decode to values of about the linear's spread."""
+    from ds4d.bench.random_v4 import base_config
+    from ds4d.models.deepseek_v4.config import DeepseekV4Config
+    from ds4d.models.deepseek_v4.random_init import RandomGgufReader
+
+    cfg = DeepseekV4Config.from_dict({**base_config(tiny=True), "num_hidden_layers": 2, "compress_ratios": [0, 4],
+                                      "vocab_size": 512}, name="random-q2")
+    weights = read_weights(RandomGgufReader(cfg, dtype=torch.float32, device="cpu", recipe="q2"))
+    attn, ffn = weights.layers[1].attn, weights.layers[1].ffn
+    assert isinstance(attn.wq_a, GgufWeight) and attn.wq_a.qtype == "Q8_0"
+    assert {which: m.qtype for which, m in ffn.experts.gguf.items()} == {"w1": "IQ2_XXS", "w2": "Q8_0", "w3": "IQ2_XXS"}
+    std = float(ffn.experts.weight("w1", 0).std())
+    assert 0.3 < std * cfg.hidden_size ** 0.5 < 3
+    model = DeepseekV4Model(cfg, weights, tokenizer=None, dtype=torch.float32,
+                            paths=ForwardPaths(fast_path=True, decode_graphs="off"))
+    driver = Driver(model)
+    driver.start("a")
+    logits = driver.prefill("a", PROMPT[:40], chunk=40)
+    assert logits.shape == (40, 512) and torch.isfinite(logits).all()

@@ -99,7 +99,10 @@ def test_a_family_that_cannot_draw_random_weights_refuses_them():
     config = SimpleNamespace(expert_vram_gib=0, gpus="", load_format="random")
     with pytest.raises(PluginError, match="load_format=random: the plain model family cannot"):
         refuse_unhonoured_knobs(SimpleNamespace(name="plain"), config)
-    refuse_unhonoured_knobs(SimpleNamespace(name="v41", random_weights=True), config)
+    refuse_unhonoured_knobs(SimpleNamespace(name="v41", random_formats=("random",)), config)
+    with pytest.raises(PluginError, match="load_format=random-q2: the v41 model family cannot"):
+        refuse_unhonoured_knobs(SimpleNamespace(name="v41", random_formats=("random",)),
+                                SimpleNamespace(**{**vars(config), "load_format": "random-q2"}))
     refuse_unhonoured_knobs(SimpleNamespace(name="plain"), SimpleNamespace(**{**vars(config), "load_format": "auto"}))
 
 

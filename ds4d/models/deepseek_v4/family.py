@@ -42,7 +42,7 @@ from ds4d.models.deepseek_v4.model import DeepseekV4Model
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
 from ds4d.models.deepseek_v4.parallel import build_parallel_model, serve_torchrun_worker
 from ds4d.models.deepseek_v4.paths import ForwardPaths
-from ds4d.models.deepseek_v4.random_init import RandomReader
+from ds4d.models.deepseek_v4.random_init import RandomGgufReader, RandomReader
 from ds4d.models.deepseek_v4.weights import read_weights
 from ds4d.parallel.gpus import TORCHRUN, parse_gpus
 from ds4d.parallel.launch import TorchrunJob
@@ -54,14 +54,18 @@ def load_model(
 ) -> DeepseekV4Model:
     """Load a checkpoint; with ``offload``, routed experts go to host RAM and the device keeps the hot ones.
     ``paths``: how the forward runs (default: every path the device can run); ``load_format`` random:
-    weights drawn at random for the directory's config.json (``random_init.py``), as they would be read."""
+    weights drawn at random for the directory's config.json (``random_init.py``), as they would be read;
+    random-q2: the linears and routed experts in random GGUF blocks of the ds4 q2 recipe."""
     path = Path(path)
     if path.is_file():  # a GGUF file of llama.cpp's converter
-        if load_format == "random":
-            raise ValueError("load_format random draws weights for a checkpoint directory's config.json, "
+        if load_format != "auto":
+            raise ValueError(f"load_format {load_format} draws weights for a checkpoint directory's config.json, "
                              "not a GGUF file")
         return load_gguf_model(path, dtype=dtype, device=device, offload=offload, weight_format=weight_format,
                                paths=paths)
+    if load_format == "random-q2" and offload is not None:
+        raise ValueError("load_format random-q2: expert offload of GGUF blocks is not built yet; "
+                         "set expert_vram_gib to 0")
     cfg = DeepseekV4Config.from_file(path)
     native = native_weights(weight_format, dtype, device)
     if offload is not None and native:
@@ -71,7 +75,9 @@ def load_model(
         experts = ExpertOffload(None, cfg, device=device, dtype=dtype, options=offload)
     expert_device = "cpu" if experts is not None else None
     sink = experts.adopt if experts is not None else None
-    if load_format == "random":
+    if load_format == "random-q2":
+        weights = read_weights(RandomGgufReader(cfg, dtype=dtype, device=device, recipe="q2"))
+    elif load_format == "random":
         reader = RandomReader(cfg, dtype=dtype, device=device, native=native, keep_values=False)
         weights = read_weights(reader, expert_device=expert_device, expert_sink=sink)
     else:
@@ -100,8 +106,9 @@ class DeepseekV4Family:
     """``ModelFamily`` plugin for DeepSeek-V4 Flash and Pro; a ``SplitModelFamily`` (``gpus``, expert offload)."""
 
     name = "deepseek_v4"
-    random_weights = True
-    """``load_format = random`` is honoured (on one process, for a checkpoint directory)."""
+    random_formats = ("random", "random-q2")
+    """The random ``load_format`` honoured (on one process, for a checkpoint directory; random-q2: GGUF
+    blocks of the ds4 q2 recipe, ``random_init.RandomGgufReader``)."""
 
     def __init__(self, ctx: PluginContext, options: Mapping[str, Any] | None = None) -> None:
         self.ctx = ctx
@@ -121,13 +128,14 @@ class DeepseekV4Family:
     def load(self, path: Path) -> Model:
         """One process (``gpus`` empty): :func:`load_model`; else a ``ParallelDeepseekV4Model`` whose
         ``close`` stops the other processes."""
-        if getattr(self.ctx.config, "load_format", "auto") == "random":
+        load_format = getattr(self.ctx.config, "load_format", "auto")
+        if load_format != "auto":
             if getattr(self.ctx.config, "gpus", ""):
-                raise PluginError("load_format=random: a model split over gpus reads its checkpoint; "
+                raise PluginError(f"load_format={load_format}: a model split over gpus reads its checkpoint; "
                                   "leave gpus empty or use auto")
             if Path(path).is_file():
-                raise PluginError("load_format=random draws weights for a checkpoint directory's config.json, "
-                                  "not for a GGUF file")
+                raise PluginError(f"load_format={load_format} draws weights for a checkpoint directory's "
+                                  "config.json, not for a GGUF file")
         if getattr(self.ctx.config, "gpus", ""):
             if Path(path).is_file():
                 raise PluginError(f"gpus={self.ctx.config.gpus!r}: a GGUF file is not split over processes yet; "
@@ -166,9 +174,9 @@ class DeepseekV4Family:
         dtype = torch_dtype(getattr(config, "dtype", "float32"))
         device = str(getattr(config, "device", "cpu"))
         load_format = str(getattr(config, "load_format", "auto"))
-        if load_format == "random":
-            self.ctx.log.warning("load_format = random: RANDOM WEIGHTS for %s/config.json (a benchmark mode: "
-                                 "the output is noise)", path)
+        if load_format != "auto":
+            self.ctx.log.warning("load_format = %s: RANDOM WEIGHTS for %s/config.json (a benchmark mode: "
+                                 "the output is noise)", load_format, path)
         self.ctx.log.info("loading DeepSeek-V4 checkpoint %s (%s on %s)", path, dtype, device)
         offload = offload_options(config, self.options)
         paths = ForwardPaths.for_device(device, compile_decode=bool(getattr(config, "compile_decode", False)))
@@ -182,7 +190,8 @@ class DeepseekV4Family:
             model.cfg.num_hidden_layers,
             list(model.cfg.compress_ratios),
             model.info.parameter_bytes / 2**20,
-            "FP8/MXFP4 as stored" if model.native_weights else "decoded",
+            ("GGUF blocks as stored" if load_format == "random-q2" or Path(path).is_file() else "FP8/MXFP4 as stored")
+            if model.native_weights else "decoded",
         )
         self.ctx.log.info("forward paths: %s", ", ".join(f"{k} {v}" for k, v in paths.as_dict().items()))
         if paths.compile_decode:

@@ -187,18 +187,22 @@ def random_gguf_blocks(rows: int, cols: int, qtype: str, generator: torch.Genera
     return raw.reshape(rows, -1)
 
 
-def _fitting(qtype: str, cols: int) -> str:
-    """``qtype``, or Q8_0 for rows narrower than its blocks (as llama-quantize falls back for such tensors)."""
+def _fitting(qtype: str, cols: int) -> str | None:
+    """``qtype``, or Q8_0 for rows that are not a whole number of its blocks (as llama-quantize falls back
+    for such tensors), or None where Q8_0's blocks of 32 do not fit either."""
     from ds4d.cuda import gguf_matmul
 
-    return qtype if cols % gguf_matmul.block_shape(qtype)[0] == 0 else "Q8_0"
+    for kind in (qtype, "Q8_0"):
+        if cols % gguf_matmul.block_shape(kind)[0] == 0:
+            return kind
+    return None
 
 
 class RandomGgufReader(RandomReader):
     """Random V4 weights with the linears and routed experts in GGUF blocks by a recipe
     (:data:`GGUF_RECIPES`), on the device, as a GGUF file's native model holds them: a benchmark of
     low-bit weights at real widths and depth without a file (a matrix narrower than its type's blocks takes
-    Q8_0).  Every other tensor is :class:`RandomReader`'s;
+    Q8_0, or where that does not fit either, :class:`RandomReader`'s FP8 or MXFP4).  Every other tensor is :class:`RandomReader`'s;
     :attr:`issued` keeps the quantised ones' shapes only."""
 
     def __init__(self, cfg: DeepseekV4Config, *, dtype: torch.dtype, device: str | torch.device, recipe: str,
@@ -211,15 +215,19 @@ class RandomGgufReader(RandomReader):
             return None
         shape, _ = _shape(self.cfg, name)
         qtype = _fitting(self.recipe["linear"], shape[1])
+        if qtype is None:
+            return None
         self._issue(name, torch.empty(shape, device="meta"))
         raw = random_gguf_blocks(shape[0], shape[1], qtype, self._generator(name), self.device)
         return GgufWeight(raw, qtype, shape[1], self.dtype)
 
-    def stored_bank(self, layer: int, device: torch.device | None) -> ExpertBank:
+    def stored_bank(self, layer: int, device: torch.device | None) -> ExpertBank | None:
         cfg, device = self.cfg, device or self.device
         experts, inter, hidden = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
         types = {which: _fitting(self.recipe[which], cols) for which, (_, cols) in shapes.items()}
+        if None in types.values():
+            return None  # RandomReader's experts, MXFP4
         weights = {}
         for which, (rows, cols) in shapes.items():
             name = f"layers.{layer}.ffn.experts.{which}"

@@ -253,8 +253,8 @@ class DeepseekV41Family:
     name = "deepseek_v41"
     offloads_experts = True
     """``expert_vram_gib`` is honoured (``offload.py``); ``gpus`` is not."""
-    random_weights = True
-    """``load_format = random`` is honoured (``random_init.py``)."""
+    random_formats = ("random",)
+    """The random ``load_format`` honoured (``random_init.py``)."""
 
     def __init__(self, ctx: PluginContext, options: Mapping[str, Any] | None = None) -> None:
         self.ctx = ctx
