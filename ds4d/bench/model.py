@@ -57,6 +57,8 @@ def add_parser(sub) -> None:
                         "layer over blocks of this many tokens (prefill_block; cold experts copied once per layer)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF peer")
     p.add_argument("--no-reference", action="store_true", help="skip ds4d's reference-path rows")
+    p.add_argument("--main-only", action="store_true",
+                   help="only the rows of every GPU path (and --lookahead's): no ablation rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="decode steps through torch.compile (inside the graphs)")
     p.add_argument("--lookahead", action="store_true",
@@ -244,15 +246,16 @@ def run(args: argparse.Namespace) -> int:
     check = _parity(torch, on_path(model, "eager", best), hf, prompts(1, 256)[0], device) if hf is not None \
         else "no HF peer"
     say(f"same weights check (256-token prompt, logits ds4d vs HF): {check}")
-    paths = ["graphs", "plain-hc", "numba-hc", "eager"] + ([] if args.no_reference else ["reference"])
+    paths = ["graphs"] if args.main_only else \
+        ["graphs", "plain-hc", "numba-hc", "eager"] + ([] if args.no_reference else ["reference"])
     rows: list[Row] = []
     n = args.decode_tokens
 
     def prefill_case(tokens: int, hf_ok: bool = True) -> None:
         ids = prompts(1, tokens)
-        prefill_paths = [p for p in paths if p not in ("eager", "numba-hc")] + ["torch-attention", "torch-token-wise",
-                                                                                "all-rows"]
-        for path in prefill_paths if tokens <= 2048 else ["graphs", "torch-token-wise", "all-rows"]:
+        prefill_paths = [p for p in paths if p not in ("eager", "numba-hc")] + \
+            ([] if args.main_only else ["torch-attention", "torch-token-wise", "all-rows"])
+        for path in prefill_paths if tokens <= 2048 or args.main_only else ["graphs", "torch-token-wise", "all-rows"]:
             timed = on_path(model, path, best)
             label = f"prefill {tokens} tok, b1" + {"graphs": "", "plain-hc": " (torch hyper-connections)",
                                                    "torch-attention": " (torch attention)",

@@ -31,13 +31,10 @@ TYPES = {"Q8_0": 0, "Q2_K": 1, "IQ2_XXS": 2, "Q4_K": 3, "Q6_K": 4, "Q5_K": 5, "Q
          "IQ2_XS": 9, "MXFP4": 10}
 """The quant types with a decoder, by name (``gguf.GGMLQuantizationType`` names)."""
 
-BLOCKWISE = {"Q8_0": {"block_n": 8, "supers": 2, "warps": 4}, "Q2_K": {"block_n": 8, "supers": 1, "warps": 4},
-             "IQ2_XXS": {"block_n": 8, "supers": 1, "warps": 4}}
+BLOCKWISE = {"Q8_0": {"block_n": 16, "supers": 2, "warps": 4}, "Q2_K": {"block_n": 16, "supers": 2, "warps": 4},
+             "IQ2_XXS": {"block_n": 8, "supers": 2, "warps": 4}}
 """Types with a block-by-block GEMV (``gguf_gemv``) and its launch: weight rows per program, blocks of 256
 values per trip of its loop, warps (``tests/gpu/gguf_gemv_sweep.py`` times the candidates)."""
-
-TILES = {"block_m": 64, "block_n": 32, "warps": 4}
-"""The block-wise tensor-core tiles' launch (:func:`tiles`): rows and weight rows per program, warps."""
 
 MULTI_ROWS = 8
 """Input rows a block-wise GEMV program takes at most (each weight tile decoded once for all of them)."""
@@ -101,6 +98,22 @@ def _tables(device: torch.device, qtype: str) -> tuple[torch.Tensor, torch.Tenso
     return _state[key]
 
 
+def _grid_codes(device: torch.device) -> torch.Tensor:
+    """IQ2_XXS's grid as ``gguf_blockwise`` reads it: int32 ``[256]``, entry ``e``'s eight values as 2-bit
+    fields (value ``i`` at bits ``2i``: 0, 1, 2 for 8, 25, 43), from the ``gguf`` package's grid."""
+    key = ("codes", str(device))
+    if key not in _state:
+        grid = _tables(torch.device("cpu"), "IQ2_XXS")[0]
+        fields = torch.zeros_like(grid, dtype=torch.int32)
+        for code, value in enumerate((8.0, 25.0, 43.0)):
+            fields[grid == value] = code
+        if not bool(torch.isin(grid, torch.tensor([8.0, 25.0, 43.0])).all()):
+            raise ValueError("the gguf package's IQ2_XXS grid holds values other than 8, 25 and 43")
+        codes = (fields << (2 * torch.arange(8, dtype=torch.int32))).sum(dim=1, dtype=torch.int32)
+        _state[key] = codes.to(device)
+    return _state[key]
+
+
 def _check(raw: torch.Tensor, qtype: str, cols: int) -> int:
     """Bytes per row of ``raw`` for ``cols`` values of ``qtype`` (checked)."""
     values, nbytes = block_shape(qtype)
@@ -123,8 +136,9 @@ def dequantize(raw: torch.Tensor, qtype: str, cols: int, *, blockwise: bool = Tr
     out = torch.empty(n, cols, dtype=torch.float32, device=raw.device)
     if blockwise and qtype in BLOCKWISE:
         block_n = 16
+        table = _grid_codes(raw.device) if qtype == "IQ2_XXS" else grid_table
         _blockwise().dequant_kernel[(-(-n // block_n), -(-cols // 256))](
-            raw, out, grid_table, signs, n, cols, row_bytes, out.stride(0), qtype=TYPES[qtype], block_n=block_n,
+            raw, out, table, signs, n, cols, row_bytes, out.stride(0), qtype=TYPES[qtype], block_n=block_n,
             enable_fp_fusion=False)
         return out
     block_n, block_k = 16, 256
@@ -162,8 +176,9 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor |
     if blockwise and qtype in BLOCKWISE:
         launch = BLOCKWISE[qtype]
         rows_per = 1 if experts is not None else min(MULTI_ROWS, 1 << (m - 1).bit_length())
+        table = _grid_codes(raw.device) if qtype == "IQ2_XXS" else grid_table
         _blockwise().gemv_kernel[(-(-n // launch["block_n"]), -(-m // rows_per))](
-            x, flat, out, grid_table, signs, chosen, n, m, cols, row_bytes, expert_bytes, x.stride(0), out.stride(0),
+            x, flat, out, table, signs, chosen, n, m, cols, row_bytes, expert_bytes, x.stride(0), out.stride(0),
             qtype=TYPES[qtype], by_expert=experts is not None, block_n=launch["block_n"], supers=launch["supers"],
             rows_per=rows_per, num_warps=launch["warps"], enable_fp_fusion=False)
         return out
@@ -176,12 +191,10 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor |
     return out
 
 
-def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor | None = None, *,
-          blockwise: bool = True) -> torch.Tensor:
+def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``[M, N]``: ``x [M, K]`` (float32, bfloat16 or float16) times the weight rows of ``raw``
     on tensor cores, each weight tile decoded into ``x``'s dtype; with ``offsets [E]`` (group ends),
-    ``x``'s rows are sorted by expert and ``raw`` is a bank ``[E, N, row_bytes]``.  The types of
-    :data:`BLOCKWISE` decode whole blocks (``gguf_blockwise``) unless ``blockwise`` is False."""
+    ``x``'s rows are sorted by expert and ``raw`` is a bank ``[E, N, row_bytes]``."""
     from ds4d.cuda.quant_matmul import _precision, expert_tiles
 
     cols = x.shape[-1]
@@ -194,18 +207,11 @@ def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor 
     out = torch.empty(m, n, dtype=torch.float32, device=raw.device)
     if not m:
         return out
-    blockwise = qtype in BLOCKWISE and blockwise
-    block_m, block_n, block_k = (TILES["block_m"], TILES["block_n"], 256) if blockwise else (32, 32, 32)
+    block_m, block_n, block_k = 32, 32, 32
     if offsets is None:
         offsets = torch.tensor([m], dtype=torch.int32, device=raw.device)
     expert, first, end = expert_tiles(offsets.to(raw.device), m, block_m)
     grid_table, signs = _tables(raw.device, qtype)
-    if blockwise:
-        _blockwise().tiles_kernel[(expert.shape[0], -(-n // block_n))](
-            x, flat, out, grid_table, signs, expert, first, end, n, cols, row_bytes, expert_bytes, x.stride(0),
-            out.stride(0), qtype=TYPES[qtype], block_m=block_m, block_n=block_n, precision=_precision(x),
-            num_warps=TILES["warps"], enable_fp_fusion=False)
-        return out
     _kernels().tiles_kernel[(expert.shape[0], -(-n // block_n))](
         x, flat, out, grid_table, signs, expert, first, end, n, cols, row_bytes, expert_bytes, x.stride(0),
         out.stride(0), qtype=TYPES[qtype], block_m=block_m, block_n=block_n, block_k=block_k,

@@ -8,8 +8,7 @@ Cases: Q8_0 linears of one row (``wq_b`` [32768, 1024], ``wo_b`` [4096, 8192]) a
 experts of a batch-1 decode step: six rows, each its own expert of a bank of 64 (gate/up IQ2_XXS
 [4096 (w1 over w3), 4096], down Q2_K [4096, 2048]).  GB/s counts the weight bytes the call reads (the six
 experts' matrices for the banks).  Prints each candidate, then a table of the best per type against the
-element-wise kernel and cuBLAS, and the best launches as ``gguf_matmul.BLOCKWISE`` takes them; then the
-tensor-core tiles of a 2K-token prefill step over candidate ``gguf_matmul.TILES`` launches.
+element-wise kernel and cuBLAS, and the best launches as ``gguf_matmul.BLOCKWISE`` takes them.
 
     python3 tests/gpu/gguf_gemv_sweep.py
 """
@@ -102,48 +101,6 @@ def main() -> None:
         scored = {key: v for key, v in best.items() if key.startswith(qtype + "{")}
         chosen[qtype] = min(scored.values(), key=lambda v: v[0])[1]
     print(f"\nbest launches (each type's cases, time per byte summed): {json.dumps(chosen)}")
-    sweep_tiles()
-
-
-TILE_CASES = [  # (label, type, N, K, rows, experts)
-    ("prefill experts gate/up [4096, 4096], 12,288 rows over 256 experts", "IQ2_XXS", 4096, 4096, 12288, 256),
-    ("prefill experts down [4096, 2048], 12,288 rows over 256 experts", "Q2_K", 4096, 2048, 12288, 256),
-    ("prefill wo_b [4096, 8192], 2,048 rows", "Q8_0", 4096, 8192, 2048, 0),
-]
-TILE_LAUNCHES = [dict(block_m=m, block_n=n, warps=w) for m, n, w in itertools.product((32, 64, 128), (32, 64), (4, 8))]
-
-
-def sweep_tiles() -> None:
-    """The block-wise tensor-core tiles of a 2K-token prefill step over candidate launches, against the
-    element-wise tiles and (one matrix) the weight decoded to bf16 then cuBLAS; TFLOP/s of the product."""
-    print("\n| prefill case | type | best tiles launch | us | TFLOP/s | element-wise tiles us | decode + cuBLAS us |")
-    print("|---|---|---|---|---|---|---|")
-    chosen = {}
-    for label, qtype, n, k, rows, experts in TILE_CASES:
-        raw = torch.from_numpy(random_blocks(qtype, n * max(experts, 1), k, seed=n + k)).cuda()
-        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-        offsets = None
-        if experts:
-            raw = raw.view(experts, n, -1)
-            counts = torch.bincount(torch.randint(0, experts, (rows,)), minlength=experts)
-            offsets = torch.cumsum(counts, 0).int().cuda()
-        flops = 2 * rows * n * k
-        times = {}
-        for launch in TILE_LAUNCHES:
-            gguf_matmul.TILES.update(launch)
-            try:
-                times[json.dumps(launch)] = graph_time([lambda: gguf_matmul.tiles(x, raw, qtype, offsets)])
-            except Exception as error:  # noqa: BLE001 - reported and skipped
-                print(f"  {label} {launch}: failed: {type(error).__name__}: {str(error)[:120]}")
-        for launch, s in times.items():
-            chosen.setdefault(launch, 0.0)
-            chosen[launch] += s / flops
-        fastest = min(times, key=times.get)
-        plain = graph_time([lambda: gguf_matmul.tiles(x, raw, qtype, offsets, blockwise=False)])
-        dense = "" if experts else f"{graph_time([lambda: gguf_matmul.linear(x, raw, qtype)]) * 1e6:.0f}"
-        print(f"| {label} | {qtype} | {fastest} | {times[fastest] * 1e6:.0f} | {flops / times[fastest] / 1e12:.1f} | "
-              f"{plain * 1e6:.0f} | {dense} |")
-    print(f"\nbest tiles launch (time per FLOP summed): {min(chosen, key=chosen.get)}")
 
 
 if __name__ == "__main__":

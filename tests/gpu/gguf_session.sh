@@ -5,6 +5,7 @@
 #
 #   LAYERS=0,0,4,128 tests/gpu/gguf_session.sh      # the depth of both benchmarks (default: V4-Flash's first 4)
 #   SWEEP=0 TESTS=0 tests/gpu/gguf_session.sh       # benchmarks only
+#   KINDS=gguf FULL=1 tests/gpu/gguf_session.sh     # q2 only, then q2 at full depth (43 layers, CONTEXT=32768)
 set -o pipefail
 source "$(dirname "$0")/daemon_lib.sh"
 ds4d_setup || exit 1
@@ -16,9 +17,15 @@ fi
 if [ "${SWEEP:-1}" = 1 ]; then
   timeout 280 $PY tests/gpu/gguf_gemv_sweep.py 2>&1 | tee "$OUT/sweep.txt" | grep -v "^  "
 fi
-for kind in gguf native; do
+for kind in ${KINDS:-gguf native}; do
   flag=$([ $kind = gguf ] && echo "--gguf q2" || echo "--native")
   echo "== bench model $flag $COMMON --layers $LAYERS"
   timeout "${BENCH_S:-240}" $PY -m ds4d.cli bench model $flag $COMMON --layers "$LAYERS" --json "$OUT/$kind.json" \
     2>&1 | tee "$OUT/$kind.log" | grep -v "^  " | tail -14
 done
+if [ "${FULL:-0}" = 1 ]; then
+  echo "== bench model --gguf q2 --depth full --main-only $COMMON --context ${CONTEXT:-32768}"
+  timeout "${FULL_S:-300}" $PY -m ds4d.cli bench model --gguf q2 --depth full --main-only $COMMON \
+    --context "${CONTEXT:-32768}" --json "$OUT/full.json" 2>&1 | tee "$OUT/full.log" | grep -v "^  " | tail -14
+fi
+
