@@ -6,13 +6,17 @@
 #   LAYERS=0,0,4,128 tests/gpu/gguf_session.sh      # the depth of both benchmarks (default: V4-Flash's first 4)
 #   SWEEP=0 TESTS=0 tests/gpu/gguf_session.sh       # benchmarks only
 #   KINDS=gguf FULL=1 tests/gpu/gguf_session.sh     # q2 only, then q2 at full depth (43 layers, CONTEXT=32768)
+#   GATE=1 tests/gpu/gguf_session.sh                # also the regression gate's quick rows, after the tests
 set -o pipefail
 source "$(dirname "$0")/daemon_lib.sh"
 ds4d_setup || exit 1
 LAYERS=${LAYERS:-0,0,4,128}
 COMMON="--no-hf --no-reference --batches ${BATCHES:-1,8} --decode-tokens 64 ${BENCH_ARGS:-}"
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout 200 $PY -m pytest -q -x tests/unit/test_gguf_kernels.py tests/gpu/test_dsv4_gguf_gpu.py 2>&1 | tail -6
+  timeout ${TESTS_S:-200} $PY -m pytest -q -x tests/unit/test_gguf_kernels.py tests/gpu/test_dsv4_gguf_gpu.py 2>&1 | tail -6
+fi
+if [ "${GATE:-0}" = 1 ]; then  # the regression gate's 4-layer rows (tests/gpu/gate.sh --quick)
+  INSTALL=0 BENCH_S=${GATE_S:-200} bash tests/gpu/gate.sh --quick 2>&1 | tail -12
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
   timeout 280 $PY tests/gpu/gguf_gemv_sweep.py 2>&1 | tee "$OUT/sweep.txt" | grep -v "^  "
