@@ -136,7 +136,7 @@ def gemv_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, signs_ptr, expert_ptr, n, m,
         acc = tl.zeros((block_n, supers * 8, 32), dtype=tl.float32)
     else:
         acc = tl.zeros((rows_per, block_n, supers * 8), dtype=tl.float32)
-    for trip in range(0, tl.cdiv(k, 256 * supers)):
+    for trip in range(tl.cdiv(k, 256 * supers)):
         w, cols, live = trip_values(row, trip, k, supers, table_ptr, signs_ptr, qtype)
         acc = _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per)
     if rows_per == 1:

@@ -31,7 +31,7 @@ CASES = [  # (label, type, N, K, rows, experts in the bank; 0: one matrix)
     ("gate/up [4096, 4096], 6 rows by expert", "IQ2_XXS", 4096, 4096, 6, 64),
     ("down [4096, 2048], 6 rows by expert", "Q2_K", 4096, 2048, 6, 64),
 ]
-LAUNCHES = [dict(block_n=b, supers=s, warps=w) for b, s, w in itertools.product((4, 8, 16), (1, 2), (4, 8))]
+LAUNCHES = [{"block_n": b, "supers": s, "warps": w} for b, s, w in itertools.product((4, 8, 16), (1, 2), (4, 8))]
 L2_BYTES = 50 << 20
 
 
@@ -73,16 +73,17 @@ def main() -> None:
         for launch in LAUNCHES:
             gguf_matmul.BLOCKWISE[qtype] = launch
             try:
-                s = graph_time([lambda w=w: gguf_matmul.gemv(x, w, qtype, ids) for w in weights])
+                s = graph_time([lambda w=w, x=x, q=qtype, e=ids: gguf_matmul.gemv(x, w, q, e) for w in weights])
             except Exception as error:  # noqa: BLE001 - a launch that does not compile is reported and skipped
                 print(f"  {label} {launch}: failed: {type(error).__name__}: {str(error)[:120]}")
                 continue
             times[json.dumps(launch)] = s
             print(f"  {label} {launch}: {s * 1e6:.1f} us, {read / s / 1e9:.0f} GB/s")
-        plain = graph_time([lambda w=w: gguf_matmul.gemv(x, w, qtype, ids, blockwise=False) for w in weights])
+        plain = graph_time([lambda w=w, x=x, q=qtype, e=ids: gguf_matmul.gemv(x, w, q, e, blockwise=False)
+                            for w in weights])
         dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         dense_copies = [dense] + [dense.clone() for _ in range(max(1, -(-4 * L2_BYTES // dense.nbytes)) - 1)]
-        cublas = graph_time([lambda d=d: x @ d.T for d in dense_copies])
+        cublas = graph_time([lambda d=d, x=x: x @ d.T for d in dense_copies])
         dense_read = dense.nbytes * (rows if experts else 1)
         if experts:  # cuBLAS multiplies all rows by one matrix: the per-expert bytes are rows x that
             cublas *= rows

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("triton")
 pytest.importorskip("gguf")
 
-from ds4d.models.deepseek_v4.gguf_loader import (  # noqa: E402
+from ds4d.models.deepseek_v4.gguf_loader import (
     GGUFSet,
     GGUFWeightReader,
     gguf_native,
@@ -28,12 +28,12 @@ from ds4d.models.deepseek_v4.gguf_loader import (  # noqa: E402
     load_gguf_model,
     read_config,
 )
-from ds4d.models.deepseek_v4.model import DeepseekV4Model  # noqa: E402
-from ds4d.models.deepseek_v4.paths import ForwardPaths  # noqa: E402
-from ds4d.models.deepseek_v4.stored import GgufMatrices, GgufWeight  # noqa: E402
-from ds4d.models.deepseek_v4.weights import read_weights  # noqa: E402
-from tests.parity.make_gguf_v4_fixtures import OUT as FIXTURES  # noqa: E402
-from tests.unit.test_dsv4_model import Driver  # noqa: E402
+from ds4d.models.deepseek_v4.model import DeepseekV4Model
+from ds4d.models.deepseek_v4.paths import ForwardPaths
+from ds4d.models.deepseek_v4.stored import GgufMatrices, GgufWeight
+from ds4d.models.deepseek_v4.weights import read_weights
+from tests.parity.make_gguf_v4_fixtures import OUT as FIXTURES
+from tests.unit.test_dsv4_model import Driver
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -348,7 +348,6 @@ class WeightReader:
 
     def stored_bank(self, layer: int, device: torch.device | None) -> None:
         """None: this reader's experts are read one matrix at a time (``expert_stored``)."""
-        return None
 
     def index(self, name: str) -> torch.Tensor:
         """An integer table (``gate.tid2eid``) as int64."""

@@ -87,7 +87,6 @@ class RandomReader:
 
     def stored_bank(self, layer: int, device: torch.device | None) -> None:
         """None: this reader's experts are read one matrix at a time (``expert_stored``)."""
-        return None
 
     def expert_stored(self, layer: int, expert: int, which: str) -> tuple[str, torch.Tensor, torch.Tensor | None]:
         name = f"layers.{layer}.ffn.experts.{expert}.{which}.weight"
