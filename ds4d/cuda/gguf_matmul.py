@@ -33,7 +33,7 @@ TYPES = {"Q8_0": 0, "Q2_K": 1, "IQ2_XXS": 2, "Q4_K": 3, "Q6_K": 4, "Q5_K": 5, "Q
 
 BLOCKWISE = {"Q8_0": {"block_n": 16, "supers": 2, "warps": 4}, "Q2_K": {"block_n": 16, "supers": 2, "warps": 4},
              "IQ2_XXS": {"block_n": 8, "supers": 2, "warps": 4}}
-"""Types with a block-by-block GEMV (``gguf_gemv``) and its launch: weight rows per program, blocks of 256
+"""Types with block-by-block kernels (``gguf_blockwise``) and their GEMV's launch: weight rows per program, blocks of 256
 values per trip of its loop, warps (``tests/gpu/gguf_gemv_sweep.py`` times the candidates)."""
 
 MULTI_ROWS = 8
@@ -104,11 +104,11 @@ def _grid_codes(device: torch.device) -> torch.Tensor:
     key = ("codes", str(device))
     if key not in _state:
         grid = _tables(torch.device("cpu"), "IQ2_XXS")[0]
+        if not bool(torch.isin(grid, torch.tensor([8.0, 25.0, 43.0])).all()):
+            raise ValueError("the gguf package's IQ2_XXS grid holds values other than 8, 25 and 43")
         fields = torch.zeros_like(grid, dtype=torch.int32)
         for code, value in enumerate((8.0, 25.0, 43.0)):
             fields[grid == value] = code
-        if not bool(torch.isin(grid, torch.tensor([8.0, 25.0, 43.0])).all()):
-            raise ValueError("the gguf package's IQ2_XXS grid holds values other than 8, 25 and 43")
         codes = (fields << (2 * torch.arange(8, dtype=torch.int32))).sum(dim=1, dtype=torch.int32)
         _state[key] = codes.to(device)
     return _state[key]
@@ -162,7 +162,7 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor |
     """float32 ``[M, N]``: each row of ``x [M, K]`` times every weight row of ``raw`` (``N`` rows of
     ``K`` values in ``qtype`` blocks), summed in float32; with ``experts [M]`` (int), ``raw`` is a bank
     ``[E, N, row_bytes]`` and row ``m`` takes expert ``experts[m]``'s matrix.  The types of
-    :data:`BLOCKWISE` take a kernel of their own (``gguf_gemv``) unless ``blockwise`` is False."""
+    :data:`BLOCKWISE` take a kernel of their own (``gguf_blockwise``) unless ``blockwise`` is False."""
     cols = x.shape[-1]
     flat, row_bytes, expert_bytes = _bank(raw, qtype, cols)
     if (experts is None) != (raw.dim() == 2):
@@ -240,4 +240,3 @@ def expert_rows(x: torch.Tensor, raw: torch.Tensor, qtype: str, expert_of_row: t
     if offsets is None:
         return gemv(x, raw, qtype, expert_of_row).to(x.dtype)
     return tiles(x, raw, qtype, offsets).to(x.dtype)
-

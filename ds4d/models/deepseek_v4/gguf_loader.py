@@ -48,8 +48,8 @@ from ds4d.models.deepseek_v4.gguf_names import (
 )
 from ds4d.models.deepseek_v4.loader import CheckpointError, expected_tensors
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
-from ds4d.models.deepseek_v4.stored import GgufMatrices, GgufWeight
-from ds4d.models.deepseek_v4.weights import ExpertBank, read_weights
+from ds4d.models.deepseek_v4.stored import GgufWeight
+from ds4d.models.deepseek_v4.weights import ExpertBank, gguf_bank, read_weights
 from ds4d.models.gguf_file import SPLIT_NAME, GGUFFile, is_gguf_file, peek_string
 
 log = logging.getLogger(__name__)
@@ -237,24 +237,9 @@ class GGUFWeightReader:
         if not any(kept.values()):
             return None
         device = device or self.device
-        weights: dict[str, torch.Tensor] = {}
-        blocks: dict[str, GgufMatrices] = {}
-        for which, name in names.items():
-            if kept[which]:
-                weights[which] = self.files.raw(name).to(device)
-                blocks[which] = GgufMatrices(weights[which], kept[which], self.files.shape(name)[-1])
-            else:
-                weights[which] = self.files.tensor(name).to(device=device, dtype=self.dtype)
-        inter = weights["w1"].shape[1]
-        gate_up = torch.cat([weights["w1"], weights["w3"]], 1)
-        weights.update(w1=gate_up[:, :inter], w3=gate_up[:, inter:])
-        if kept["w1"]:
-            blocks.update(w1=GgufMatrices(weights["w1"], kept["w1"], blocks["w1"].cols),
-                          w3=GgufMatrices(weights["w3"], kept["w3"], blocks["w3"].cols))
-        native = (GgufMatrices(gate_up, kept["w1"], blocks["w1"].cols) if kept["w1"] else gate_up,
-                  blocks.get("w2", weights["w2"]))
-        return ExpertBank(kind="gguf", weights=weights, scales={}, dtype=self.dtype, block=self.block,
-                          gate_up=None if kept["w1"] else gate_up, native=native, gguf=blocks)
+        matrices = {which: self.files.raw(name).to(device) if kept[which]
+                    else self.files.tensor(name).to(device=device, dtype=self.dtype) for which, name in names.items()}
+        return gguf_bank(matrices, kept, self.dtype, self.block)
 
     def gguf_names(self) -> list[str]:
         """Every GGUF tensor the forward pass reads."""

@@ -30,8 +30,8 @@ import torch
 
 from ds4d.models.deepseek_v4.config import CSA_RATIO, DeepseekV4Config
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, quantize_fp8_block, quantize_mxfp4
-from ds4d.models.deepseek_v4.stored import Fp8Weight, GgufMatrices, GgufWeight
-from ds4d.models.deepseek_v4.weights import ExpertBank
+from ds4d.models.deepseek_v4.stored import Fp8Weight, GgufWeight
+from ds4d.models.deepseek_v4.weights import ExpertBank, gguf_bank
 
 FP8_IN_RELEASE = re.compile(r"\.(wq_a|wq_b|wkv|wo_b|shared_experts\.w[123])\.weight$")
 """The linears the release stores as FP8 (CHECKPOINT.md); wo_a and weights_proj are bf16 there."""
@@ -227,18 +227,11 @@ class RandomGgufReader(RandomReader):
         types = {which: _fitting(self.recipe[which], cols) for which, (_, cols) in shapes.items()}
         if None in types.values():
             return None  # RandomReader's experts, MXFP4
-        weights = {}
+        matrices = {}
         for which, (rows, cols) in shapes.items():
-            name = f"layers.{layer}.ffn.experts.{which}"
             for expert in range(experts):  # the shapes a checkpoint's experts would be issued as
                 self._issue(f"layers.{layer}.ffn.experts.{expert}.{which}.weight", torch.empty(rows, cols, device="meta"))
-            gen = self._generator(name)
-            weights[which] = torch.stack([random_gguf_blocks(rows, cols, types[which], gen, device)
-                                          for _ in range(experts)])
-        gate_up = torch.cat([weights["w1"], weights["w3"]], 1)
-        del weights["w1"], weights["w3"]
-        weights.update(w1=gate_up[:, :inter], w3=gate_up[:, inter:])
-        blocks = {which: GgufMatrices(weights[which], types[which], shapes[which][1]) for which in shapes}
-        native = (GgufMatrices(gate_up, types["w1"], hidden), blocks["w2"])
-        return ExpertBank(kind="gguf", weights=weights, scales={}, dtype=self.dtype, block=self.block,
-                          native=native, gguf=blocks)
+            gen = self._generator(f"layers.{layer}.ffn.experts.{which}")
+            matrices[which] = torch.stack([random_gguf_blocks(rows, cols, types[which], gen, device)
+                                           for _ in range(experts)])
+        return gguf_bank(matrices, types, self.dtype, self.block)

@@ -301,6 +301,21 @@ def _experts(
     return bank
 
 
+def gguf_bank(matrices: dict[str, torch.Tensor], types: dict[str, str | None], dtype: torch.dtype,
+              block: tuple[int, int]) -> ExpertBank:
+    """A ``gguf`` bank from each routed matrix stacked over experts (w1, w2, w3: ``[E, out, ...]``): its GGUF
+    blocks where ``types`` names a type, else its decoded values; gate and up (one type, or both None) are
+    stacked as one matrix, w1 over w3, and the per-matrix tensors become views of it."""
+    inter, hidden = matrices["w1"].shape[1], matrices["w2"].shape[1]
+    gate_up = torch.cat([matrices["w1"], matrices["w3"]], 1)
+    weights = {"w1": gate_up[:, :inter], "w2": matrices["w2"], "w3": gate_up[:, inter:]}
+    cols = {"w1": hidden, "w2": inter, "w3": hidden}
+    blocks = {which: GgufMatrices(weights[which], qtype, cols[which]) for which, qtype in types.items() if qtype}
+    native = (GgufMatrices(gate_up, types["w1"], hidden) if types["w1"] else gate_up, blocks.get("w2", weights["w2"]))
+    return ExpertBank(kind="gguf", weights=weights, scales={}, dtype=dtype, block=block,
+                      gate_up=None if types["w1"] else gate_up, native=native, gguf=blocks)
+
+
 def _keep_packed(bank: ExpertBank) -> None:
     """Restack an MXFP4 bank as (w1 over w3, w2) for the native kernels; the per-matrix dicts become views."""
     inter = bank.weights["w1"].shape[1]
