@@ -32,11 +32,16 @@ def _stream_options(cfg, fraction: float, args):
     from ds4d.cuda import moe_gemv
     from ds4d.models.deepseek_v4.offload import OffloadOptions
 
-    element = 17 / 32 if args.native else (2 if args.dtype == "bfloat16" else 4)
-    per_expert = int(3 * cfg.moe_intermediate_size * cfg.hidden_size * element)
+    if args.gguf:
+        from ds4d.models.deepseek_v4.random_init import gguf_expert_bytes
+
+        per_expert = gguf_expert_bytes(cfg, args.gguf)
+    else:
+        element = 17 / 32 if args.native else (2 if args.dtype == "bfloat16" else 4)
+        per_expert = int(3 * cfg.moe_intermediate_size * cfg.hidden_size * element)
     stage = 8
     experts = round(fraction * cfg.num_hidden_layers * cfg.n_routed_experts)
-    scratch = moe_gemv.MAX_ROWS if args.native else 0  # decode's gather scratch (an upper bound)
+    scratch = moe_gemv.MAX_ROWS if args.native and not args.gguf else 0  # decode's gather scratch (an upper bound)
     return OffloadOptions(vram_bytes=(2 * stage + scratch + experts) * per_expert + per_expert // 2, placement="static",
                           stage_experts=stage, cpu_threads=args.expert_cpu_threads, native=args.native)
 
@@ -57,7 +62,7 @@ def run_offload(args) -> int:
     t0 = time.perf_counter()
     options = _stream_options(bench_config(args), fractions[0], args) if stream else None
     cfg, reader, model, _, _ = build(torch, args, device, options)
-    floors = Floors(cfg, reader.issued, bandwidth, matmul, native=args.native)
+    floors = Floors(cfg, reader.issued, bandwidth, matmul, native=args.native, gguf=args.gguf)
     reader.issued.clear()
     say(f"built in {time.perf_counter() - t0:.1f} s: layers {list(cfg.compress_ratios)}"
          + (f"; experts placed as built: {model.expert_offload.expert_stats()['gpu_experts']} on the device"
@@ -194,7 +199,7 @@ def run_offload(args) -> int:
     say()
     say(f"# ds4d bench model --expert-gpu-fraction — random V4 ({cfg.hidden_size} wide, {cfg.n_routed_experts} "
          f"experts, {cfg.num_hidden_layers} layers {list(cfg.compress_ratios)}), {args.dtype}"
-         f"{', MXFP4 experts kept as stored on the device' if offload.native else ''}, "
+         f", routed experts held as {offload.form.label}, "
          f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, {time.strftime('%Y-%m-%d')}")
     say(f"# PCIe host->device {pcie / 1e9:.1f} GB/s (measured, one staging bank); HBM copy {bandwidth / 1e12:.2f} TB/s; "
          f"expert {offload.host_expert_bytes / 2**20:.1f} MiB; decode: {steps} tokens after 1K; prefill 2048 tokens"

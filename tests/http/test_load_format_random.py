@@ -65,20 +65,28 @@ def test_without_the_knob_the_missing_weights_stop_the_start(bare):
         (result.stderr + result.stdout).split())
 
 
-def test_a_daemon_serves_random_gguf_q2_blocks(tmp_path):
+@pytest.mark.parametrize("offload", [False, True], ids=["on-device", "experts-offloaded"])
+def test_a_daemon_serves_random_gguf_q2_blocks(tmp_path, offload):
     """``--load-format random-q2`` (DeepSeek-V4): the linears and routed experts in random GGUF blocks of the
-    ds4 q2 recipe, kept as stored where the kernels run (Triton's interpreter here)."""
+    ds4 q2 recipe, kept as stored where the kernels run (Triton's interpreter here); offloaded, every routed
+    expert in host RAM in its blocks, copied as stored for the steps that use it."""
     path = config_only(write_tiny_checkpoint(tmp_path / "ckpt", layers=[0, 4, 128], seed=2), tmp_path / "model")
+    more = ["--expert-vram-gib", "0.000001", "--expert-placement", "static"] if offload else []
     daemon = Daemon("--model", str(path), "--load-format", "random-q2", "--threads", "1", "--kv-cache-tokens", "512",
-                    "--max-num-seqs", "2", "--device", "cpu", "--dtype", "float32")
+                    "--max-num-seqs", "2", "--device", "cpu", "--dtype", "float32", *more)
     try:
         assert "load_format = random-q2: RANDOM WEIGHTS" in daemon.log
-        with urllib.request.urlopen(daemon.url + "/v1/ds4d/stats", timeout=30) as resp:
-            assert json.load(resp)["model"]["load_format"] == "random-q2"
         client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0, timeout=120)
         reply = client.chat.completions.create(model=client.models.list().data[0].id, max_tokens=4, temperature=0,
                                                messages=[{"role": "user", "content": "hi"}],
                                                extra_body={"ignore_eos": True})
         assert reply.usage.completion_tokens == 4
+        with urllib.request.urlopen(daemon.url + "/v1/ds4d/stats", timeout=30) as resp:
+            stats = json.load(resp)
+        assert stats["model"]["load_format"] == "random-q2"
+        if offload:
+            experts = stats["experts"]
+            assert experts["gpu_experts"] == 0 and experts["ram_experts"] == experts["host_experts"] > 0
+            assert experts["bytes_copied"] > 0 and experts["form"] == "gguf Q8_0/Q8_0"  # tiny widths: narrower than IQ2_XXS and Q2_K blocks
     finally:
         daemon.stop()

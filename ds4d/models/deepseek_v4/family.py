@@ -48,6 +48,7 @@ from ds4d.parallel.gpus import TORCHRUN, parse_gpus
 from ds4d.parallel.launch import TorchrunJob
 from ds4d.registry import PluginError
 
+
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", offload: OffloadOptions | None = None,
     weight_format: str = "auto", paths: ForwardPaths | None = None, load_format: str = "auto",
@@ -63,9 +64,6 @@ def load_model(
                              "not a GGUF file")
         return load_gguf_model(path, dtype=dtype, device=device, offload=offload, weight_format=weight_format,
                                paths=paths)
-    if load_format == "random-q2" and offload is not None:
-        raise ValueError("load_format random-q2: expert offload of GGUF blocks is not built yet; "
-                         "set expert_vram_gib to 0")
     cfg = DeepseekV4Config.from_file(path)
     native = native_weights(weight_format, dtype, device)
     if offload is not None and native:
@@ -76,7 +74,8 @@ def load_model(
     expert_device = "cpu" if experts is not None else None
     sink = experts.adopt if experts is not None else None
     if load_format == "random-q2":
-        weights = read_weights(RandomGgufReader(cfg, dtype=dtype, device=device, recipe="q2"))
+        reader = RandomGgufReader(cfg, dtype=dtype, device=device, recipe="q2")
+        weights = read_weights(reader, expert_device=expert_device, expert_sink=sink)
     elif load_format == "random":
         reader = RandomReader(cfg, dtype=dtype, device=device, native=native, keep_values=False)
         weights = read_weights(reader, expert_device=expert_device, expert_sink=sink)

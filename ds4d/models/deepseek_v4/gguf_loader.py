@@ -48,8 +48,9 @@ from ds4d.models.deepseek_v4.gguf_names import (
 )
 from ds4d.models.deepseek_v4.loader import CheckpointError, expected_tensors
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
+from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
 from ds4d.models.deepseek_v4.stored import GgufWeight
-from ds4d.models.deepseek_v4.weights import ExpertBank, gguf_bank, read_weights
+from ds4d.models.deepseek_v4.weights import ExpertBank, ModelWeights, gguf_bank, read_weights
 from ds4d.models.gguf_file import SPLIT_NAME, GGUFFile, is_gguf_file, peek_string
 
 log = logging.getLogger(__name__)
@@ -325,8 +326,9 @@ def gguf_native(weight_format: str, device: str) -> bool:
     return weight_format == "native" or (weight_format == "auto" and usable)
 
 
-def kept_summary(weights) -> str:
-    """Which linears and expert matrices stay in their GGUF blocks, by type, and how many are decoded."""
+def kept_summary(weights, offload: ExpertOffload | None = None) -> str:
+    """Which linears and expert matrices stay in their GGUF blocks, by type, and how many are decoded
+    (``offload``: the routed experts are its, in its form)."""
     kept: dict[str, int] = {}
     decoded = 0
     for layer in weights.layers:
@@ -338,10 +340,13 @@ def kept_summary(weights) -> str:
                 kept[linear.qtype] = kept.get(linear.qtype, 0) + 1
             else:
                 decoded += 1
-        blocks = ffn.experts.gguf or {}
+        blocks = {which: m.qtype for which, m in (ffn.experts.gguf or {}).items()}
+        if offload is not None and offload.form.kind == "gguf":
+            gate_up, down = offload.form.gguf
+            blocks = {which: qtype for which, qtype in (("w1", gate_up), ("w3", gate_up), ("w2", down)) if qtype}
         for which in EXPERT_TENSORS:
             if which in blocks:
-                name = f"{blocks[which].qtype} experts"
+                name = f"{blocks[which]} experts"
                 kept[name] = kept.get(name, 0) + 1
             else:
                 decoded += 1
@@ -349,23 +354,35 @@ def kept_summary(weights) -> str:
     return f"kept in GGUF blocks: {listed or 'nothing'}; decoded: {decoded} linears and expert matrices"
 
 
+def read_gguf_weights(reader: GGUFWeightReader, offload: OffloadOptions | None = None,
+                      ) -> tuple[ModelWeights, ExpertOffload | None]:
+    """The model's weights from ``reader``; with ``offload``, each layer's routed experts go, as the reader
+    hands them out (GGUF blocks, or decoded values), to an :class:`ExpertOffload` as they are read: the hot
+    ones to the device, the cold ones to host RAM."""
+    if offload is None:
+        return read_weights(reader), None
+    experts = ExpertOffload(None, reader.cfg, device=reader.device, dtype=reader.dtype, options=offload)
+    weights = read_weights(reader, expert_device="cpu", expert_sink=experts.adopt)
+    experts.finish()
+    return weights, experts
+
+
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-                    offload: Any = None, weight_format: str = "auto", paths: Any = None) -> DeepseekV4Model:
+                    offload: OffloadOptions | None = None, weight_format: str = "auto",
+                    paths: Any = None) -> DeepseekV4Model:
     """Load a DeepSeek-V4 GGUF file (or split set): with native weights (:func:`gguf_native`) the linears
     and routed experts of a type the kernels read stay in their blocks, everything else is decoded."""
     path = Path(path)
     native = gguf_native(weight_format, device)
-    if offload is not None:
-        raise ValueError(f"{path.name}: expert offload (expert_vram_gib > 0) is not supported for GGUF files yet")
     files = GGUFSet(path)
     try:
         cfg = read_config(files)
         reader = GGUFWeightReader(files, cfg, dtype=dtype, device=device, native=native)
         reader.check_complete()
-        weights = read_weights(reader)
+        weights, experts = read_gguf_weights(reader, offload)
         if native:
-            log.info("%s: %s", path.name, kept_summary(weights))
+            log.info("%s: %s", path.name, kept_summary(weights, experts))
         tokenizer = load_tokenizer(files)
     finally:
         files.close()
-    return DeepseekV4Model(cfg, weights, tokenizer, dtype=dtype, device=device, paths=paths)
+    return DeepseekV4Model(cfg, weights, tokenizer, dtype=dtype, device=device, expert_offload=experts, paths=paths)

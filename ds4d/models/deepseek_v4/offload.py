@@ -1,12 +1,12 @@
 """Routed experts split between device memory (hot) and pinned host RAM (cold).
 
-Cold routed experts keep their stored form (MXFP4 / FP8 bytes with scales, or
-model-dtype values) in host RAM slots (``ds4d.cuda.host_memory.HostSlots``:
+Cold routed experts keep their stored form (MXFP4 / FP8 bytes with scales, a
+GGUF file's blocks, or model-dtype values) in host RAM slots (``ds4d.cuda.host_memory.HostSlots``:
 anonymous memory, huge pages when the buddy allocator has them, page-locked in
 parallel).  The device holds a bank per layer for the experts the placement
 policy (``placement.py``) calls hot, plus two staging banks of
 ``stage_experts`` experts each.  When the device banks hold the stored form
-(native MXFP4, float experts) a hot expert has no host copy, so device and host
+(native MXFP4, GGUF blocks, float experts) a hot expert has no host copy, so device and host
 together hold each expert once; decoded banks keep every host copy.  The
 experts are adopted layer by layer as the checkpoint is read
 (:meth:`ExpertOffload.adopt`).  One MoE call (``offload_compute``) reads the
@@ -16,7 +16,10 @@ the used cold ones through the two staging banks on a copy stream (batch
 ``j + 1`` copying while batch ``j`` computes); quantised ones are decoded on the
 device after the copy, except with ``native`` MXFP4 banks, where hot banks and
 staging hold the stored bytes and the ``quant_matmul`` kernels read them as
-copied (a quarter of the bf16 bytes per device expert).  In decode steps, cold
+copied (a quarter of the bf16 bytes per device expert), and with GGUF blocks,
+which the ``gguf_matmul`` kernels read as copied.  Every layer's experts must
+share one form (GGUF: one type per matrix), since the host slots and staging
+banks are sized by the first layer's.  In decode steps, cold
 experts with at most ``cpu_max_rows`` tokens may run on host threads instead,
 when the copy bandwidth and the CPU expert time measured at start say that is
 cheaper (``decode_cold``: ``auto`` | ``cpu`` | ``copy``).
@@ -64,7 +67,7 @@ from ds4d.cuda.host_memory import (
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.moe import _swiglu, route, tally_routing
 from ds4d.models.deepseek_v4.offload_compute import StagedCompute
-from ds4d.models.deepseek_v4.offload_parts import DeviceBank, ExpertForm, staging_bank, stored_parts
+from ds4d.models.deepseek_v4.offload_parts import DeviceBank, ExpertForm, gguf_form, staging_bank, stored_parts
 from ds4d.models.deepseek_v4.offload_residency import ExpertResidency
 from ds4d.models.deepseek_v4.offload_stats import LayerStats, OffloadSizes, expert_report, memory_plan
 from ds4d.models.deepseek_v4.offload_zero_copy import ZeroCopyExperts
@@ -173,15 +176,16 @@ class ExpertOffload:
         options, cfg = self.options, self.cfg
         self.kind, self.block = bank.kind, bank.block
         self.native = options.native and self.kind == "mxfp4" and quant_matmul.available()
-        self.keeps_all = not (self.native or self.kind == "float")
-        """Every expert keeps its host copy, hot ones too: the device banks hold decoded values."""
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
         element = torch.empty(0, dtype=self.dtype).element_size()
         template = {name: t[0] for name, t in stored_parts(bank, self.native).items()}
         self.host_expert_bytes = sum(t.numel() * t.element_size() for t in template.values())
-        self.device_expert_bytes = self.host_expert_bytes if self.native else 3 * inter * hidden * element
         self.form = ExpertForm(self.kind, self.block, self.native, self.dtype, self.device, self.experts, inter,
-                               hidden, self.host_expert_bytes, options.pair_weighted)
+                               hidden, self.host_expert_bytes, options.pair_weighted,
+                               gguf_form(bank) if self.kind == "gguf" else (None, None))
+        self.keeps_all = self.form.decodes
+        """Every expert keeps its host copy, hot ones too: the device banks hold decoded values."""
+        self.device_expert_bytes = 3 * inter * hidden * element if self.form.decodes else self.host_expert_bytes
         slots = HostSlots(template, HostArena(), self.pinned)
         self.residency.hold(self.form, slots, self.keeps_all)
         self.zero_copy = self.native and (self.device.type == "cpu" or (
@@ -225,11 +229,28 @@ class ExpertOffload:
         if self.slots is None:
             self._setup(bank)
         stored = stored_parts(bank, self.native)
-        bank.weights, bank.scales, bank.gate_up, bank.native, bank._dense_cache = {}, {}, None, None, None
+        self._check_form(layer, bank, stored)
+        bank.weights, bank.scales, bank.gate_up, bank.native, bank.gguf, bank._dense_cache = ({}, {}, None, None,
+                                                                                              None, None)
         self.residency.adopt(layer, sorted(self._initial[layer]), stored)
         if self.zero_copy:
             self._write_table(layer)
         return bank
+
+    def _check_form(self, layer: int, bank: ExpertBank, stored: dict[str, torch.Tensor]) -> None:
+        """Every layer's experts must fit the host slots and banks the first layer set up: one kind, and
+        for GGUF experts one type per matrix (llama-quantize's mixes may change a layer's types)."""
+        def form(kind: str, gguf_types, parts) -> str:
+            types = f" ({', '.join(t or 'decoded' for t in gguf_types)})" if kind == "gguf" else ""
+            return kind + types + ": " + ", ".join(f"{n} {tuple(shape)} {dtype}".replace("torch.", "")
+                                                   for n, shape, dtype in parts)
+
+        want = form(self.form.kind, self.form.gguf, [(n, shape, dtype) for n, shape, dtype, _, _ in self.slots.layout])
+        got = form(bank.kind, gguf_form(bank) if bank.kind == "gguf" else (None, None),
+                   [(n, t.shape[1:], t.dtype) for n, t in stored.items()])
+        if got != want:
+            raise ValueError(f"expert offload keeps every layer's routed experts in one form: layer {layer}'s are "
+                             f"{got}, the first layer's {want}; serve this model with expert_vram_gib = 0")
 
     def finish(self) -> None:
         """After the last :meth:`adopt`: staging banks, the copy stream, and the bandwidths measured."""
@@ -323,7 +344,8 @@ class ExpertOffload:
     def expert_stats(self) -> dict:
         """Placement, traffic and hit rates (``offload_stats.expert_report``)."""
         sizes = OffloadSizes(self.host_expert_bytes, self.device_expert_bytes, self.staging_bytes, self.zero_copy,
-                             self.policy.mode, self.policy.replans, self.pcie_bytes_s, self.cpu_expert_s)
+                             self.policy.mode, self.policy.replans, self.pcie_bytes_s, self.cpu_expert_s,
+                             self.form.label)
         return expert_report(self.stats, self.residency, self.zero_copy_experts, sizes)
 
     def memory_plan(self) -> dict[str, dict[str, int]]:

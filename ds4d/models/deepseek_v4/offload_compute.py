@@ -215,8 +215,7 @@ class StagedCompute:
             self.copier.compute_waits(stage.ready)
             if form.decodes:  # decode after the copy (native: read as copied)
                 for slot in range(len(batch)):
-                    gate_up, down = decode_parts(form.kind, {n: t[slot] for n, t in stage.packed.items()},
-                                                 form.dtype, form.block)
+                    gate_up, down = decode_parts(form, {n: t[slot] for n, t in stage.packed.items()})
                     stage.gate_up[slot].copy_(gate_up)
                     stage.down[slot].copy_(down)
             n = sum(counts[e] for e in batch)
@@ -258,8 +257,7 @@ class StagedCompute:
         if new and self.form.decodes:
             for expert in new:
                 slot = self.pass_slot_of[expert]
-                gate_up, down = decode_parts(self.form.kind, {n: t[slot] for n, t in stage.packed.items()},
-                                             self.form.dtype, self.form.block)
+                gate_up, down = decode_parts(self.form, {n: t[slot] for n, t in stage.packed.items()})
                 stage.gate_up[slot].copy_(gate_up)
                 stage.down[slot].copy_(down)
         per_slot = [0] * len(self.pass_slot_of)
@@ -275,7 +273,7 @@ class StagedCompute:
                     pair_weights: torch.Tensor | None = None) -> torch.Tensor:
         """One expert (its stored parts in host memory) on ``rows``, on the host (``pair_weights``: the
         rows' routing weights, ``ExpertForm.pair_weighted``)."""
-        gate_up, down = decode_parts(self.form.kind, parts, self.form.dtype, self.form.block)
+        gate_up, down = decode_parts(self.form, parts)
         if rows.shape[0] == 1:  # as moe._grouped_linear: a lone bmm product rounds differently
             weights = None if pair_weights is None else pair_weights.expand(2)
             return self._cpu_expert(parts, rows.expand(2, -1), weights)[:1]

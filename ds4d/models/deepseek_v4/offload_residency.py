@@ -2,7 +2,7 @@
 
 :class:`ExpertResidency` keeps, per layer, the device bank of hot experts and
 the host slot of each expert with a host copy.  When the device banks hold the
-stored form (native MXFP4, float experts) a hot expert has no host copy, so
+stored form (native MXFP4, float and GGUF experts) a hot expert has no host copy, so
 device and host together hold each expert once; decoded banks keep every host
 copy (``keeps_all``).  A placement change (:meth:`ExpertResidency.set_placement`)
 builds each moved layer's new bank: experts that stay are copied on the device,
@@ -21,9 +21,9 @@ from ds4d.models.deepseek_v4.offload_parts import (
     DeviceBank,
     ExpertForm,
     bank_matrices,
+    bank_parts,
     copy_slot,
-    decode_parts,
-    fill_native,
+    fill_slot,
 )
 
 
@@ -72,12 +72,7 @@ class ExpertResidency:
                 copy_slot(down, slot, old.down, old.slot_of[expert])
                 continue
             parts = {n: t.to(form.device, non_blocking=True) for n, t in parts_of(expert).items()}
-            if form.native:
-                fill_native(gate_up, down, slot, parts)
-            else:
-                dense_gate_up, dense_down = decode_parts(form.kind, parts, form.dtype, form.block)
-                gate_up[slot].copy_(dense_gate_up)
-                down[slot].copy_(dense_down)
+            fill_slot(form, gate_up, down, slot, parts)
             self.placement_bytes += form.host_expert_bytes
         return DeviceBank(ids, slot_of, gate_up, down)
 
@@ -85,12 +80,7 @@ class ExpertResidency:
         """Copy a hot expert's device bytes (the stored form) into a free host slot."""
         slot, at = self.slots.take(), bank.slot_of[expert]
         host = self.slots.parts(slot)
-        if self.form.native:
-            sources = {"gu": bank.gate_up.packed, "sgu": bank.gate_up.scales, "w2": bank.down.packed,
-                       "s2": bank.down.scales}
-        else:
-            sources = {"gate_up": bank.gate_up, "w2": bank.down}
-        for name, source in sources.items():
+        for name, source in bank_parts(self.form, bank.gate_up, bank.down).items():
             host[name].copy_(source[at])
         self.host_slot[layer][expert] = slot
         self.demoted_bytes += self.form.host_expert_bytes

@@ -42,6 +42,8 @@ class OffloadSizes:
     replans: int
     pcie_bytes_s: float
     cpu_expert_s: float
+    form: str = ""
+    """How the experts are held (``ExpertForm.label``)."""
 
 
 def expert_report(stats: list[LayerStats], residency: ExpertResidency, zero_copy_experts: ZeroCopyExperts,
@@ -61,6 +63,7 @@ def expert_report(stats: list[LayerStats], residency: ExpertResidency, zero_copy
                    zero_copy_pairs=direct_pairs[index], host_read_pairs=host_reads[index])
         layers.append(row)
     return {
+        "form": sizes.form,
         "gpu_experts": gpu,
         "ram_experts": total - gpu,
         "placement": sizes.placement,

@@ -197,6 +197,20 @@ def _fitting(qtype: str, cols: int) -> str | None:
     return None
 
 
+def gguf_expert_bytes(cfg: DeepseekV4Config, recipe: str) -> int:
+    """One routed expert's bytes as :class:`RandomGgufReader` draws it: in ``recipe``'s blocks, or MXFP4 (17
+    bytes per 32 values) where a matrix is narrower than every block that could hold it."""
+    from ds4d.cuda import gguf_matmul
+
+    inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+    shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
+    types = {which: _fitting(GGUF_RECIPES[recipe][which], cols) for which, (_, cols) in shapes.items()}
+    if None in types.values():
+        return 3 * inter * hidden * 17 // 32
+    return sum(rows * cols // gguf_matmul.block_shape(types[which])[0] * gguf_matmul.block_shape(types[which])[1]
+               for which, (rows, cols) in shapes.items())
+
+
 class RandomGgufReader(RandomReader):
     """Random V4 weights with the linears and routed experts in GGUF blocks by a recipe
     (:data:`GGUF_RECIPES`), on the device, as a GGUF file's native model holds them: a benchmark of
@@ -232,6 +246,6 @@ class RandomGgufReader(RandomReader):
             for expert in range(experts):  # the shapes a checkpoint's experts would be issued as
                 self._issue(f"layers.{layer}.ffn.experts.{expert}.{which}.weight", torch.empty(rows, cols, device="meta"))
             gen = self._generator(f"layers.{layer}.ffn.experts.{which}")
-            matrices[which] = torch.stack([random_gguf_blocks(rows, cols, types[which], gen, device)
-                                           for _ in range(experts)])
+            matrices[which] = torch.stack([random_gguf_blocks(rows, cols, types[which], gen, self.device)
+                                           for _ in range(experts)]).to(device)  # drawn where the generator is
         return gguf_bank(matrices, types, self.dtype, self.block)

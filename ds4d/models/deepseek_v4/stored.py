@@ -86,11 +86,11 @@ class GgufMatrices:
     cols: int
 
 
-def gguf_values(raw: torch.Tensor, qtype: str, cols: int) -> torch.Tensor:
+def gguf_values(raw: torch.Tensor, qtype: str, cols: int, *, kernel: bool = True) -> torch.Tensor:
     """float32 ``[..., cols]``: the values of GGUF blocks ``raw [..., row_bytes]`` (the kernel where it
-    runs, else the ``gguf`` package's numpy dequantiser: the same bits)."""
+    runs, else, or with ``kernel`` False, the ``gguf`` package's numpy dequantiser: the same bits)."""
     flat = raw.reshape(-1, raw.shape[-1])
-    if gguf_matmul.available() and (flat.is_cuda or not torch.cuda.is_available()):
+    if kernel and gguf_matmul.available() and (flat.is_cuda or not torch.cuda.is_available()):
         values = gguf_matmul.dequantize(flat.contiguous(), qtype, cols)
     else:
         import gguf
