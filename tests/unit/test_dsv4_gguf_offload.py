@@ -190,11 +190,37 @@ def test_the_summary_counts_offloaded_experts_in_their_blocks():
     assert "6 Q6_K experts" in summary and "3 Q8_0 experts" in summary
 
 
-def test_layers_whose_expert_types_differ_are_refused_by_name():
-    """llama-quantize's Q4_K_M mix: layers 0 and 1 store the down projection as Q5_0 (decoded), layer 2 as
-    Q8_0 (kept): one host slot cannot hold both."""
-    with pytest.raises(ValueError, match=r"layer 2's are gguf \(Q4_K, Q8_0\).*first layer's gguf \(Q4_K, decoded\)"):
-        _load("quant-Q4_K_M.gguf", _options())
+def test_layers_whose_expert_types_differ_keep_host_slots_of_their_own():
+    """llama-quantize's Q4_K_M mix: layers 0 and 1 store the down projection as Q5_0 (held decoded), layer 2
+    as Q8_0 (kept in blocks).  Each form gets host slots and staging banks of its own size; the budget
+    counts the largest layer's experts; a placement move runs over both forms; the logits are the
+    on-device model's, bit for bit."""
+    name = "quant-Q4_K_M.gguf"
+    want = _run(_load(name))
+    probe = _load(name, _options())
+    sizes = probe.expert_offload.layer_expert_bytes
+    assert sizes[0] == sizes[1] != sizes[2]
+    assert probe.expert_offload.device_expert_bytes == max(sizes)
+    assert probe.expert_offload.expert_stats()["form"] == "gguf Q4_K/decoded (layers 0, 1); gguf Q4_K/Q8_0 (layers 2)"
+    model = _load(name, _options(2 * max(sizes) + probe.expert_offload.staging_bytes, decode_cold="copy",
+                                 placement="static"))
+    offload = model.expert_offload
+    pools = offload.residency.pools
+    assert len(pools) == 2 and len(offload.staged.staging) == 2
+    assert {form.host_expert_bytes for form in pools} == set(sizes)
+    assert all(slots.slot_bytes >= form.host_expert_bytes for form, slots in pools.items())
+    layers, experts = model.cfg.num_hidden_layers, model.cfg.n_routed_experts
+    assert sum(map(len, offload.hot_experts())) == 2
+
+    def move(step: int) -> None:
+        offload.set_placement([[(step + layer) % experts] if layer != 1 else [] for layer in range(layers)])
+
+    _assert_equal(_run(model, move), want)
+    assert offload.demoted_bytes > 0
+    assert offload.host_experts() == layers * experts - 2
+    plan = offload.memory_plan()
+    assert plan["routed experts (host RAM, pinned)"]["ram_bytes"] == sum(slots.bytes for slots in pools.values())
+    assert plan["routed experts (device banks)"]["vram_bytes"] == sizes[0] + sizes[2]
 
 
 def test_a_file_decoded_on_the_cpu_offloads_its_float_experts():

@@ -227,20 +227,41 @@ class GGUFWeightReader:
         raw = self.files.raw(gguf_tensor).to(self.device)
         return GgufWeight(raw, qtype, self.files.shape(gguf_tensor)[-1], self.dtype)
 
+    def _kept_experts(self, layer: int) -> tuple[dict[str, str], dict[str, str | None]]:
+        """(GGUF name, type kept in blocks or None) of ``layer``'s routed matrices w1, w2, w3: with native
+        weights, the types a kernel reads, gate and up only when they share one (they are stacked)."""
+        names = {which: expert_gguf_name(layer, which) for which in EXPERT_TENSORS}
+        kept = {which: self._kept(name) if self.native else None for which, name in names.items()}
+        if kept["w1"] != kept["w3"]:
+            kept["w1"] = kept["w3"] = None
+        return names, kept
+
     def stored_bank(self, layer: int, device: torch.device | None) -> ExpertBank | None:
         """Layer ``layer``'s routed experts with each matrix a kernel reads kept in its blocks (gate and up
         only when they share a type: they are stacked as one bank), the others decoded; None when no
         matrix is kept."""
-        names = {which: expert_gguf_name(layer, which) for which in EXPERT_TENSORS}
-        kept = {which: self._kept(name) for which, name in names.items()}
-        if kept["w1"] != kept["w3"]:
-            kept["w1"] = kept["w3"] = None
+        names, kept = self._kept_experts(layer)
         if not any(kept.values()):
             return None
         device = device or self.device
         matrices = {which: self.files.raw(name).to(device) if kept[which]
                     else self.files.tensor(name).to(device=device, dtype=self.dtype) for which, name in names.items()}
         return gguf_bank(matrices, kept, self.dtype, self.block)
+
+    def expert_bytes(self, layer: int) -> int:
+        """One routed expert of ``layer`` as :meth:`stored_bank` (or, without native weights, the decoding)
+        holds it: its blocks' bytes for a kept matrix, its values in the model dtype for a decoded one."""
+        element = torch.empty(0, dtype=self.dtype).element_size()
+        names, kept = self._kept_experts(layer)
+        total = 0
+        for which, name in names.items():
+            _, rows, cols = self.files.shape(name)
+            if kept[which]:
+                values, nbytes = gguf_matmul.block_shape(kept[which])
+                total += rows * cols // values * nbytes
+            else:
+                total += rows * cols * element
+        return total
 
     def gguf_names(self) -> list[str]:
         """Every GGUF tensor the forward pass reads."""
@@ -361,7 +382,9 @@ def read_gguf_weights(reader: GGUFWeightReader, offload: OffloadOptions | None =
     ones to the device, the cold ones to host RAM."""
     if offload is None:
         return read_weights(reader), None
-    experts = ExpertOffload(None, reader.cfg, device=reader.device, dtype=reader.dtype, options=offload)
+    sizes = [reader.expert_bytes(layer) for layer in range(reader.cfg.num_hidden_layers)]
+    experts = ExpertOffload(None, reader.cfg, device=reader.device, dtype=reader.dtype, options=offload,
+                            layer_expert_bytes=sizes)
     weights = read_weights(reader, expert_device="cpu", expert_sink=experts.adopt)
     experts.finish()
     return weights, experts

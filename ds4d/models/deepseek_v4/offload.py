@@ -17,9 +17,9 @@ the used cold ones through the two staging banks on a copy stream (batch
 device after the copy, except with ``native`` MXFP4 banks, where hot banks and
 staging hold the stored bytes and the ``quant_matmul`` kernels read them as
 copied (a quarter of the bf16 bytes per device expert), and with GGUF blocks,
-which the ``gguf_matmul`` kernels read as copied.  Every layer's experts must
-share one form (GGUF: one type per matrix), since the host slots and staging
-banks are sized by the first layer's.  In decode steps, cold
+which the ``gguf_matmul`` kernels read as copied.  A GGUF file's layers may hold
+their experts in different forms (llama-quantize's mixes change a matrix's type
+from layer to layer): each form has host slots and staging banks of its own.  In decode steps, cold
 experts with at most ``cpu_max_rows`` tokens may run on host threads instead,
 when the copy bandwidth and the CPU expert time measured at start say that is
 cheaper (``decode_cold``: ``auto`` | ``cpu`` | ``copy``).
@@ -67,7 +67,7 @@ from ds4d.cuda.host_memory import (
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.moe import _swiglu, route, tally_routing
 from ds4d.models.deepseek_v4.offload_compute import StagedCompute
-from ds4d.models.deepseek_v4.offload_parts import DeviceBank, ExpertForm, gguf_form, staging_bank, stored_parts
+from ds4d.models.deepseek_v4.offload_parts import DeviceBank, ExpertForm, gguf_form, stored_parts
 from ds4d.models.deepseek_v4.offload_residency import ExpertResidency
 from ds4d.models.deepseek_v4.offload_stats import LayerStats, OffloadSizes, expert_report, memory_plan
 from ds4d.models.deepseek_v4.offload_zero_copy import ZeroCopyExperts
@@ -110,7 +110,7 @@ class ExpertOffload:
     by layer while the checkpoint is read: ``ExpertOffload(None, cfg, ...)``,
     then :meth:`adopt` per layer (``read_weights(expert_sink=...)``) and
     :meth:`finish`, so neither the device nor the host ever holds every expert
-    at once.  When the device banks keep the stored form (``native`` MXFP4, or
+    at once.  When the device banks keep the stored form (``native`` MXFP4, GGUF blocks or
     ``float`` experts) the host keeps only the cold experts: promoting one frees
     its host slot, demoting one copies the device bytes back into a free slot.
     Banks of decoded values cannot give the stored bytes back, so with those
@@ -118,9 +118,13 @@ class ExpertOffload:
 
     def __init__(
         self, weights: ModelWeights | None, cfg: DeepseekV4Config, *, device: str | torch.device, dtype: torch.dtype,
-        options: OffloadOptions, mem_available=mem_available_bytes,
+        options: OffloadOptions, mem_available=mem_available_bytes, layer_expert_bytes: list[int] | None = None,
     ) -> None:
         self.cfg, self.options, self.dtype = cfg, options, dtype
+        self.layer_expert_bytes = layer_expert_bytes
+        """Each layer's bytes per routed expert as stored, where the reader knows them before the
+        experts are read (a GGUF file's types may change from layer to layer): the budget then counts
+        the largest; None: every layer as the first."""
         self.device = torch.device(device)
         if options.decode_cold not in DECODE_COLD:
             raise ValueError(f"decode_cold {options.decode_cold!r}: use one of {', '.join(DECODE_COLD)}")
@@ -171,23 +175,34 @@ class ExpertOffload:
 
     # ------------------------------------------------------------------ setup
 
-    def _setup(self, bank: ExpertBank) -> None:
-        """Sizes, placement policy and the host slots, from the first layer's stored experts."""
+    def _form_of(self, bank: ExpertBank) -> tuple[ExpertForm, dict[str, torch.Tensor]]:
+        """A layer's form and its experts' stored parts (stacked over experts)."""
+        cfg = self.cfg
+        native = self.options.native and bank.kind == "mxfp4" and quant_matmul.available()
+        stored = stored_parts(bank, native)
+        host_bytes = sum(t[0].numel() * t.element_size() for t in stored.values())
+        form = ExpertForm(bank.kind, bank.block, native, self.dtype, self.device, self.experts,
+                          cfg.moe_intermediate_size, cfg.hidden_size, host_bytes, self.options.pair_weighted,
+                          gguf_form(bank) if bank.kind == "gguf" else (None, None))
+        return form, stored
+
+    def _setup(self, form: ExpertForm, stored: dict[str, torch.Tensor]) -> None:
+        """Sizes, placement policy and the first form's host slots, from the first layer's experts (and,
+        where the reader knows them ahead, every layer's bytes per expert: ``layer_expert_bytes``)."""
         options, cfg = self.options, self.cfg
-        self.kind, self.block = bank.kind, bank.block
-        self.native = options.native and self.kind == "mxfp4" and quant_matmul.available()
+        self.form, self.kind, self.block, self.native = form, form.kind, form.block, form.native
+        self.keeps_all = form.decodes
+        """Every expert keeps its host copy, hot ones too: the device banks hold decoded values."""
         inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
         element = torch.empty(0, dtype=self.dtype).element_size()
-        template = {name: t[0] for name, t in stored_parts(bank, self.native).items()}
-        self.host_expert_bytes = sum(t.numel() * t.element_size() for t in template.values())
-        self.form = ExpertForm(self.kind, self.block, self.native, self.dtype, self.device, self.experts, inter,
-                               hidden, self.host_expert_bytes, options.pair_weighted,
-                               gguf_form(bank) if self.kind == "gguf" else (None, None))
-        self.keeps_all = self.form.decodes
-        """Every expert keeps its host copy, hot ones too: the device banks hold decoded values."""
-        self.device_expert_bytes = 3 * inter * hidden * element if self.form.decodes else self.host_expert_bytes
-        slots = HostSlots(template, HostArena(), self.pinned)
-        self.residency.hold(self.form, slots, self.keeps_all)
+        self.host_expert_bytes = form.host_expert_bytes
+        """The first layer's bytes per expert as stored (every layer's, unless a GGUF file's types differ)."""
+        hints = self.layer_expert_bytes or [form.host_expert_bytes] * self.layers
+        dense = 3 * inter * hidden * element
+        self.device_expert_bytes = dense if form.decodes else max(hints)
+        """Device bytes per expert in the budget: the largest layer's."""
+        slots = HostSlots({name: t[0] for name, t in stored.items()}, HostArena(), self.pinned)
+        self.residency.hold(form, slots)
         self.zero_copy = self.native and (self.device.type == "cpu" or (
             self.pinned.enabled and host_pointers_usable(self.device)))
         """Decode steps of up to ``moe_gemv.MAX_ROWS`` (token, expert) rows read cold experts straight
@@ -196,8 +211,8 @@ class ExpertOffload:
         self.gather = self.zero_copy and options.gather_cold
         """Zero-copy decode first copies its rows' cold experts into device scratch with one kernel."""
         stage_n = max(1, options.stage_experts)
-        quantised_stage = self.host_expert_bytes if self.form.decodes else 0
-        self.staging_bytes = 2 * stage_n * (self.device_expert_bytes + quantised_stage)
+        self.staging_bytes = sum(2 * stage_n * ((dense + size) if form.decodes else size) for size in set(hints))
+        """Two staging banks per form (forms told apart by their bytes per expert, where known ahead)."""
         if self.gather:
             self.staging_bytes += moe_gemv.MAX_ROWS * slots.slot_bytes
         total = self.layers * self.experts
@@ -211,8 +226,9 @@ class ExpertOffload:
         self.policy = PlacementPolicy(self.layers, self.experts, capacity, mode=options.placement,
                                       replan_tokens=options.replan_tokens, calibration=calibration)
         self._initial = self.policy.initial()
+        average = sum(hints) / len(hints)
         host_count = total if self.keeps_all else total - capacity + stage_n  # a spare bank for moves
-        new_bytes = host_count * slots.slot_bytes
+        new_bytes = int(host_count * average)
         available = self._mem_available()
         if options.mem_watermark_bytes and available and available - new_bytes < options.mem_watermark_bytes:
             raise MemoryError(
@@ -220,51 +236,54 @@ class ExpertOffload:
                 f"{(available - new_bytes) / 2**30:.1f} GiB, under the {options.mem_watermark_bytes / 2**30:.1f} GiB "
                 "watermark: raise expert_vram_gib or lower mem_watermark_gib")
         slots.arena.huge_pages = huge_pages_fit(new_bytes)
-        slots.grow(host_count)
+        like_first = sum(size == form.host_expert_bytes for size in hints)
+        if like_first == self.layers:  # one chunk for every layer's host slots
+            slots.grow(host_count)
+        # otherwise each form's slots grow by a chunk per layer as the layers are adopted
 
     def adopt(self, layer: int, bank: ExpertBank) -> ExpertBank:
         """Take over ``layer``'s stored experts (on any device): the hot ones into a device bank, the
         cold ones (every one with ``keeps_all``) into host slots.  ``bank`` is emptied (its tensors can
         go) and returned, so this is ``read_weights``' ``expert_sink``."""
+        form, stored = self._form_of(bank)
         if self.slots is None:
-            self._setup(bank)
-        stored = stored_parts(bank, self.native)
-        self._check_form(layer, bank, stored)
+            self._setup(form, stored)
+        elif form not in self.residency.pools:  # a GGUF file whose types change from layer to layer
+            if self.zero_copy:
+                raise ValueError(f"layer {layer}'s routed experts ({form.label}) differ from the first layer's "
+                                 f"({self.form.label}), which zero-copy decode reads as one form")
+            arena = HostArena(huge_pages=self.slots.arena.huge_pages)
+            self.residency.hold(form, HostSlots({name: t[0] for name, t in stored.items()}, arena, self.pinned))
         bank.weights, bank.scales, bank.gate_up, bank.native, bank.gguf, bank._dense_cache = ({}, {}, None, None,
                                                                                               None, None)
-        self.residency.adopt(layer, sorted(self._initial[layer]), stored)
+        self.residency.adopt(layer, form, sorted(self._initial[layer]), stored)
         if self.zero_copy:
             self._write_table(layer)
         return bank
-
-    def _check_form(self, layer: int, bank: ExpertBank, stored: dict[str, torch.Tensor]) -> None:
-        """Every layer's experts must fit the host slots and banks the first layer set up: one kind, and
-        for GGUF experts one type per matrix (llama-quantize's mixes may change a layer's types)."""
-        def form(kind: str, gguf_types, parts) -> str:
-            types = f" ({', '.join(t or 'decoded' for t in gguf_types)})" if kind == "gguf" else ""
-            return kind + types + ": " + ", ".join(f"{n} {tuple(shape)} {dtype}".replace("torch.", "")
-                                                   for n, shape, dtype in parts)
-
-        want = form(self.form.kind, self.form.gguf, [(n, shape, dtype) for n, shape, dtype, _, _ in self.slots.layout])
-        got = form(bank.kind, gguf_form(bank) if bank.kind == "gguf" else (None, None),
-                   [(n, t.shape[1:], t.dtype) for n, t in stored.items()])
-        if got != want:
-            raise ValueError(f"expert offload keeps every layer's routed experts in one form: layer {layer}'s are "
-                             f"{got}, the first layer's {want}; serve this model with expert_vram_gib = 0")
 
     def finish(self) -> None:
         """After the last :meth:`adopt`: staging banks, the copy stream, and the bandwidths measured."""
         missing = [layer for layer, bank in enumerate(self.banks) if bank is None]
         if missing:
             raise ValueError(f"expert offload: layers {missing} were never adopted")
-        stages = [staging_bank(self.form, self.slots.layout, max(1, self.options.stage_experts)) for _ in range(2)]
         if self.gather:  # scratch for gathered cold experts, one slot per decode row
             self.zero_copy_experts.prepare_gather(self.slots)
         options = self.options
-        self.staged = StagedCompute(self.cfg, self.form, self.residency, self.stats, self.policy, stages,
+        self.staged = StagedCompute(self.cfg, self.residency, self.stats, self.policy, options.stage_experts,
                                     decode_cold=options.decode_cold, cpu_max_rows=options.cpu_max_rows,
                                     cpu_threads=options.cpu_threads)
+        for form in self.residency.pools:  # every form's staging banks now, inside the plan
+            self.staged.stages_of(form)
         self.staged.measure()
+
+    @property
+    def forms_label(self) -> str:
+        """The layers' forms: ``ExpertForm.label``, with the layers of each where they differ."""
+        forms = self.residency.forms
+        if len(set(forms)) == 1:
+            return forms[0].label
+        return "; ".join(f"{form.label} (layers {', '.join(str(i) for i, f in enumerate(forms) if f == form)})"
+                         for form in dict.fromkeys(forms))
 
     def _write_table(self, layer: int) -> None:
         """The zero-copy address table of ``layer`` for its current bank and host slots."""
@@ -279,7 +298,7 @@ class ExpertOffload:
     @property
     def stored_bytes(self) -> int:
         """Every routed expert once, as stored (what the emptied banks no longer count)."""
-        return self.layers * self.experts * self.host_expert_bytes
+        return self.residency.stored_bytes()
 
     def host_experts(self) -> int:
         """Experts with a copy in host RAM (each holds one slot)."""
@@ -345,11 +364,11 @@ class ExpertOffload:
         """Placement, traffic and hit rates (``offload_stats.expert_report``)."""
         sizes = OffloadSizes(self.host_expert_bytes, self.device_expert_bytes, self.staging_bytes, self.zero_copy,
                              self.policy.mode, self.policy.replans, self.pcie_bytes_s, self.cpu_expert_s,
-                             self.form.label)
+                             self.forms_label)
         return expert_report(self.stats, self.residency, self.zero_copy_experts, sizes)
 
     def memory_plan(self) -> dict[str, dict[str, int]]:
-        return memory_plan(self.residency, self.pinned, self.device_expert_bytes, self.staging_bytes,
+        return memory_plan(self.residency, self.pinned, self.staging_bytes,
                            self.staged.pass_bytes if self.staged is not None else 0)
 
     def log_memory_plan(self, log, dense_bytes: int) -> None:

@@ -7,7 +7,7 @@
 2. experts with zero tokens cost nothing: a cold one is never copied (counted
    as a skipped transfer);
 3. hot experts run as one grouped matmul over the device bank;
-4. used cold experts stream through the two staging banks on a copy stream,
+4. used cold experts stream through the two staging banks of the layer's form on a copy stream,
    batch ``j + 1`` copying while batch ``j`` computes; quantised ones are
    decoded on the device after the copy, except with ``native`` MXFP4, where
    staging holds the stored bytes and the ``quant_matmul`` kernels read them as
@@ -49,40 +49,59 @@ class StagedCompute:
     """Hot experts from the device banks, used cold ones through the staging banks or on host threads."""
 
     def __init__(
-        self, cfg: DeepseekV4Config, form: ExpertForm, residency: ExpertResidency, stats: list[LayerStats],
-        policy: PlacementPolicy, stages: list[StagingBank], *, decode_cold: str, cpu_max_rows: int, cpu_threads: int,
+        self, cfg: DeepseekV4Config, residency: ExpertResidency, stats: list[LayerStats], policy: PlacementPolicy,
+        stage_experts: int, *, decode_cold: str, cpu_max_rows: int, cpu_threads: int,
     ) -> None:
-        self.cfg, self.form = cfg, form
-        self.residency, self.stats, self.policy, self.stages = residency, stats, policy, stages
+        self.cfg, self.form = cfg, residency.forms[0]
+        self.residency, self.stats, self.policy = residency, stats, policy
+        self.stage_experts = max(1, stage_experts)
+        self.staging: dict[ExpertForm, list[StagingBank]] = {}
+        """Two staging banks per form (:meth:`stages_of`)."""
+        self.stages = self.stages_of(self.form)
+        """The first layer's form's staging banks."""
         # when cold experts of a decode step run on host threads (``OffloadOptions``)
         self.decode_cold, self.cpu_max_rows, self.cpu_threads = decode_cold, cpu_max_rows, cpu_threads
-        self.copier = CopyStream(form.device)
+        self.copier = CopyStream(self.form.device)
         self.pool = ThreadPoolExecutor(max(1, cpu_threads), thread_name_prefix="ds4d-expert")
         self.pcie_bytes_s = 0.0
         """Host -> device copy bandwidth for staged experts (set by :meth:`measure`)."""
         self.cpu_expert_s = 0.0
         """Seconds for one expert on one row on the host (set by :meth:`measure`)."""
+        self.pass_banks: dict[ExpertForm, StagingBank] = {}
+        """Per form, room for one layer's cold experts while its blocks run (made at the first
+        :meth:`begin_pass` of a layer of that form)."""
         self.pass_bank: StagingBank | None = None
-        """Room for one layer's cold experts while its blocks run (made at the first :meth:`begin_pass`)."""
+        """The pass bank of the layer in a pass."""
         self.pass_layer: int | None = None
         self.pass_slot_of: dict[int, int] = {}
         """Cold experts of ``pass_layer`` in the pass bank, and their slots there."""
 
+    def stages_of(self, form: ExpertForm) -> list[StagingBank]:
+        """The two staging banks of ``form`` (made when a layer of that form first needs them)."""
+        if form not in self.staging:
+            layout = self.residency.pools[form].layout
+            self.staging[form] = [staging_bank(form, layout, self.stage_experts) for _ in range(2)]
+        return self.staging[form]
+
     @property
     def pass_bytes(self) -> int:
-        """Device bytes of the pass bank (0 until a layer-by-layer prefill made it)."""
-        if self.pass_bank is None:
-            return 0
-        tensors = list(self.pass_bank.packed.values())
-        if self.form.decodes:
-            tensors += [self.pass_bank.gate_up, self.pass_bank.down]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        """Device bytes of the pass banks (0 until a layer-by-layer prefill made one)."""
+        total = 0
+        for form, bank in self.pass_banks.items():
+            tensors = list(bank.packed.values())
+            if form.decodes:
+                tensors += [bank.gate_up, bank.down]
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
 
     def begin_pass(self, layer: int) -> None:
         """The next calls of ``layer`` are blocks of one step: copied cold experts stay for the next block."""
-        if self.pass_bank is None:
-            most = max(self.form.experts - len(bank.ids) for bank in self.residency.banks)
-            self.pass_bank = staging_bank(self.form, self.residency.slots.layout, max(1, most))
+        form = self.residency.forms[layer]
+        if form not in self.pass_banks:
+            most = max(form.experts - len(bank.ids) for bank, other in zip(self.residency.banks, self.residency.forms)
+                       if other == form)
+            self.pass_banks[form] = staging_bank(form, self.residency.pools[form].layout, max(1, most))
+        self.pass_bank = self.pass_banks[form]
         self.pass_layer, self.pass_slot_of = layer, {}
 
     def end_pass(self) -> None:
@@ -90,9 +109,12 @@ class StagedCompute:
 
     def measure(self) -> None:
         """Time a host -> device copy of a staging bank and one expert on one row on the host."""
-        stage, slots = self.stages[0], self.residency.slots
-        # any slots will do for timing; they are all in the first chunk until a placement change grows it
-        sources = [slots.parts((0, row)) for row in range(min(bank_slots(stage.gate_up), slots.slots))]
+        stage, slots = self.stages[0], self.residency.pools[self.form]
+        # any slots of the first chunk will do for timing
+        rows = next(iter(slots.chunks[0].values())).shape[0] if slots.chunks else 0
+        sources = [slots.parts((0, row)) for row in range(min(bank_slots(stage.gate_up), rows))]
+        if not sources:  # no expert of the first form is cold
+            return
         seconds = []
         for _ in range(4):  # a whole staging bank per copy; the first one warms up
             began = time.perf_counter()
@@ -101,34 +123,36 @@ class StagedCompute:
             seconds.append(time.perf_counter() - began)
         self.pcie_bytes_s = len(sources) * self.form.host_expert_bytes / max(sorted(seconds[1:])[1], 1e-9)
         rows = torch.randn(1, self.cfg.hidden_size, dtype=self.form.dtype)
-        self._cpu_expert(sources[0], rows)
+        self._cpu_expert(self.form, sources[0], rows)
         began = time.perf_counter()
         for _ in range(3):
-            self._cpu_expert(sources[0], rows)
+            self._cpu_expert(self.form, sources[0], rows)
         self.cpu_expert_s = (time.perf_counter() - began) / 3
 
-    def split_cold(self, cold: list[int], counts: list[int], decode: bool) -> tuple[list[int], list[int]]:
-        """(experts for the host, experts to copy)."""
+    def split_cold(self, form: ExpertForm, cold: list[int], counts: list[int], decode: bool,
+                   ) -> tuple[list[int], list[int]]:
+        """(experts for the host, experts to copy) of a layer of ``form``."""
         mode = self.decode_cold
         if not decode or mode == "copy" or not cold:
             return [], cold
         eligible = [e for e in cold if counts[e] <= self.cpu_max_rows]
         if mode == "auto" and eligible:
             cpu_s = math.ceil(len(eligible) / self.cpu_threads) * self.cpu_expert_s
-            if cpu_s >= len(eligible) * self.form.host_expert_bytes / self.pcie_bytes_s:
+            if cpu_s >= len(eligible) * form.host_expert_bytes / self.pcie_bytes_s:
                 return [], cold
         return eligible, [e for e in cold if e not in eligible]
 
     def routed(self, layer, x, expert_weights, indices, limit, decode) -> torch.Tensor:
         """The routed experts' weighted output of one layer for routing already done."""
         tokens, k = indices.shape
-        experts = self.form.experts
+        form = self.residency.forms[layer]
+        experts = form.experts
         flat = indices.reshape(-1)
         counts = torch.bincount(flat, minlength=experts).tolist()
         self.policy.observe(layer, counts)
         bank, stats = self.residency.banks[layer], self.stats[layer]
         cold = [e for e in range(experts) if counts[e] and bank.slot_of[e] < 0]
-        on_host, copied = self.split_cold(cold, counts, decode)
+        on_host, copied = self.split_cold(form, cold, counts, decode)
         held = None if decode else self._pass_slots(layer, copied)
         key = list(bank.slot_of)
         base = len(bank.ids)
@@ -142,10 +166,10 @@ class StagedCompute:
         stats.hot_pairs += hot_rows
         skipped = experts - len(bank.ids) - len(cold)
         stats.skipped_transfers += skipped
-        stats.bytes_skipped += skipped * self.form.host_expert_bytes
+        stats.bytes_skipped += skipped * form.host_expert_bytes
 
         begin = hot_rows + sum(counts[e] for e in copied)
-        weighted = self.form.pair_weighted
+        weighted = form.pair_weighted
         pair_weights = expert_weights.reshape(-1)[order].float() if weighted else None
 
         def weights_of(at: int, end: int | None) -> torch.Tensor | None:
@@ -197,21 +221,22 @@ class StagedCompute:
         stage.experts = experts
         stats = self.stats[layer]
         stats.copied_experts += len(experts)
-        stats.bytes_copied += len(experts) * self.form.host_expert_bytes
+        stats.bytes_copied += len(experts) * self.residency.forms[layer].host_expert_bytes
 
     def _staged(self, layer, copied, counts, rows, slots, limit, step_rows, pair_weights=None) -> list[torch.Tensor]:
         """Cold experts through the double-buffered staging banks, copy of batch j + 1 under compute of j
         (``pair_weights``: the rows' routing weights, ``ExpertForm.pair_weighted``)."""
-        form = self.form
-        size = bank_slots(self.stages[0].gate_up)
+        form = self.residency.forms[layer]
+        stages = self.stages_of(form)
+        size = bank_slots(stages[0].gate_up)
         batches = [copied[at : at + size] for at in range(0, len(copied), size)]
         out, row = [], 0
         if batches:
-            self._issue_experts(layer, batches[0], self.stages[0])
+            self._issue_experts(layer, batches[0], stages[0])
         for index, batch in enumerate(batches):
             if index + 1 < len(batches):
-                self._issue_experts(layer, batches[index + 1], self.stages[(index + 1) % 2])
-            stage = self.stages[index % 2]
+                self._issue_experts(layer, batches[index + 1], stages[(index + 1) % 2])
+            stage = stages[index % 2]
             self.copier.compute_waits(stage.ready)
             if form.decodes:  # decode after the copy (native: read as copied)
                 for slot in range(len(batch)):
@@ -243,7 +268,7 @@ class StagedCompute:
     def _held(self, layer, copied, new, counts, rows, slots, limit, step_rows, pair_weights=None) -> list[torch.Tensor]:
         """Cold experts from the pass bank: ``new`` ones copied there first (the rows of ``copied`` come
         sorted by pass-bank slot)."""
-        stage = self.pass_bank
+        stage, form = self.pass_bank, self.residency.forms[layer]
         if new:
             self.copier.wait(stage.free)  # the blocks before may still read the bank
             for expert in new:
@@ -252,12 +277,12 @@ class StagedCompute:
             stage.ready = self.copier.record()
             stats = self.stats[layer]
             stats.copied_experts += len(new)
-            stats.bytes_copied += len(new) * self.form.host_expert_bytes
+            stats.bytes_copied += len(new) * form.host_expert_bytes
         self.copier.compute_waits(stage.ready)
-        if new and self.form.decodes:
+        if new and form.decodes:
             for expert in new:
                 slot = self.pass_slot_of[expert]
-                gate_up, down = decode_parts(self.form, {n: t[slot] for n, t in stage.packed.items()})
+                gate_up, down = decode_parts(form, {n: t[slot] for n, t in stage.packed.items()})
                 stage.gate_up[slot].copy_(gate_up)
                 stage.down[slot].copy_(down)
         per_slot = [0] * len(self.pass_slot_of)
@@ -269,14 +294,14 @@ class StagedCompute:
         stage.free = self.copier.compute_event()
         return [out]
 
-    def _cpu_expert(self, parts: dict[str, torch.Tensor], rows: torch.Tensor,
+    def _cpu_expert(self, form: ExpertForm, parts: dict[str, torch.Tensor], rows: torch.Tensor,
                     pair_weights: torch.Tensor | None = None) -> torch.Tensor:
-        """One expert (its stored parts in host memory) on ``rows``, on the host (``pair_weights``: the
-        rows' routing weights, ``ExpertForm.pair_weighted``)."""
-        gate_up, down = decode_parts(self.form, parts)
+        """One expert of ``form`` (its stored parts in host memory) on ``rows``, on the host
+        (``pair_weights``: the rows' routing weights, ``ExpertForm.pair_weighted``)."""
+        gate_up, down = decode_parts(form, parts)
         if rows.shape[0] == 1:  # as moe._grouped_linear: a lone bmm product rounds differently
             weights = None if pair_weights is None else pair_weights.expand(2)
-            return self._cpu_expert(parts, rows.expand(2, -1), weights)[:1]
+            return self._cpu_expert(form, parts, rows.expand(2, -1), weights)[:1]
         n = rows.shape[0]
         hidden = torch.bmm(gate_up.expand(n, -1, -1), rows.unsqueeze(-1)).squeeze(-1)
         gate, up = hidden.chunk(2, dim=-1)
@@ -294,7 +319,7 @@ class StagedCompute:
 
     def _host_experts(self, layer: int, experts: list[int], counts: list[int], rows: torch.Tensor,
                       pair_weights: torch.Tensor | None = None) -> torch.Tensor:
-        parts_of = self.residency.expert_parts
+        parts_of, form = self.residency.expert_parts, self.residency.forms[layer]
         spans, at = [], 0
         for expert in experts:
             spans.append((expert, at, at + counts[expert]))
@@ -304,10 +329,10 @@ class StagedCompute:
             return None if pair_weights is None else pair_weights[a:b]
 
         if len(experts) == 1:
-            return self._cpu_expert(parts_of(layer, experts[0]), rows, pair_weights)
-        futures = [self.pool.submit(self._cpu_expert, parts_of(layer, e), rows[a:b], weights(a, b))
+            return self._cpu_expert(form, parts_of(layer, experts[0]), rows, pair_weights)
+        futures = [self.pool.submit(self._cpu_expert, form, parts_of(layer, e), rows[a:b], weights(a, b))
                    for e, a, b in spans[1:]]
-        first = self._cpu_expert(parts_of(layer, spans[0][0]), rows[spans[0][1] : spans[0][2]],
+        first = self._cpu_expert(form, parts_of(layer, spans[0][0]), rows[spans[0][1] : spans[0][2]],
                                  weights(spans[0][1], spans[0][2]))
         return torch.cat([first] + [f.result() for f in futures])
 

@@ -62,6 +62,13 @@ class ExpertForm:
         return self.kind + (" as stored" if self.native else "")
 
     @property
+    def device_expert_bytes(self) -> int:
+        """One expert in a device bank: as stored, or decoded to ``dtype`` where the bank decodes."""
+        if not self.decodes:
+            return self.host_expert_bytes
+        return 3 * self.intermediate * self.hidden * torch.empty(0, dtype=self.dtype).element_size()
+
+    @property
     def decodes(self) -> bool:
         """Copied experts are decoded on the device before the matmul (MXFP4 or FP8, not ``native``);
         the device holds the other forms as stored."""
@@ -182,8 +189,8 @@ def gguf_matrices(form: ExpertForm, gate_up: torch.Tensor, down: torch.Tensor) -
 def _gguf_empty(form: ExpertForm, n: int, rows: int, cols: int, qtype: str | None) -> torch.Tensor:
     if qtype is None:
         return torch.empty((n, rows, cols), dtype=form.dtype, device=form.device)
-    values, nbytes = gguf_matmul.block_shape(qtype)
-    return torch.empty((n, rows, cols // values * nbytes), dtype=torch.uint8, device=form.device)
+    values, nbytes = gguf_matmul.block_shape(qtype)  # zeros: a spare tile may decode a slot never filled
+    return torch.zeros((n, rows, cols // values * nbytes), dtype=torch.uint8, device=form.device)
 
 
 def bank_matrices(form: ExpertForm, n: int) -> tuple[Matrices, Matrices]:
@@ -232,7 +239,9 @@ def staging_bank(form: ExpertForm, layout, n: int) -> StagingBank:
     packed = {name: torch.empty((n, *shape), dtype=dtype, device=form.device) for name, shape, dtype, _, _ in layout}
     if form.kind == "float":
         return StagingBank(packed, packed["gate_up"], packed["w2"])
-    if form.kind == "gguf":  # read as copied
+    if form.kind == "gguf":  # read as copied; zeros: a spare tile may decode a slot this step left empty
+        for tensor in packed.values():
+            tensor.zero_()
         return StagingBank(packed, *gguf_matrices(form, packed["gate_up"], packed["w2"]))
     gate_up = torch.empty((n, 2 * inter, hidden), dtype=form.dtype, device=form.device)
     return StagingBank(packed, gate_up, torch.empty((n, hidden, inter), dtype=form.dtype, device=form.device))

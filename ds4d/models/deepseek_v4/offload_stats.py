@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ds4d.cuda.host_memory import HostSlots, PinnedRegistry
+from ds4d.cuda.host_memory import PinnedRegistry
 from ds4d.models.deepseek_v4.offload_residency import ExpertResidency
 from ds4d.models.deepseek_v4.offload_zero_copy import ZeroCopyExperts
 
@@ -76,26 +76,27 @@ def expert_report(stats: list[LayerStats], residency: ExpertResidency, zero_copy
         "placement_bytes": residency.placement_bytes,
         "demoted_bytes": residency.demoted_bytes,
         "host_experts": residency.host_experts(),
-        "host_ram_bytes": residency.slots.bytes,
-        "vram_bytes": gpu * sizes.device_expert_bytes + sizes.staging_bytes,
+        "host_ram_bytes": residency.host_bytes(),
+        "vram_bytes": residency.device_bytes() + sizes.staging_bytes,
         "zero_copy": sizes.zero_copy,
         "host_read_bytes": sum(host_reads) * sizes.host_expert_bytes,
         "layers": layers,
     }
 
 
-def memory_plan(residency: ExpertResidency, pinned: PinnedRegistry, device_expert_bytes: int,
-                staging_bytes: int, pass_bytes: int = 0) -> dict[str, dict[str, int]]:
+def memory_plan(residency: ExpertResidency, pinned: PinnedRegistry, staging_bytes: int,
+                pass_bytes: int = 0) -> dict[str, dict[str, int]]:
     """Device and host memory the offload holds, by use (``pass_bytes``: the bank that keeps one layer's
     cold experts through a layer-by-layer prefill, once one has run)."""
     gpu = residency.device_experts()
-    slots: HostSlots = residency.slots
+    pools = list(residency.pools.values())
     return {
-        "routed experts (device banks)": {"vram_bytes": gpu * device_expert_bytes, "experts": gpu},
+        "routed experts (device banks)": {"vram_bytes": residency.device_bytes(), "experts": gpu},
         "expert staging (2 banks, decode gather scratch)": {"vram_bytes": staging_bytes},
         **({"expert staging (one layer, layer-by-layer prefill)": {"vram_bytes": pass_bytes}} if pass_bytes else {}),
         "routed experts (host RAM, pinned)": {
-            "ram_bytes": slots.bytes, "experts": residency.host_experts(), "slots": slots.slots,
-            "huge_pages": int(slots.arena.huge_pages),
+            "ram_bytes": residency.host_bytes(), "experts": residency.host_experts(),
+            "slots": sum(slots.slots for slots in pools),
+            "huge_pages": int(any(slots.arena.huge_pages for slots in pools)),
             "pinned": int(pinned.enabled)},
     }
