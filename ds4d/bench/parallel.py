@@ -48,6 +48,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--native", action="store_true",
                    help="FP8 linears and MXFP4 experts as the release stores them, on every row")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads of each process, the single one included (0: torch's default)")
     p.add_argument("--json", default="", help="also write the results here")
     p.set_defaults(run=run)
 
@@ -103,18 +105,32 @@ def run(args) -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     decode_ids = {b: torch.randint(100, vocab, (b, args.context), generator=gen).tolist() for b in batches}
 
-    def measure(model, label: str) -> dict:
-        out = {"prefill": _guarded(torch, f"{label} prefill {args.prefill}", lambda: _ds4d(
+    def measure(model, label: str, prefill_only: bool = False):
+        prefill = _guarded(torch, f"{label} prefill {args.prefill}", lambda: _ds4d(
             torch, model, prefill_ids, 1, chunk=args.prefill_chunk, sync=sync_all,
-            warm_tokens=min(args.prefill, 2 * args.prefill_chunk)).prefill_tok_s)}
+            warm_tokens=min(args.prefill, 2 * args.prefill_chunk)).prefill_tok_s)
+        if prefill_only:
+            return prefill
+        out = {"prefill": prefill}
         for b in batches:
             out[f"decode b{b}"] = _guarded(torch, f"{label} decode b{b}", lambda b=b: _ds4d(
                 torch, model, decode_ids[b], args.decode_tokens, chunk=args.prefill_chunk, sync=sync_all
             ).decode_tok_s)
         return out
 
+    def row(model, label: str, cases) -> dict:
+        """A result row: ``cases(model, label)``, and the model's logits on a prompt against one process."""
+        logits = _prompt_logits(torch, model, check_ids)
+        diff = (logits - reference).abs().max().item() / reference.abs().max().item()
+        same = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
+        stages, ep = model.placement.stages, model.placement.ep_size
+        return {"layout": label, "stages": stages, "ep": ep, "gpu_gib": _gpu_used(gpus) if not on_cpu else [],
+                "max_diff": diff, "argmax_same": same, **cases(model, label)}
+
     # one GPU, single process: the reference logits and the one-GPU deployment's speed
     t0 = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cfg, reader, model, _, _ = build(torch, args, device)
     floors = {ep: Floors(cfg, reader.issued, bandwidth, matmul, native=args.native, ep=ep)
               for ep in range(1, count + 1)}
@@ -135,7 +151,7 @@ def run(args) -> int:
         t0 = time.perf_counter()
         try:
             split = build_parallel_model(RandomWeights(config, args.seed), ranks, "1x1" if layout == ONE else layout,
-                                         dtype=args.dtype, native=args.native)
+                                         dtype=args.dtype, native=args.native, threads=args.threads or None)
         except Exception as exc:  # noqa: BLE001 - one layout failing must not lose the others
             say(f"{layout}: could not start: {type(exc).__name__}: {exc}")
             continue
@@ -144,13 +160,12 @@ def run(args) -> int:
         name = f"{one}, sharded step" if layout == ONE else f"{layout} ({stages} x {ep}, {where})"
         try:
             say(f"{name}: built in {time.perf_counter() - t0:.1f} s")
-            logits = _prompt_logits(torch, split, check_ids)
-            diff = (logits - reference).abs().max().item() / reference.abs().max().item()
-            same = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
-            results.append({"layout": name, "stages": stages, "ep": ep,
-                            "gpu_gib": _gpu_used(gpus) if not on_cpu else [],
-                            "max_diff": diff, "argmax_same": same,
-                            **measure(split, name)})
+            cut = split.microbatches if stages > 1 else 1
+            results.append(row(split, name + (f", prompt steps in {cut} micro-batches" if cut > 1 else ""), measure))
+            if cut > 1:  # the same split model, its prompt steps flowing through the stages whole
+                split.microbatches = 1
+                results.append(row(split, name + ", prompt steps not cut",
+                                   lambda model, label: {"prefill": measure(model, label, prefill_only=True)}))
         finally:
             split.close()
             del split  # before the next layout loads: its weights would still hold GPU 0

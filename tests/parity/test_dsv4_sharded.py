@@ -194,6 +194,7 @@ def _rank0(
         out["parallel"] = torch.tensor(
             [model.info.extra["parallel"]["stages"], model.info.extra["parallel"]["ep_size"]]
         )
+        out["pipelined_steps"] = torch.tensor(model.runner.pipelined_steps)
         model.refresh_expert_stats()  # gathered at most once a second between steps otherwise
         out["expert_stats"] = model.expert_stats()
     finally:
@@ -252,6 +253,9 @@ def test_sharded_forward_equals_single_process(checkpoint, reference, tmp_path, 
 
     stages, ep = {"ep": (1, ranks), "pp": (ranks, 1), "2x2": (2, 2)}[layout]
     assert got["parallel"].tolist() == [stages, ep]
+    # over stages, the 200-token prompt (the only step of two 64-token micro-batches) flows through them cut
+    # in two, its logits those of the single process
+    assert int(got["pipelined_steps"]) == (1 if stages > 1 else 0)
     for key in ("whole", "chunked", "decode_b", "decode_c", "resumed", "after_refusal", "payloads"):
         _assert_close(got[key], reference[key], key)
     for key in ("whole_argmax", "chunked_argmax", "tokens_b", "tokens_c"):
@@ -283,6 +287,7 @@ def test_sharded_forward_with_expert_offload(checkpoint, reference, tmp_path, la
         _assert_close(got[key], reference[key], key)
     for key in ("whole_argmax", "chunked_argmax", "tokens_b", "tokens_c"):
         assert torch.equal(got[key], reference[key]), key
+    assert int(got["pipelined_steps"]) == (1 if layout == "pp" else 0)
     stats = got["expert_stats"]
     cfg = json.loads((checkpoint / "config.json").read_text())
     layers, experts = cfg["num_hidden_layers"], cfg["n_routed_experts"]

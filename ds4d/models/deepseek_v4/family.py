@@ -164,9 +164,11 @@ class DeepseekV4Family:
             where = f"{ranks} CPU processes" if isinstance(ranks, int) else f"GPUs {ranks}"
             on_cuda = not isinstance(ranks, int)
         self.ctx.log.info("loading deepseek_v4 from %s over %s (layout %s)", path, where, config.parallel_layout)
-        return build_parallel_model(path, ranks, config.parallel_layout, dtype=config.dtype,
-                                    threads=config.threads or None, native=split_native(config, on_cuda),
-                                    offload=offload_options(config, self.options))
+        model = build_parallel_model(path, ranks, config.parallel_layout, dtype=config.dtype,
+                                     threads=config.threads or None, native=split_native(config, on_cuda),
+                                     offload=offload_options(config, self.options))
+        model.microbatches = int(getattr(config, "pipeline_microbatches", 0) or 0) or model.placement.stages
+        return model
 
     def _load_here(self, path: Path) -> DeepseekV4Model:
         config = self.ctx.config

@@ -11,6 +11,7 @@ command            what every rank does
 =================  ==================================================================
 ``allocate``       allocates the cache of its own layers; rank 0 gathers the outcome
 ``forward``        runs :meth:`ShardRunner.step` on the same batch (rank 0 returns logits)
+``forward_parts``  a prompt step cut into micro-batches: :meth:`ShardRunner.step_pipelined`
 ``save_state``     each stage's ep-rank 0 hands its layers' slot state to rank 0
 ``load_state``     each rank takes its stage's part of the snapshot
 ``export_blocks``  each stage's ep-rank 0 hands its layers' part of the KV blocks to rank 0
@@ -50,6 +51,7 @@ from ds4d.models.deepseek_v4.cache import payload_rows
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.knobs import torch_dtype
 from ds4d.models.deepseek_v4.loader import load_tokenizer
+from ds4d.models.deepseek_v4.microbatch import split_prompt
 from ds4d.models.deepseek_v4.model import check_batch
 from ds4d.models.deepseek_v4.offload import OffloadOptions
 from ds4d.models.deepseek_v4.random_init import RandomReader
@@ -167,6 +169,8 @@ def run_worker(
                 break
             if kind == "forward":
                 runner.step(command[1])
+            elif kind == "forward_parts":
+                runner.step_pipelined(command[1])
             elif kind == "allocate":
                 gather_objects(_attempt(partial(_allocate, runner, command[1], command[2])), groups)
             elif kind == "save_state":
@@ -222,6 +226,9 @@ class ParallelDeepseekV4Model:
         self.cfg, self.runner, self.groups, self.tokenizer = cfg, runner, groups, tokenizer
         self.placement, self.rank_facts, self.workers = placement, list(rank_facts), list(workers)
         self._closed = False
+        self.microbatches = placement.stages
+        """A prompt step over several stages is cut into this many micro-batches that flow through the
+        stages (``microbatch.py``; ``pipeline_microbatches``); 1: not cut."""
         self._num_blocks = self._max_seqs = 0
         self._expert_stats: dict[str, Any] = {}
         self._expert_stats_at = 0.0
@@ -275,9 +282,16 @@ class ParallelDeepseekV4Model:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         self._check(batch)
         self._bind_device()
+        parts = [batch]
+        if self.groups.stages > 1 and self.microbatches > 1:
+            parts = split_prompt(batch, self.microbatches, self.cfg.block_size_tokens)
         with self._ranks_alive():
-            broadcast_object(("forward", batch), self.groups)
-            logits = self.runner.step(batch)
+            if len(parts) > 1:
+                broadcast_object(("forward_parts", parts), self.groups)
+                logits = self.runner.step_pipelined(parts)
+            else:
+                broadcast_object(("forward", batch), self.groups)
+                logits = self.runner.step(batch)
             if self.runner.offload is not None and time.monotonic() - self._expert_stats_at >= EXPERT_STATS_EVERY_S:
                 self._gather_expert_stats()
         return logits

@@ -83,6 +83,14 @@ from ds4d.models.deepseek_v4.weights import (
 from ds4d.parallel.launch import ParallelGroups
 
 
+def _send(tensor: torch.Tensor, dst: int, pending: list | None) -> None:
+    """Send ``tensor`` to rank ``dst``: at once, or with ``pending`` without waiting (the handle is added)."""
+    if pending is None:
+        dist.send(tensor, dst=dst)
+    else:
+        pending.append(dist.isend(tensor, dst=dst))
+
+
 def split_evenly(count: int, parts: int) -> list[range]:
     """``range(count)`` cut into ``parts`` contiguous pieces, the first ones one longer where uneven."""
     if parts < 1 or parts > count:
@@ -230,6 +238,8 @@ class ShardRunner:
         if offload is not None:
             local_cfg = replace(self.stage_cfg, n_routed_experts=len(layout.experts))
             self.offload = ExpertOffload(weights, local_cfg, device=self.device, dtype=dtype, options=offload)
+        self.pipelined_steps = 0
+        """Prompt steps run cut into micro-batches (:meth:`step_pipelined`)."""
         self.graphs = None
         if graphs == "cuda":
             from ds4d.cuda.graphs import GraphCache
@@ -282,13 +292,36 @@ class ShardRunner:
             return self._no_rows()
         return self._run(token_ids, step, keep)
 
+    @torch.inference_mode()
+    def step_pipelined(self, parts: list[ForwardBatch]) -> torch.Tensor | None:
+        """One prompt step cut into micro-batches (``microbatch.split_prompt``), run in order: each stage
+        sends a micro-batch's streams on without waiting for the next stage to take them, and goes on
+        with the next micro-batch.  Logits of every part's rows, in order, on rank 0; None elsewhere."""
+        if self.offload is not None:
+            self.offload.begin_step()
+        self.pipelined_steps += 1
+        pending: list = []
+        logits = []
+        for part in parts:
+            token_ids, step, keep = self._inputs(part)
+            if token_ids is not None:
+                logits.append(self._run(token_ids, step, keep, pending))
+        for work in pending:
+            work.wait()
+        if self.groups.rank != 0:
+            return None
+        return torch.cat(logits) if logits else self._no_rows()
+
     def _no_rows(self) -> torch.Tensor | None:
         if self.groups.rank != 0:
             return None
         return torch.zeros(0, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
 
-    def _run(self, token_ids: torch.Tensor, step, keep: torch.Tensor | None) -> torch.Tensor | None:
-        """Embed or receive, this rank's layers, send on; logits of rows ``keep`` (None: all) on rank 0."""
+    def _run(self, token_ids: torch.Tensor, step, keep: torch.Tensor | None,
+             pending: list | None = None) -> torch.Tensor | None:
+        """Embed or receive, this rank's layers, send on; logits of rows ``keep`` (None: all) on rank 0.
+        ``pending``: the sends go out without waiting and rank 0's receive of the logits is only posted,
+        their handles added here (the logits are there once they are waited for)."""
         cfg, device, groups = self.cfg, self.device, self.groups
         if self.layout.first_stage:
             embedded = self.weights.embed[token_ids].to(self.dtype)
@@ -298,7 +331,7 @@ class ShardRunner:
             dist.recv(streams, src=groups.rank_of(groups.stage - 1, groups.ep_rank))
         streams = self._layers(streams, token_ids, step)
         if not self.layout.last_stage:
-            dist.send(streams, dst=groups.rank_of(groups.stage + 1, groups.ep_rank))
+            _send(streams, groups.rank_of(groups.stage + 1, groups.ep_rank), pending)
         rows = len(token_ids) if keep is None else len(keep)
         if not rows:
             return self._no_rows()
@@ -307,12 +340,15 @@ class ShardRunner:
         if groups.rank == head_rank:
             logits = self._logits(streams if keep is None else streams[keep])
             if head_rank != 0:
-                dist.send(logits, dst=0)
+                _send(logits, 0, pending)
         if groups.rank != 0:
             return None
         if head_rank != 0:
             logits = torch.empty(rows, cfg.vocab_size, dtype=torch.float32, device=device)
-            dist.recv(logits, src=head_rank)
+            if pending is None:
+                dist.recv(logits, src=head_rank)
+            else:
+                pending.append(dist.irecv(logits, src=head_rank))
         return logits
 
     def _decode_graphed(self, chunks) -> torch.Tensor | None:
