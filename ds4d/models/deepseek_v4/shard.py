@@ -44,7 +44,7 @@ bf16, one more rounding of each rank's partial sum.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import torch
@@ -83,12 +83,27 @@ from ds4d.models.deepseek_v4.weights import (
 from ds4d.parallel.launch import ParallelGroups
 
 
-def _send(tensor: torch.Tensor, dst: int, pending: list | None) -> None:
-    """Send ``tensor`` to rank ``dst``: at once, or with ``pending`` without waiting (the handle is added)."""
-    if pending is None:
+@dataclass
+class _Flow:
+    """The transfers of a pipelined step: sends issued without waiting for them, and rank 0's receives of
+    the logits, posted once every send of the step is (NCCL runs a group's transfers in the order they
+    were issued, so a receive posted earlier would hold the later sends back)."""
+
+    sends: list = field(default_factory=list)
+    receives: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+
+    def finish(self) -> None:
+        works = self.sends + [dist.irecv(tensor, src=src) for tensor, src in self.receives]
+        for work in works:
+            work.wait()
+
+
+def _send(tensor: torch.Tensor, dst: int, flow: _Flow | None) -> None:
+    """Send ``tensor`` to rank ``dst``: at once, or in ``flow`` without waiting."""
+    if flow is None:
         dist.send(tensor, dst=dst)
     else:
-        pending.append(dist.isend(tensor, dst=dst))
+        flow.sends.append(dist.isend(tensor, dst=dst))
 
 
 def split_evenly(count: int, parts: int) -> list[range]:
@@ -300,14 +315,13 @@ class ShardRunner:
         if self.offload is not None:
             self.offload.begin_step()
         self.pipelined_steps += 1
-        pending: list = []
+        flow = _Flow()
         logits = []
         for part in parts:
             token_ids, step, keep = self._inputs(part)
             if token_ids is not None:
-                logits.append(self._run(token_ids, step, keep, pending))
-        for work in pending:
-            work.wait()
+                logits.append(self._run(token_ids, step, keep, flow))
+        flow.finish()
         if self.groups.rank != 0:
             return None
         return torch.cat(logits) if logits else self._no_rows()
@@ -318,10 +332,10 @@ class ShardRunner:
         return torch.zeros(0, self.cfg.vocab_size, dtype=torch.float32, device=self.device)
 
     def _run(self, token_ids: torch.Tensor, step, keep: torch.Tensor | None,
-             pending: list | None = None) -> torch.Tensor | None:
+             flow: _Flow | None = None) -> torch.Tensor | None:
         """Embed or receive, this rank's layers, send on; logits of rows ``keep`` (None: all) on rank 0.
-        ``pending``: the sends go out without waiting and rank 0's receive of the logits is only posted,
-        their handles added here (the logits are there once they are waited for)."""
+        ``flow`` (a pipelined step): the sends go out without waiting, and rank 0's receive of the logits
+        is left to it (the logits are there once :meth:`_Flow.finish` returns)."""
         cfg, device, groups = self.cfg, self.device, self.groups
         if self.layout.first_stage:
             embedded = self.weights.embed[token_ids].to(self.dtype)
@@ -331,7 +345,7 @@ class ShardRunner:
             dist.recv(streams, src=groups.rank_of(groups.stage - 1, groups.ep_rank))
         streams = self._layers(streams, token_ids, step)
         if not self.layout.last_stage:
-            _send(streams, groups.rank_of(groups.stage + 1, groups.ep_rank), pending)
+            _send(streams, groups.rank_of(groups.stage + 1, groups.ep_rank), flow)
         rows = len(token_ids) if keep is None else len(keep)
         if not rows:
             return self._no_rows()
@@ -340,15 +354,15 @@ class ShardRunner:
         if groups.rank == head_rank:
             logits = self._logits(streams if keep is None else streams[keep])
             if head_rank != 0:
-                _send(logits, 0, pending)
+                _send(logits, 0, flow)
         if groups.rank != 0:
             return None
         if head_rank != 0:
             logits = torch.empty(rows, cfg.vocab_size, dtype=torch.float32, device=device)
-            if pending is None:
+            if flow is None:
                 dist.recv(logits, src=head_rank)
             else:
-                pending.append(dist.irecv(logits, src=head_rank))
+                flow.receives.append((logits, head_rank))
         return logits
 
     def _decode_graphed(self, chunks) -> torch.Tensor | None:
