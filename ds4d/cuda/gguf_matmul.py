@@ -191,6 +191,50 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor |
     return out
 
 
+def gemv_at(x: torch.Tensor, addresses: torch.Tensor, qtype: str, n: int) -> torch.Tensor:
+    """:func:`gemv` with row ``m``'s matrix found by address: ``addresses[m]`` (int64) is where its ``n``
+    rows of ``x.shape[1]`` values in ``qtype`` blocks start, rows contiguous, wherever they sit (device
+    memory, or host memory the device can read).  The by-expert kernels of :func:`gemv` with a bank of
+    one-byte "experts" at an anchor of ``x``'s device: each row's offset from the anchor picks its
+    matrix, so the arithmetic is :func:`gemv`'s with ``experts``, bit for bit.  No host read:
+    capturable in a CUDA graph."""
+    cols, m = x.shape[-1], x.shape[0]
+    values, nbytes = block_shape(qtype)
+    if cols % values:
+        raise ValueError(f"{qtype} weight rows of {cols} values are not whole blocks of {values}")
+    row_bytes = cols // values * nbytes
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    anchor = _anchor(x.device)
+    offsets = (addresses.to(device=x.device, dtype=torch.int64) - anchor.data_ptr()).contiguous()
+    grid_table, signs = _tables(x.device, qtype)
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    if not m:
+        return out
+    if qtype in BLOCKWISE:
+        launch = BLOCKWISE[qtype]
+        table = _grid_codes(x.device) if qtype == "IQ2_XXS" else grid_table
+        _blockwise().gemv_kernel[(-(-n // launch["block_n"]), m)](
+            x, anchor, out, table, signs, offsets, n, m, cols, row_bytes, 1, x.stride(0), out.stride(0),
+            qtype=TYPES[qtype], by_expert=True, block_n=launch["block_n"], supers=launch["supers"], rows_per=1,
+            num_warps=launch["warps"], enable_fp_fusion=False)
+        return out
+    block_n = 16
+    _kernels().gemv_kernel[(-(-n // block_n), m)](x, anchor, out, grid_table, signs, offsets, n, cols, row_bytes, 1,
+                                                  x.stride(0), out.stride(0), qtype=TYPES[qtype], by_expert=True,
+                                                  block_n=block_n, block_k=256 if cols % 256 == 0 else 32,
+                                                  enable_fp_fusion=False)
+    return out
+
+
+def _anchor(device: torch.device) -> torch.Tensor:
+    """A byte of ``device`` memory, kept: the base the addresses of :func:`gemv_at` are taken from."""
+    key = f"anchor:{device}"
+    if key not in _state:
+        _state[key] = torch.zeros(16, dtype=torch.uint8, device=device)
+    return _state[key]
+
+
 def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``[M, N]``: ``x [M, K]`` (float32, bfloat16 or float16) times the weight rows of ``raw``
     on tensor cores, each weight tile decoded into ``x``'s dtype; with ``offsets [E]`` (group ends),

@@ -132,6 +132,32 @@ def test_every_expert_cold_gives_the_on_device_logits(name):
     assert stats["skipped_transfers"] > 0  # the tiny model has 4 experts a layer; decode steps use at most 4 of 12
 
 
+@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "in-place"])
+def test_decode_steps_read_cold_gguf_experts_by_address(gather):
+    """Zero-copy decode (gate/up and down both in blocks): a decode step's rows read each expert through the
+    layer's address table, from the device bank when hot and from its host slot when cold (or from a
+    device copy the step gathered first), with no routing read back, so the step can be captured in a
+    CUDA graph; the logits are the on-device model's, bit for bit, through a placement move too."""
+    want = _reference(KEPT)
+    probe = _load(KEPT, _options())
+    per_expert = probe.expert_offload.device_expert_bytes
+    model = _load(KEPT, _options(per_expert * 3 + probe.expert_offload.staging_bytes, placement="static",
+                                 gather_cold=gather))
+    offload = model.expert_offload
+    assert offload.zero_copy and offload.gather == gather and offload.capturable(2)
+    layers, experts = model.cfg.num_hidden_layers, model.cfg.n_routed_experts
+
+    def move(step: int) -> None:
+        if step == 2:
+            offload.set_placement([[layer % experts] for layer in range(layers)])
+
+    _assert_equal(_run(model, move), want)
+    stats = offload.expert_stats()
+    pairs = layers * model.cfg.num_experts_per_tok * (2 + 1 + 2 + 1)  # every decode step's (row, expert) pairs
+    assert stats["zero_copy"] and sum(layer["zero_copy_pairs"] for layer in stats["layers"]) == pairs
+    assert stats["host_read_bytes"] > 0  # rows whose expert sat in host RAM
+
+
 @pytest.mark.parametrize("name", [MIXED])
 def test_hot_and_cold_experts_and_a_placement_move_give_the_on_device_logits(name):
     """Half of the experts on the device (each expert once: a hot one has no host slot); before each

@@ -153,6 +153,20 @@ def test_gemv_by_expert_takes_each_rows_own_matrix(qtype):
 
 
 @pytest.mark.parametrize("qtype", sorted(gguf_matmul.TYPES))
+def test_gemv_by_address_is_the_gemv_by_expert_bit_for_bit(qtype):
+    """Each row's matrix found by address (zero-copy decode of offloaded experts): here matrices in three
+    separate tensors, one of them twice, give what the same matrices stacked as a bank give by index."""
+    raw, _ = bank(qtype, 3, 24, 512)
+    apart = [torch.from_numpy(raw[e].copy()).to(device()) for e in range(3)]
+    experts = torch.tensor([2, 0, 2, 1, 1])
+    addresses = torch.tensor([apart[e].data_ptr() for e in experts.tolist()], dtype=torch.int64)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(6)).to(device())
+    got = gguf_matmul.gemv_at(x, addresses.to(device()), qtype, 24)
+    want = gguf_matmul.gemv(x, torch.from_numpy(raw).to(device()), qtype, experts.to(device()))
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_matmul.TYPES))
 def test_tiles_for_a_batch_and_grouped_by_expert(qtype):
     """Tensor-core tiles in float32 (IEEE, not TF32): a batch of 40 rows times one matrix, and 70 rows
     sorted by expert (groups of 0, 33, 1 and 36 rows: a group past one tile, an empty one) times a bank."""

@@ -31,7 +31,14 @@ import torch.nn.functional as F
 from ds4d.cuda import gguf_matmul, moe_gemv, prefill_triton, quant_matmul
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.ops import linear, linear_f32
-from ds4d.models.deepseek_v4.stored import GgufMatrices, Linear, Mxfp4Addresses, Mxfp4Matrices, gguf_values
+from ds4d.models.deepseek_v4.stored import (
+    GgufAddresses,
+    GgufMatrices,
+    Linear,
+    Mxfp4Addresses,
+    Mxfp4Matrices,
+    gguf_values,
+)
 from ds4d.models.deepseek_v4.weights import MoEWeights
 
 
@@ -85,6 +92,8 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
     if isinstance(weight, Mxfp4Addresses):  # small-batch decode only (``ExpertOffload.capturable``)
         return quant_matmul.mxfp4_rows_at(x, weight.packed, weight.scales, expert_of_row, weight.rows,
                                           weight.inputs // 2, weight.inputs // 32, aligned=weight.aligned)
+    if isinstance(weight, GgufAddresses):  # the same, GGUF blocks
+        return gguf_matmul.gemv_at(x, weight.table[expert_of_row], weight.qtype, weight.rows).to(x.dtype)
     if isinstance(weight, GgufMatrices) and not gguf_matmul.available():  # no kernel here: the decoded bank
         weight = gguf_values(weight.raw, weight.qtype, weight.cols).to(x.dtype)
     per_row = _per_row_kernel(x, weight, step_rows)

@@ -50,12 +50,13 @@ two compute paths) and ``offload_stats`` (counters and reports).
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from ds4d.cuda import moe_gemv, quant_matmul
+from ds4d.cuda import gguf_matmul, moe_gemv, quant_matmul
 from ds4d.cuda.host_memory import (
     HostArena,
     HostSlots,
@@ -77,6 +78,8 @@ from ds4d.models.deepseek_v4.weights import ExpertBank, ModelWeights, MoEWeights
 __all__ = ["DECODE_COLD", "ExpertOffload", "LayerStats", "OffloadOptions", "counted_rows"]
 
 DECODE_COLD = ("auto", "cpu", "copy")
+
+log = logging.getLogger("ds4d.models")
 
 
 @dataclass
@@ -203,11 +206,14 @@ class ExpertOffload:
         """Device bytes per expert in the budget: the largest layer's."""
         slots = HostSlots({name: t[0] for name, t in stored.items()}, HostArena(), self.pinned)
         self.residency.hold(form, slots)
-        self.zero_copy = self.native and (self.device.type == "cpu" or (
+        addressable = self.native or (form.kind == "gguf" and None not in form.gguf and gguf_matmul.available()
+                                      and len(set(hints)) == 1)
+        self.zero_copy = addressable and (self.device.type == "cpu" or (
             self.pinned.enabled and host_pointers_usable(self.device)))
         """Decode steps of up to ``moe_gemv.MAX_ROWS`` (token, expert) rows read cold experts straight
         from host memory (kernels on the device, through per-expert address tables): no host read,
-        no copy, so those steps are captured in CUDA graphs like the all-on-device ones."""
+        no copy, so those steps are captured in CUDA graphs like the all-on-device ones.  MXFP4 as
+        stored, or GGUF blocks (gate/up and down both in blocks, every layer in one form)."""
         self.gather = self.zero_copy and options.gather_cold
         """Zero-copy decode first copies its rows' cold experts into device scratch with one kernel."""
         stage_n = max(1, options.stage_experts)
@@ -249,9 +255,10 @@ class ExpertOffload:
         if self.slots is None:
             self._setup(form, stored)
         elif form not in self.residency.pools:  # a GGUF file whose types change from layer to layer
-            if self.zero_copy:
-                raise ValueError(f"layer {layer}'s routed experts ({form.label}) differ from the first layer's "
-                                 f"({self.form.label}), which zero-copy decode reads as one form")
+            if self.zero_copy:  # the address tables and the gather scratch take one form
+                log.info("expert offload: layer %d's experts are held as %s, the first layer's as %s: decode "
+                         "steps read back the routing (no zero-copy decode)", layer, form.label, self.form.label)
+                self.zero_copy = self.gather = False
             arena = HostArena(huge_pages=self.slots.arena.huge_pages)
             self.residency.hold(form, HostSlots({name: t[0] for name, t in stored.items()}, arena, self.pinned))
         bank.weights, bank.scales, bank.gate_up, bank.native, bank.gguf, bank._dense_cache = ({}, {}, None, None,
@@ -287,7 +294,7 @@ class ExpertOffload:
 
     def _write_table(self, layer: int) -> None:
         """The zero-copy address table of ``layer`` for its current bank and host slots."""
-        self.zero_copy_experts.write_table(layer, self.banks[layer],
+        self.zero_copy_experts.write_table(layer, self.residency.forms[layer], self.banks[layer],
                                            lambda expert: self.residency.expert_parts(layer, expert))
 
     # ------------------------------------------------------------------ placement

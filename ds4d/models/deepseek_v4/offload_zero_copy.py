@@ -1,11 +1,13 @@
 """Zero-copy decode: small decode steps read every routed expert where it sits.
 
-With native MXFP4 banks and host memory the device can address (or a CPU
+With native MXFP4 banks, or GGUF blocks (every layer in one form, gate/up and
+down both kept in blocks), and host memory the device can address (or a CPU
 "device"), a decode step of up to ``moe_gemv.MAX_ROWS`` (token, expert) rows
-needs no routing read-back and no copy: per layer an int64 ``[4, E]`` address
-table gives each expert's gate/up bytes, their scales, down bytes and their
-scales, in the device bank when the expert is hot and in its host slot
-otherwise, and the per-row MXFP4 kernel reads through it.  The tables are
+needs no routing read-back and no copy: per layer an int64 address table gives
+each expert's stored parts (MXFP4: gate/up bytes, their scales, down bytes and
+their scales; GGUF: the gate/up blocks and the down blocks), in the device bank
+when the expert is hot and in its host slot otherwise, and the per-row MXFP4 or
+GGUF kernel reads through it.  The tables are
 rewritten in place when placement changes, so CUDA graphs captured over these
 steps read the current placement.  With ``gather`` the rows' cold experts are
 first copied whole into device scratch by one kernel (large reads over the
@@ -25,9 +27,9 @@ import torch
 from ds4d.cuda import moe_gemv, quant_matmul
 from ds4d.cuda.host_memory import HostSlots
 from ds4d.models.deepseek_v4.moe import combine_sorted, expert_ffn
-from ds4d.models.deepseek_v4.offload_parts import DeviceBank
+from ds4d.models.deepseek_v4.offload_parts import DeviceBank, ExpertForm, bank_parts
 from ds4d.models.deepseek_v4.placement import PlacementPolicy
-from ds4d.models.deepseek_v4.stored import Mxfp4Addresses
+from ds4d.models.deepseek_v4.stored import GgufAddresses, Mxfp4Addresses
 
 
 class ZeroCopyExperts:
@@ -36,8 +38,10 @@ class ZeroCopyExperts:
     def __init__(self, layers: int, experts: int, intermediate: int, hidden: int, device: torch.device) -> None:
         self.layers, self.intermediate, self.hidden, self.device = layers, intermediate, hidden, device
         self.tables: list[torch.Tensor | None] = [None] * layers
-        """int64 ``[4, E]`` per layer: addresses of each expert's gate/up bytes and scales, down bytes and scales."""
-        self.addressed: list[tuple[Mxfp4Addresses, Mxfp4Addresses] | None] = [None] * layers
+        """int64 ``[parts, E]`` per layer: the address of each expert's stored parts (:meth:`write_table`)."""
+        self.addressed: list[tuple | None] = [None] * layers
+        self.form: ExpertForm | None = None
+        """The experts' form (one for every layer; set by :meth:`write_table`)."""
         self.decode_counts = torch.zeros(layers, experts, dtype=torch.int64, device=device)
         self.host_reads = torch.zeros(layers, dtype=torch.int64, device=device)
         """Zero-copy (token, expert) pairs whose expert was read from host memory, per layer."""
@@ -51,28 +55,29 @@ class ZeroCopyExperts:
         self._scratch = torch.empty((moe_gemv.MAX_ROWS, words), dtype=torch.int64, device=self.device)
         base = self._scratch.data_ptr() + torch.arange(moe_gemv.MAX_ROWS, dtype=torch.int64) * slots.slot_bytes
         offsets = {name: at for name, _, _, at, _ in slots.layout}
-        parts = torch.tensor([offsets[name] for name in ("gu", "sgu", "w2", "s2")], dtype=torch.int64)
-        if offsets["gu"] != 0:
+        parts = torch.tensor(list(offsets.values()), dtype=torch.int64)  # the table's rows, in slot order
+        if parts[0] != 0:
             raise ValueError("host slots must start with the gate/up bytes")
         self._scratch_at = (base.unsqueeze(0) + parts.unsqueeze(1)).to(self.device)
         self._row_ids = torch.arange(moe_gemv.MAX_ROWS, dtype=torch.int64, device=self.device)
 
-    def write_table(self, layer: int, bank: DeviceBank, host_parts: Callable[[int], dict[str, torch.Tensor]]) -> None:
-        """Per expert of ``layer``, where its four stored parts are: the device bank slot when hot, the
-        host copy (``host_parts(expert)``) otherwise.  Written in place, so captured graphs read the
-        current placement."""
+    def write_table(self, layer: int, form: ExpertForm, bank: DeviceBank,
+                    host_parts: Callable[[int], dict[str, torch.Tensor]]) -> None:
+        """Per expert of ``layer``, where its stored parts are (in the host slots' order): the device bank
+        slot when hot, the host copy (``host_parts(expert)``) otherwise.  Written in place, so captured
+        graphs read the current placement."""
+        self.form = form
         rows = []
-        for name, matrices in (("gu", bank.gate_up.packed), ("sgu", bank.gate_up.scales), ("w2", bank.down.packed),
-                               ("s2", bank.down.scales)):
+        for name, matrices in bank_parts(form, bank.gate_up, bank.down).items():
             row = []
             for expert, slot in enumerate(bank.slot_of):
                 if slot >= 0:
-                    row.append(matrices.data_ptr() + slot * matrices.stride(0))
+                    row.append(matrices.data_ptr() + slot * matrices.stride(0) * matrices.element_size())
                 else:
                     row.append(host_parts(expert)[name].data_ptr())
             rows.append(row)
-        if any(address % 16 for row in rows for address in row):  # the kernels are told every address is
-            raise ValueError("expert parts must sit at 16-byte aligned addresses")  # (``addresses``)
+        if form.native and any(address % 16 for row in rows for address in row):  # the MXFP4 kernels are told
+            raise ValueError("expert parts must sit at 16-byte aligned addresses")  # every address is (``addresses``)
         table = torch.tensor(rows, dtype=torch.int64)
         self.on_host[layer].copy_(torch.tensor([int(slot < 0) for slot in bank.slot_of]))
         if self.tables[layer] is None:
@@ -81,10 +86,13 @@ class ZeroCopyExperts:
         else:
             self.tables[layer].copy_(table)
 
-    def addresses(self, table: torch.Tensor) -> tuple[Mxfp4Addresses, Mxfp4Addresses]:
-        """Gate/up and down matrices found through ``table`` (rows: gate/up bytes, its scales, down
-        bytes, its scales; one column per entry)."""
+    def addresses(self, table: torch.Tensor) -> tuple[Mxfp4Addresses, Mxfp4Addresses] | tuple[GgufAddresses, ...]:
+        """Gate/up and down matrices found through ``table`` (rows: the stored parts, MXFP4's gate/up bytes,
+        its scales, down bytes, its scales, or GGUF's gate/up and down blocks; one column per entry)."""
         inter, hidden = self.intermediate, self.hidden
+        if self.form.kind == "gguf":
+            gate_up, down = self.form.gguf
+            return GgufAddresses(table[0], gate_up, 2 * inter, hidden), GgufAddresses(table[1], down, hidden, inter)
         # aligned: checked for the tables (``write_table``); host slots and scratch rows start at
         # multiples of 256 bytes (``SlotArena``)
         return (Mxfp4Addresses(table[0], table[1], 2 * inter, hidden, aligned=True),

@@ -4,7 +4,8 @@ and ``ds4d.cuda.gguf_matmul``.
 FP8 linears (:class:`Fp8Weight`: e4m3 values with float32 scales per 128 x 128
 block), MXFP4 expert matrices (:class:`Mxfp4Matrices`, and
 :class:`Mxfp4Addresses` when found by address), and a GGUF file's quantised blocks
-(:class:`GgufWeight` for a linear, :class:`GgufMatrices` for an expert bank).  Below both the checkpoint
+(:class:`GgufWeight` for a linear, :class:`GgufMatrices` for an expert bank, :class:`GgufAddresses` when found
+by address).  Below both the checkpoint
 reader (``loader.py``), which makes them, and the weight records (``weights.py``),
 which hold them.
 """
@@ -83,6 +84,17 @@ class GgufMatrices:
 
     raw: torch.Tensor
     qtype: str
+    cols: int
+
+
+@dataclass
+class GgufAddresses:
+    """Expert matrices in GGUF blocks of ``qtype`` found by address: int64 ``[E]`` of where each expert's
+    ``rows`` rows of ``cols`` values start (rows contiguous), wherever they sit (``offload_zero_copy.py``)."""
+
+    table: torch.Tensor
+    qtype: str
+    rows: int
     cols: int
 
 
