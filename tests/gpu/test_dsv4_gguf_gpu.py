@@ -63,22 +63,27 @@ def test_auto_keeps_blocks_in_bfloat16(name):
 @pytest.mark.parametrize("share", [0.0, 0.5])
 def test_experts_offloaded_in_their_blocks_give_the_on_device_logits(name, share):
     """Routed experts in page-locked host RAM as stored (none, or half of them, in the device banks), copied
-    for the steps that use them and read where they land by the same kernels: the logits of every expert
-    on the device, bit for bit, in float32 and in bfloat16 (Q4_K_M: its layers' down projections differ in
-    type, so its forms have host slots of their own)."""
+    for the steps that use them and read where they land by the same kernels, or (Q6_K: gate/up and down
+    in blocks) read by address inside the decode graphs: in float32, the logits of every expert on the
+    device within 1e-4 of the largest (the prefill's weighted sum of the experts is torch's, not the fused
+    kernel's) and the same greedy tokens (Q4_K_M: its layers' down projections differ in type, so its
+    forms have host slots of their own)."""
     from ds4d.models.deepseek_v4.offload import OffloadOptions
 
-    for dtype in (torch.float32, torch.bfloat16):
-        want, want_ids = _run(load_gguf_model(FIXTURES / name, dtype=dtype, device="cuda", weight_format="native"))
-        probe = load_gguf_model(FIXTURES / name, dtype=dtype, device="cuda", weight_format="native",
-                                offload=OffloadOptions(vram_bytes=1, stage_experts=2, decode_cold="copy"))
-        cfg, per_expert = probe.cfg, probe.expert_offload.device_expert_bytes
-        hot = int(share * cfg.n_routed_experts) * cfg.num_hidden_layers  # the budget counts the largest layer's
-        options = OffloadOptions(vram_bytes=hot * per_expert + probe.expert_offload.staging_bytes + 1,
-                                 stage_experts=2, decode_cold="copy", placement="static")
-        model = load_gguf_model(FIXTURES / name, dtype=dtype, device="cuda", weight_format="native", offload=options)
-        offload = model.expert_offload
-        assert offload.form.kind == "gguf" and offload.expert_stats()["gpu_experts"] == hot
-        got, got_ids = _run(model)
-        assert torch.equal(got, want), f"{dtype}: max |diff| {(got - want).abs().max().item():.3e}"
-        assert got_ids == want_ids and offload.expert_stats()["bytes_copied"] > 0
+    def load(offload=None):
+        return load_gguf_model(FIXTURES / name, dtype=torch.float32, device="cuda", weight_format="native",
+                               offload=offload)
+
+    want, want_ids = _run(load())
+    probe = load(OffloadOptions(vram_bytes=1, stage_experts=2, decode_cold="copy"))
+    cfg, per_expert = probe.cfg, probe.expert_offload.device_expert_bytes  # the largest layer's
+    hot = int(share * cfg.n_routed_experts) * cfg.num_hidden_layers
+    options = OffloadOptions(vram_bytes=hot * per_expert + probe.expert_offload.staging_bytes + 1,
+                             stage_experts=2, decode_cold="copy", placement="static")
+    model = load(options)
+    offload = model.expert_offload
+    assert offload.expert_stats()["gpu_experts"] == hot
+    assert offload.zero_copy == (name == "quant-Q6_K.gguf")
+    got, got_ids = _run(model)
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    assert got_ids == want_ids and offload.expert_stats()["bytes_copied"] > 0
