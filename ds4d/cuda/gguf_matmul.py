@@ -267,13 +267,23 @@ GEMV_ROWS = 8
 """:func:`linear` takes the GEMV up to this many rows (decode), and the decoded weight past it."""
 
 
-def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str) -> torch.Tensor:
+def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, *, gemv_rows: int = GEMV_ROWS,
+           decoded_rows: int | None = None) -> torch.Tensor:
     """``x [M, K] @ W^T`` in ``x``'s dtype for a weight ``raw`` of ``qtype`` blocks: a GEMV per row up to
-    :data:`GEMV_ROWS` rows (float32 sums), else the weight decoded into ``x``'s dtype and one dense
-    product (prefill: bound by compute, the decoding a small share of it)."""
-    if x.shape[0] <= GEMV_ROWS:
+    ``gemv_rows`` rows (float32 sums), else the weight decoded into ``x``'s dtype and one dense
+    product (prefill: bound by compute, the decoding a small share of it); ``decoded_rows``: decode at
+    most this many weight rows at a time (a large matrix, such as an output head, is never whole in
+    ``x``'s dtype)."""
+    if x.shape[0] <= gemv_rows:
         return gemv(x, raw, qtype).to(x.dtype)
-    return torch.nn.functional.linear(x, dequantize(raw, qtype, x.shape[-1]).to(x.dtype))
+    cols, n = x.shape[-1], raw.shape[0]
+    step = n if decoded_rows is None else max(1, decoded_rows)
+    if step >= n:
+        return torch.nn.functional.linear(x, dequantize(raw, qtype, cols).to(x.dtype))
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for at in range(0, n, step):
+        out[:, at:at + step] = torch.nn.functional.linear(x, dequantize(raw[at:at + step], qtype, cols).to(x.dtype))
+    return out
 
 
 def expert_rows(x: torch.Tensor, raw: torch.Tensor, qtype: str, expert_of_row: torch.Tensor,

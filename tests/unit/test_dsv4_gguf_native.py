@@ -80,6 +80,8 @@ def test_blocks_as_stored_give_the_decoded_models_logits(name, linear_type, kept
     gate_up, down = ffn.experts.native
     assert isinstance(gate_up, GgufMatrices) and gate_up.raw.shape[1] == 2 * native.cfg.moe_intermediate_size
     assert isinstance(down, GgufMatrices) == ("w2" in kept_experts)
+    head = native.weights.head  # llama-quantize's Q5_K/Q6_K output heads stay in blocks; the converter's is BF16
+    assert isinstance(head, GgufWeight) == name.startswith("quant-") and (head.dtype == torch.float32)
     decoded = _load(name, native=False)
     assert not decoded.native_weights
     assert native.info.parameter_bytes < decoded.info.parameter_bytes
@@ -94,7 +96,7 @@ def test_blocks_as_stored_give_the_decoded_models_logits(name, linear_type, kept
 def test_the_summary_names_what_stays_in_blocks():
     model = _load("quant-Q2_K.gguf", native=True)
     summary = kept_summary(model.weights)
-    assert "Q2_K experts" in summary and "decoded:" in summary
+    assert "Q2_K experts" in summary and "1 Q6_K head" in summary and "decoded:" in summary
 
 
 def test_weight_format_choice_for_gguf_files():

@@ -166,6 +166,19 @@ def test_gemv_by_address_is_the_gemv_by_expert_bit_for_bit(qtype):
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])
+def test_linear_decodes_a_large_weight_a_slice_of_rows_at_a_time(qtype):
+    """``linear`` past its GEMV rows with ``decoded_rows`` (a GGUF output head): the weight decoded 7 rows
+    at a time (the last slice part-full), the same product as the weight decoded whole."""
+    raw, values = bank(qtype, 1, 30, 256)
+    x = torch.randn(12, 256, generator=torch.Generator().manual_seed(8))
+    weight = torch.from_numpy(raw[0]).to(device())
+    got = gguf_matmul.linear(x.to(device()), weight, qtype, gemv_rows=4, decoded_rows=7).cpu()
+    assert within_rounding(got, x, values[0].expand(12, -1, -1))
+    whole = gguf_matmul.linear(x.to(device()), weight, qtype, gemv_rows=4).cpu()
+    assert within_rounding(whole, x, values[0].expand(12, -1, -1))
+
+
 @pytest.mark.parametrize("qtype", sorted(gguf_matmul.TYPES))
 def test_tiles_for_a_batch_and_grouped_by_expert(qtype):
     """Tensor-core tiles in float32 (IEEE, not TF32): a batch of 40 rows times one matrix, and 70 rows

@@ -15,8 +15,9 @@ native weights (on CUDA; ``weight_format`` auto or native) the linears and route
 expert banks of a type ``ds4d.cuda.gguf_matmul`` reads stay in their blocks on the
 device (``stored.GgufWeight``, ``GgufMatrices``): a decode step multiplies them by a
 GEMV per row, a prefill decodes each linear into the activations' dtype for one
-dense product and runs the experts on tensor-core tiles.  Everything else (norms,
-the float32 head and router, ``wo_a``, and tensors of other types) is decoded.
+dense product and runs the experts on tensor-core tiles.  The output head of such a type stays in its
+blocks too, multiplied in float32.  Everything else (norms, the router, ``wo_a``, and tensors of other
+types) is decoded.
 
 The tokenizer: the real V4 tokenizer when the file's vocabulary is the V4 one, id
 for id (the converter writes it from the checkpoint's ``tokenizer.json``); otherwise
@@ -371,6 +372,10 @@ def kept_summary(weights, offload: ExpertOffload | None = None) -> str:
                 kept[name] = kept.get(name, 0) + 1
             else:
                 decoded += 1
+    if isinstance(weights.head, GgufWeight):
+        kept[f"{weights.head.qtype} head"] = 1
+    else:
+        decoded += 1
     listed = ", ".join(f"{count} {name}" for name, count in sorted(kept.items()))
     return f"kept in GGUF blocks: {listed or 'nothing'}; decoded: {decoded} linears and expert matrices"
 

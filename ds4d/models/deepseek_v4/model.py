@@ -35,8 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from ds4d.contracts import ForwardBatch, ModelInfo, SeqChunk, Tokenizer
+from ds4d.cuda import gguf_matmul
 from ds4d.cuda.devices import to_device_async
-from ds4d.cuda.graphs import bucket as _bucket, decode_buckets
+from ds4d.cuda.graphs import bucket as _bucket
+from ds4d.cuda.graphs import decode_buckets
 from ds4d.cuda.rows import row_classes
 from ds4d.models.deepseek_v4.attention import ChunkRows, StepInputs, attention_forward
 from ds4d.models.deepseek_v4.cache import DeepseekV4Cache
@@ -49,7 +51,6 @@ from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_no
 from ds4d.models.deepseek_v4.paths import ForwardPaths
 from ds4d.models.deepseek_v4.stored import Fp8Weight, GgufWeight
 from ds4d.models.deepseek_v4.weights import ModelWeights, add_split_weights
-
 
 log = logging.getLogger("ds4d.models")
 
@@ -82,7 +83,8 @@ class DeepseekV4Model:
         self.paths = paths if paths is not None else ForwardPaths.for_device(self.device)
         if self.paths.decode_graphs == "cuda" and self.device.type != "cuda":
             raise ValueError(f"decode_graphs = cuda needs a CUDA device, not {self.device}")
-        if self.device.type == "cuda" and dtype == torch.bfloat16 and _holds_bf16_values(weights.head):
+        if (self.device.type == "cuda" and dtype == torch.bfloat16 and isinstance(weights.head, torch.Tensor)
+                and _holds_bf16_values(weights.head)):
             weights.head = weights.head.to(torch.bfloat16)  # same values, half the bytes read per token
         self.rope_main, self.rope_compress = Rope.for_layers(cfg, self.device)
         self.cache: DeepseekV4Cache | None = None
@@ -305,6 +307,9 @@ class DeepseekV4Model:
         final = rms_norm(
             hc_head(hidden, weights.head_hc, cfg.hc_eps, cfg.rms_norm_eps, fused=fused), weights.norm, cfg.rms_norm_eps
         )
+        if isinstance(weights.head, GgufWeight):  # a GGUF file's head in its blocks
+            rows = HEAD_GEMV_ROWS if weights.head.qtype in gguf_matmul.BLOCKWISE else gguf_matmul.GEMV_ROWS
+            return weights.head.matmul(final.float(), gemv_rows=rows, decoded_rows=HEAD_DECODED_ROWS)
         if weights.head.dtype == torch.float32:
             return F.linear(final.float(), weights.head)
         return linear_bf16_weight_f32_out(final.float(), weights.head)
@@ -476,6 +481,15 @@ def step_rows(step: StepInputs, begin: int, end: int) -> StepInputs:
     return StepInputs(chunks=chunks, positions=step.positions[begin:end],
                       rope_main=tuple(t[begin:end] for t in step.rope_main),
                       rope_compress=tuple(t[begin:end] for t in step.rope_compress))
+
+
+HEAD_GEMV_ROWS = 64
+"""Rows whose logits a GGUF head of a block-wise type gives by GEMV (each program decodes a weight tile once
+for 8 rows; other types: ``gguf_matmul.GEMV_ROWS``): up to here that reads the blocks fewer times than
+decoding the head to float32 writes and reads it."""
+HEAD_DECODED_ROWS = 16384
+"""Past :data:`HEAD_GEMV_ROWS`, a GGUF head is decoded to float32 this many vocabulary rows at a time
+(256 MiB at V4's 4096 inputs), never whole."""
 
 
 def _holds_bf16_values(tensor: torch.Tensor) -> bool:

@@ -70,11 +70,11 @@ class GgufWeight:
         """The decoded ``[out, in]`` values in the activations' dtype."""
         return gguf_values(self.raw, self.qtype, self.cols).to(self.dtype)
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [..., in] @ W^T``."""
+    def matmul(self, x: torch.Tensor, **launch) -> torch.Tensor:
+        """``x [..., in] @ W^T`` (``launch``: ``gguf_matmul.linear``'s ``gemv_rows`` and ``decoded_rows``)."""
         if gguf_matmul.available() and x.device == self.raw.device:
             flat = x.reshape(-1, x.shape[-1])
-            return gguf_matmul.linear(flat, self.raw, self.qtype).view(*x.shape[:-1], -1)
+            return gguf_matmul.linear(flat, self.raw, self.qtype, **launch).view(*x.shape[:-1], -1)
         return torch.nn.functional.linear(x, self.dense())
 
 

@@ -20,7 +20,7 @@ import torch
 from ds4d.models.deepseek_v4.config import CSA_RATIO, DeepseekV4Config
 from ds4d.models.deepseek_v4.loader import CheckpointError, WeightReader
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4
-from ds4d.models.deepseek_v4.stored import Fp8Weight, GgufMatrices, Linear, Mxfp4Matrices, gguf_values
+from ds4d.models.deepseek_v4.stored import Fp8Weight, GgufMatrices, GgufWeight, Linear, Mxfp4Matrices, gguf_values
 
 
 @dataclass
@@ -148,7 +148,7 @@ class LayerWeights:
 class ModelWeights:
     embed: torch.Tensor  # [V, D]
     norm: torch.Tensor
-    head: torch.Tensor  # [V, D], float32
+    head: torch.Tensor | GgufWeight  # [V, D], float32 (or a GGUF file's blocks: :func:`_head`)
     head_hc: HyperWeights  # fn [m, m * D], base [m], scale [1]
     layers: list[LayerWeights]
 
@@ -210,6 +210,15 @@ def _linear(reader: WeightReader, name: str) -> Linear:
     native weights and the weight is stored in a form a kernel reads, else decoded to the model dtype."""
     stored = reader.stored_linear(name) if getattr(reader, "native", False) else None
     return stored if stored is not None else reader.tensor(name)
+
+
+def _head(reader: WeightReader) -> torch.Tensor | GgufWeight:
+    """The output head: float32 values, or, from a reader keeping a GGUF file's blocks, its blocks
+    multiplied in float32 (a q2 file's Q8_0 head: a quarter of the float32 bytes)."""
+    stored = reader.stored_linear("head.weight") if getattr(reader, "native", False) else None
+    if isinstance(stored, GgufWeight):
+        return GgufWeight(stored.raw, stored.qtype, stored.cols, F32)
+    return reader.tensor("head.weight", F32)
 
 
 def _hyper(reader: WeightReader, prefix: str) -> HyperWeights:
@@ -368,7 +377,7 @@ def read_weights(
     return ModelWeights(
         embed=reader.tensor("embed.weight"),
         norm=reader.tensor("norm.weight", F32),
-        head=reader.tensor("head.weight", F32),
+        head=_head(reader),
         head_hc=_hyper(reader, "hc_head_"),
         layers=layers,
     )
