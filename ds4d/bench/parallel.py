@@ -161,10 +161,10 @@ def run(args) -> int:
         try:
             say(f"{name}: built in {time.perf_counter() - t0:.1f} s")
             cut = split.microbatches if stages > 1 else 1
-            results.append(row(split, name + (f", prompt steps in {cut} micro-batches" if cut > 1 else ""), measure))
+            results.append(row(split, name + (f", pipeline_microbatches {cut}" if cut > 1 else ""), measure))
             if cut > 1:  # the same split model, its prompt steps flowing through the stages whole
                 split.microbatches = 1
-                results.append(row(split, name + ", prompt steps not cut",
+                results.append(row(split, name + ", pipeline_microbatches 1",
                                    lambda model, label: {"prefill": measure(model, label, prefill_only=True)}))
         finally:
             split.close()
