@@ -114,12 +114,17 @@ def _grid_codes(device: torch.device) -> torch.Tensor:
     return _state[key]
 
 
-def _check(raw: torch.Tensor, qtype: str, cols: int) -> int:
-    """Bytes per row of ``raw`` for ``cols`` values of ``qtype`` (checked)."""
+def row_bytes_of(qtype: str, cols: int) -> int:
+    """Bytes of a row of ``cols`` values in ``qtype`` blocks (a whole number of blocks, checked)."""
     values, nbytes = block_shape(qtype)
     if cols % values:
         raise ValueError(f"{qtype} rows hold multiples of {values} values, not {cols}")
-    row_bytes = cols // values * nbytes
+    return cols // values * nbytes
+
+
+def _check(raw: torch.Tensor, qtype: str, cols: int) -> int:
+    """Bytes per row of ``raw`` for ``cols`` values of ``qtype`` (checked)."""
+    row_bytes = row_bytes_of(qtype, cols)
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes or not raw.is_contiguous():
         raise ValueError(f"{qtype} weight of {cols} columns: want contiguous uint8 [N, {row_bytes}], "
                          f"got {raw.dtype} {list(raw.shape)}")
@@ -169,25 +174,35 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor |
         raise ValueError("gemv takes a matrix [N, row_bytes], or a bank [E, N, row_bytes] with experts")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    grid_table, signs = _tables(raw.device, qtype)
-    n, m = raw.shape[-2], x.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32, device=raw.device)
-    chosen = experts.to(device=raw.device, dtype=torch.int32) if experts is not None else signs
+    n = raw.shape[-2]
+    chosen = experts.to(device=raw.device, dtype=torch.int32) if experts is not None else None
+    return _launch_gemv(x, flat, qtype, n, row_bytes, expert_bytes, chosen, blockwise=blockwise)
+
+
+def _launch_gemv(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_bytes: int, expert_bytes: int,
+                 chosen: torch.Tensor | None, *, blockwise: bool = True) -> torch.Tensor:
+    """The GEMV kernels over weight rows at ``flat``; ``chosen`` (None: one matrix): per row of ``x``, the
+    index of its matrix, ``expert_bytes`` apart from ``flat``."""
+    cols, m = x.shape[-1], x.shape[0]
+    grid_table, signs = _tables(flat.device, qtype)
+    out = torch.empty(m, n, dtype=torch.float32, device=flat.device)
+    by_expert = chosen is not None
+    chosen = chosen if by_expert else signs
     if blockwise and qtype in BLOCKWISE:
         launch = BLOCKWISE[qtype]
-        rows_per = 1 if experts is not None else min(MULTI_ROWS, 1 << (m - 1).bit_length())
-        table = _grid_codes(raw.device) if qtype == "IQ2_XXS" else grid_table
+        rows_per = 1 if by_expert else min(MULTI_ROWS, 1 << (m - 1).bit_length())
+        table = _grid_codes(flat.device) if qtype == "IQ2_XXS" else grid_table
         _blockwise().gemv_kernel[(-(-n // launch["block_n"]), -(-m // rows_per))](
             x, flat, out, table, signs, chosen, n, m, cols, row_bytes, expert_bytes, x.stride(0), out.stride(0),
-            qtype=TYPES[qtype], by_expert=experts is not None, block_n=launch["block_n"], supers=launch["supers"],
+            qtype=TYPES[qtype], by_expert=by_expert, block_n=launch["block_n"], supers=launch["supers"],
             rows_per=rows_per, num_warps=launch["warps"], enable_fp_fusion=False)
         return out
     block_k = 256 if cols % 256 == 0 else 32
-    k = _kernels()
     block_n = 16
-    k.gemv_kernel[(-(-n // block_n), m)](x, flat, out, grid_table, signs, chosen, n, cols, row_bytes, expert_bytes,
-                                         x.stride(0), out.stride(0), qtype=TYPES[qtype], by_expert=experts is not None,
-                                         block_n=block_n, block_k=block_k, enable_fp_fusion=False)
+    _kernels().gemv_kernel[(-(-n // block_n), m)](x, flat, out, grid_table, signs, chosen, n, cols, row_bytes,
+                                                  expert_bytes, x.stride(0), out.stride(0), qtype=TYPES[qtype],
+                                                  by_expert=by_expert, block_n=block_n, block_k=block_k,
+                                                  enable_fp_fusion=False)
     return out
 
 
@@ -198,33 +213,14 @@ def gemv_at(x: torch.Tensor, addresses: torch.Tensor, qtype: str, n: int) -> tor
     one-byte "experts" at an anchor of ``x``'s device: each row's offset from the anchor picks its
     matrix, so the arithmetic is :func:`gemv`'s with ``experts``, bit for bit.  No host read:
     capturable in a CUDA graph."""
-    cols, m = x.shape[-1], x.shape[0]
-    values, nbytes = block_shape(qtype)
-    if cols % values:
-        raise ValueError(f"{qtype} weight rows of {cols} values are not whole blocks of {values}")
-    row_bytes = cols // values * nbytes
+    row_bytes = row_bytes_of(qtype, x.shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if not x.shape[0]:
+        return torch.empty(0, n, dtype=torch.float32, device=x.device)
     anchor = _anchor(x.device)
     offsets = (addresses.to(device=x.device, dtype=torch.int64) - anchor.data_ptr()).contiguous()
-    grid_table, signs = _tables(x.device, qtype)
-    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    if not m:
-        return out
-    if qtype in BLOCKWISE:
-        launch = BLOCKWISE[qtype]
-        table = _grid_codes(x.device) if qtype == "IQ2_XXS" else grid_table
-        _blockwise().gemv_kernel[(-(-n // launch["block_n"]), m)](
-            x, anchor, out, table, signs, offsets, n, m, cols, row_bytes, 1, x.stride(0), out.stride(0),
-            qtype=TYPES[qtype], by_expert=True, block_n=launch["block_n"], supers=launch["supers"], rows_per=1,
-            num_warps=launch["warps"], enable_fp_fusion=False)
-        return out
-    block_n = 16
-    _kernels().gemv_kernel[(-(-n // block_n), m)](x, anchor, out, grid_table, signs, offsets, n, cols, row_bytes, 1,
-                                                  x.stride(0), out.stride(0), qtype=TYPES[qtype], by_expert=True,
-                                                  block_n=block_n, block_k=256 if cols % 256 == 0 else 32,
-                                                  enable_fp_fusion=False)
-    return out
+    return _launch_gemv(x, anchor, qtype, n, row_bytes, 1, offsets)
 
 
 def _anchor(device: torch.device) -> torch.Tensor:

@@ -258,8 +258,7 @@ class GGUFWeightReader:
         for which, name in names.items():
             _, rows, cols = self.files.shape(name)
             if kept[which]:
-                values, nbytes = gguf_matmul.block_shape(kept[which])
-                total += rows * cols // values * nbytes
+                total += rows * gguf_matmul.row_bytes_of(kept[which], cols)
             else:
                 total += rows * cols * element
         return total

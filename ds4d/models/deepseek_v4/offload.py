@@ -204,7 +204,7 @@ class ExpertOffload:
         dense = 3 * inter * hidden * element
         self.device_expert_bytes = dense if form.decodes else max(hints)
         """Device bytes per expert in the budget: the largest layer's."""
-        slots = HostSlots({name: t[0] for name, t in stored.items()}, HostArena(), self.pinned)
+        slots = self._host_slots(stored, HostArena())
         self.residency.hold(form, slots)
         addressable = self.native or (form.kind == "gguf" and None not in form.gguf and gguf_matmul.available()
                                       and len(set(hints)) == 1)
@@ -259,14 +259,17 @@ class ExpertOffload:
                 log.info("expert offload: layer %d's experts are held as %s, the first layer's as %s: decode "
                          "steps read back the routing (no zero-copy decode)", layer, form.label, self.form.label)
                 self.zero_copy = self.gather = False
-            arena = HostArena(huge_pages=self.slots.arena.huge_pages)
-            self.residency.hold(form, HostSlots({name: t[0] for name, t in stored.items()}, arena, self.pinned))
+            self.residency.hold(form, self._host_slots(stored, HostArena(huge_pages=self.slots.arena.huge_pages)))
         bank.weights, bank.scales, bank.gate_up, bank.native, bank.gguf, bank._dense_cache = ({}, {}, None, None,
                                                                                               None, None)
         self.residency.adopt(layer, form, sorted(self._initial[layer]), stored)
         if self.zero_copy:
             self._write_table(layer)
         return bank
+
+    def _host_slots(self, stored: dict[str, torch.Tensor], arena: HostArena) -> HostSlots:
+        """Host slots shaped for one expert of ``stored`` (every expert's parts, stacked)."""
+        return HostSlots({name: t[0] for name, t in stored.items()}, arena, self.pinned)
 
     def finish(self) -> None:
         """After the last :meth:`adopt`: staging banks, the copy stream, and the bandwidths measured."""

@@ -189,8 +189,8 @@ def gguf_matrices(form: ExpertForm, gate_up: torch.Tensor, down: torch.Tensor) -
 def _gguf_empty(form: ExpertForm, n: int, rows: int, cols: int, qtype: str | None) -> torch.Tensor:
     if qtype is None:
         return torch.empty((n, rows, cols), dtype=form.dtype, device=form.device)
-    values, nbytes = gguf_matmul.block_shape(qtype)  # zeros: a spare tile may decode a slot never filled
-    return torch.zeros((n, rows, cols // values * nbytes), dtype=torch.uint8, device=form.device)
+    # zeros: a spare tile may decode a slot never filled
+    return torch.zeros((n, rows, gguf_matmul.row_bytes_of(qtype, cols)), dtype=torch.uint8, device=form.device)
 
 
 def bank_matrices(form: ExpertForm, n: int) -> tuple[Matrices, Matrices]:

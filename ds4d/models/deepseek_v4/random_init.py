@@ -207,8 +207,7 @@ def gguf_expert_bytes(cfg: DeepseekV4Config, recipe: str) -> int:
     types = {which: _fitting(GGUF_RECIPES[recipe][which], cols) for which, (_, cols) in shapes.items()}
     if None in types.values():
         return 3 * inter * hidden * 17 // 32
-    return sum(rows * cols // gguf_matmul.block_shape(types[which])[0] * gguf_matmul.block_shape(types[which])[1]
-               for which, (rows, cols) in shapes.items())
+    return sum(rows * gguf_matmul.row_bytes_of(types[which], cols) for which, (rows, cols) in shapes.items())
 
 
 class RandomGgufReader(RandomReader):
