@@ -206,12 +206,15 @@ def _launch_gemv(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_by
     return out
 
 
-def gemv_at(x: torch.Tensor, addresses: torch.Tensor, qtype: str, n: int) -> torch.Tensor:
+def gemv_at(x: torch.Tensor, addresses: torch.Tensor, qtype: str, n: int, *, aligned: bool = False) -> torch.Tensor:
     """:func:`gemv` with row ``m``'s matrix found by address: ``addresses[m]`` (int64) is where its ``n``
     rows of ``x.shape[1]`` values in ``qtype`` blocks start, rows contiguous, wherever they sit (device
-    memory, or host memory the device can read).  The by-expert kernels of :func:`gemv` with a bank of
-    one-byte "experts" at an anchor of ``x``'s device: each row's offset from the anchor picks its
-    matrix, so the arithmetic is :func:`gemv`'s with ``experts``, bit for bit.  No host read:
+    memory, or host memory the device can read).  The by-expert kernels of :func:`gemv` over a bank of
+    small "experts" at an anchor of ``x``'s device: each row's offset from the anchor picks its matrix.
+    ``aligned`` (the caller's promise that every address is a multiple of 16): the experts are 16 bytes
+    apart, so the compiler knows what it knows of a bank's aligned experts and builds the same kernel:
+    the result is :func:`gemv`'s with ``experts`` bit for bit where the bank's matrices are a multiple of
+    16 bytes.  Unaligned, the experts are one byte apart, and the sums may round differently.  No host read:
     capturable in a CUDA graph."""
     row_bytes = row_bytes_of(qtype, x.shape[-1])
     if x.stride(-1) != 1:
@@ -219,12 +222,16 @@ def gemv_at(x: torch.Tensor, addresses: torch.Tensor, qtype: str, n: int) -> tor
     if not x.shape[0]:
         return torch.empty(0, n, dtype=torch.float32, device=x.device)
     anchor = _anchor(x.device)
+    unit = 16 if aligned else 1
     offsets = (addresses.to(device=x.device, dtype=torch.int64) - anchor.data_ptr()).contiguous()
-    return _launch_gemv(x, anchor, qtype, n, row_bytes, 1, offsets)
+    if aligned:
+        offsets = offsets // unit
+    return _launch_gemv(x, anchor, qtype, n, row_bytes, unit, offsets)
 
 
 def _anchor(device: torch.device) -> torch.Tensor:
-    """A byte of ``device`` memory, kept: the base the addresses of :func:`gemv_at` are taken from."""
+    """16 bytes of ``device`` memory, kept (aligned, as every allocation): the base the addresses of
+    :func:`gemv_at` are taken from."""
     key = f"anchor:{device}"
     if key not in _state:
         _state[key] = torch.zeros(16, dtype=torch.uint8, device=device)

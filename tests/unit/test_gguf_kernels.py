@@ -155,15 +155,19 @@ def test_gemv_by_expert_takes_each_rows_own_matrix(qtype):
 @pytest.mark.parametrize("qtype", sorted(gguf_matmul.TYPES))
 def test_gemv_by_address_is_the_gemv_by_expert_bit_for_bit(qtype):
     """Each row's matrix found by address (zero-copy decode of offloaded experts): here matrices in three
-    separate tensors, one of them twice, give what the same matrices stacked as a bank give by index."""
-    raw, _ = bank(qtype, 3, 24, 512)
+    separate tensors, one of them twice, give what the same matrices stacked as a bank give by index,
+    bit for bit when the addresses are promised aligned, and within float32 rounding when not."""
+    raw, values = bank(qtype, 3, 24, 512)
     apart = [torch.from_numpy(raw[e].copy()).to(device()) for e in range(3)]
     experts = torch.tensor([2, 0, 2, 1, 1])
     addresses = torch.tensor([apart[e].data_ptr() for e in experts.tolist()], dtype=torch.int64)
+    assert all(a % 16 == 0 for a in addresses.tolist())
     x = torch.randn(5, 512, generator=torch.Generator().manual_seed(6)).to(device())
-    got = gguf_matmul.gemv_at(x, addresses.to(device()), qtype, 24)
     want = gguf_matmul.gemv(x, torch.from_numpy(raw).to(device()), qtype, experts.to(device()))
+    got = gguf_matmul.gemv_at(x, addresses.to(device()), qtype, 24, aligned=True)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    loose = gguf_matmul.gemv_at(x, addresses.to(device()), qtype, 24)
+    assert within_rounding(loose.cpu(), x.cpu(), values[experts])
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q6_K"])

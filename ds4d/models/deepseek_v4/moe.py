@@ -93,7 +93,8 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
         return quant_matmul.mxfp4_rows_at(x, weight.packed, weight.scales, expert_of_row, weight.rows,
                                           weight.inputs // 2, weight.inputs // 32, aligned=weight.aligned)
     if isinstance(weight, GgufAddresses):  # the same, GGUF blocks
-        return gguf_matmul.gemv_at(x, weight.table[expert_of_row], weight.qtype, weight.rows).to(x.dtype)
+        return gguf_matmul.gemv_at(x, weight.table[expert_of_row], weight.qtype, weight.rows,
+                                   aligned=weight.aligned).to(x.dtype)
     if isinstance(weight, GgufMatrices) and not gguf_matmul.available():  # no kernel here: the decoded bank
         weight = gguf_values(weight.raw, weight.qtype, weight.cols).to(x.dtype)
     per_row = _per_row_kernel(x, weight, step_rows)

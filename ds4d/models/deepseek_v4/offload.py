@@ -207,7 +207,7 @@ class ExpertOffload:
         slots = self._host_slots(stored, HostArena())
         self.residency.hold(form, slots)
         addressable = self.native or (form.kind == "gguf" and None not in form.gguf and gguf_matmul.available()
-                                      and len(set(hints)) == 1)
+                                      and len(set(hints)) == 1 and _aligned_matrices(form, inter, hidden))
         self.zero_copy = addressable and (self.device.type == "cpu" or (
             self.pinned.enabled and host_pointers_usable(self.device)))
         """Decode steps of up to ``moe_gemv.MAX_ROWS`` (token, expert) rows read cold experts straight
@@ -407,3 +407,11 @@ def counted_rows(offload, real: torch.Tensor):
         yield
     finally:
         offload.row_valid = None
+
+
+def _aligned_matrices(form: ExpertForm, inter: int, hidden: int) -> bool:
+    """A GGUF form's gate/up and down matrices are multiples of 16 bytes, so every expert of a device bank
+    starts at an aligned address (what the zero-copy kernels are told)."""
+    gate_up, down = form.gguf
+    return (2 * inter * gguf_matmul.row_bytes_of(gate_up, hidden)) % 16 == 0 and \
+        (hidden * gguf_matmul.row_bytes_of(down, inter)) % 16 == 0

@@ -76,8 +76,8 @@ class ZeroCopyExperts:
                 else:
                     row.append(host_parts(expert)[name].data_ptr())
             rows.append(row)
-        if form.native and any(address % 16 for row in rows for address in row):  # the MXFP4 kernels are told
-            raise ValueError("expert parts must sit at 16-byte aligned addresses")  # every address is (``addresses``)
+        if any(address % 16 for row in rows for address in row):  # the kernels are told every address is
+            raise ValueError("expert parts must sit at 16-byte aligned addresses")  # (``addresses``)
         table = torch.tensor(rows, dtype=torch.int64)
         self.on_host[layer].copy_(torch.tensor([int(slot < 0) for slot in bank.slot_of]))
         if self.tables[layer] is None:
@@ -92,7 +92,8 @@ class ZeroCopyExperts:
         inter, hidden = self.intermediate, self.hidden
         if self.form.kind == "gguf":
             gate_up, down = self.form.gguf
-            return GgufAddresses(table[0], gate_up, 2 * inter, hidden), GgufAddresses(table[1], down, hidden, inter)
+            return (GgufAddresses(table[0], gate_up, 2 * inter, hidden, aligned=True),
+                    GgufAddresses(table[1], down, hidden, inter, aligned=True))
         # aligned: checked for the tables (``write_table``); host slots and scratch rows start at
         # multiples of 256 bytes (``SlotArena``)
         return (Mxfp4Addresses(table[0], table[1], 2 * inter, hidden, aligned=True),

@@ -90,12 +90,14 @@ class GgufMatrices:
 @dataclass
 class GgufAddresses:
     """Expert matrices in GGUF blocks of ``qtype`` found by address: int64 ``[E]`` of where each expert's
-    ``rows`` rows of ``cols`` values start (rows contiguous), wherever they sit (``offload_zero_copy.py``)."""
+    ``rows`` rows of ``cols`` values start (rows contiguous), wherever they sit (``offload_zero_copy.py``);
+    ``aligned``: every address is a multiple of 16 (``gguf_matmul.gemv_at``)."""
 
     table: torch.Tensor
     qtype: str
     rows: int
     cols: int
+    aligned: bool = False
 
 
 def gguf_values(raw: torch.Tensor, qtype: str, cols: int, *, kernel: bool = True) -> torch.Tensor:
