@@ -7,8 +7,8 @@ several times the 50 MB L2, replayed; a call's time is the replay's over the cal
 Cases: Q8_0 linears of one row (``wq_b`` [32768, 1024], ``wo_b`` [4096, 8192]) and of eight, and the routed
 experts of a batch-1 decode step: six rows, each its own expert of a bank of 64 (gate/up IQ2_XXS
 [4096 (w1 over w3), 4096], down Q2_K [4096, 2048]).  GB/s counts the weight bytes the call reads (the six
-experts' matrices for the banks).  Prints each candidate, then a table of the best per type against the
-element-wise kernel and cuBLAS, and the best launches as ``gguf_matmul.BLOCKWISE`` takes them.
+experts' matrices for the banks).  Prints each candidate, then a table of the best per type (and the best with
+the narrow loads and no matrix product, ``wide`` and ``dot`` off) against the element-wise kernel and cuBLAS, and the best launches as ``gguf_matmul.BLOCKWISE`` takes them.
 
     python3 tests/gpu/gguf_gemv_sweep.py
 """
@@ -31,7 +31,9 @@ CASES = [  # (label, type, N, K, rows, experts in the bank; 0: one matrix)
     ("gate/up [4096, 4096], 6 rows by expert", "IQ2_XXS", 4096, 4096, 6, 64),
     ("down [4096, 2048], 6 rows by expert", "Q2_K", 4096, 2048, 6, 64),
 ]
-LAUNCHES = [{"block_n": b, "supers": s, "warps": w} for b, s, w in itertools.product((4, 8, 16), (1, 2), (4, 8))]
+LAUNCHES = [{"block_n": b, "supers": s, "warps": w, "wide": wide, "dot": dot}
+            for b, s, w, wide, dot in itertools.product((4, 8, 16), (1, 2), (4, 8), (False, True), (False, True))
+            if not dot or b == 16]  # with dot a program takes at least 16 weight rows
 L2_BYTES = 50 << 20
 
 
@@ -65,12 +67,14 @@ def case_inputs(qtype: str, n: int, k: int, rows: int, experts: int):
 
 def main() -> None:
     print(f"{torch.cuda.get_device_name()}: CUDA graphs over distinct weights, do_bench median")
-    best: dict[str, tuple[float, dict]] = {}
+    timed: dict[str, dict[str, float]] = {}  # case label -> launch (JSON) -> seconds a call
     rows_out = []
     for label, qtype, n, k, rows, experts in CASES:
         weights, x, ids, read = case_inputs(qtype, n, k, rows, experts)
-        times = {}
+        times = timed[label] = {}
         for launch in LAUNCHES:
+            if launch["dot"] and (rows == 1 or experts):  # dot serves several rows of one matrix only
+                continue
             gguf_matmul.BLOCKWISE[qtype] = launch
             try:
                 s = graph_time([lambda w=w, x=x, q=qtype, e=ids: gguf_matmul.gemv(x, w, q, e) for w in weights])
@@ -87,21 +91,30 @@ def main() -> None:
         dense_read = dense.nbytes * (rows if experts else 1)
         if experts:  # cuBLAS multiplies all rows by one matrix: the per-expert bytes are rows x that
             cublas *= rows
-        fastest = min(times, key=times.get)
-        for launch, s in times.items():  # a launch's score: its time summed over the type's cases
-            total, _ = best.get(qtype + launch, (0.0, {}))
-            best[qtype + launch] = (total + s / read, json.loads(launch))
-        rows_out.append((label, qtype, read, times[fastest], fastest, plain, dense_read, cublas))
-    print("\n| case | type | bytes | block-wise us | GB/s | element-wise us | GB/s | bf16 cuBLAS us | GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for label, qtype, read, s, launch, plain, dense_read, cublas in rows_out:
+        narrow = min((t for key, t in times.items() if not json.loads(key)["wide"] and not json.loads(key)["dot"]),
+                     default=float("nan"))
+        rows_out.append((label, qtype, read, min(times.values()), narrow, plain, dense_read, cublas))
+    print("\n| case | type | bytes | block-wise us | GB/s | narrow loads, no dot us | element-wise us | GB/s "
+          "| bf16 cuBLAS us | GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for label, qtype, read, s, narrow, plain, dense_read, cublas in rows_out:
         print(f"| {label} | {qtype} | {read / 2**20:.1f} MiB | {s * 1e6:.1f} | {read / s / 1e9:,.0f} | "
-              f"{plain * 1e6:.1f} | {read / plain / 1e9:,.0f} | {cublas * 1e6:.1f} | {dense_read / cublas / 1e9:,.0f} |")
+              f"{narrow * 1e6:.1f} | {plain * 1e6:.1f} | {read / plain / 1e9:,.0f} | {cublas * 1e6:.1f} | "
+              f"{dense_read / cublas / 1e9:,.0f} |")
     chosen = {}
-    for qtype in sorted({c[1] for c in CASES}):
-        scored = {key: v for key, v in best.items() if key.startswith(qtype + "{")}
-        chosen[qtype] = min(scored.values(), key=lambda v: v[0])[1]
-    print(f"\nbest launches (each type's cases, time per byte summed): {json.dumps(chosen)}")
+    for qtype in sorted({case[1] for case in CASES}):
+        cases = [(label, read) for label, q, read, *_ in rows_out if q == qtype]
+        # the launch without dot with the least time per byte summed over the type's cases ...
+        score = {key: sum(timed[label].get(key, float("inf")) / read for label, read in cases)
+                 for key in timed[cases[0][0]] if not json.loads(key)["dot"]}
+        launch = json.loads(min(score, key=score.get))
+        # ... then dot, if it wins the type's case of several rows of one matrix
+        for label, _, _, _, rows, experts in CASES:
+            if label in dict(cases) and rows > 1 and not experts:
+                with_dot = timed[label].get(json.dumps({**launch, "block_n": 16, "dot": True}), float("inf"))
+                launch["dot"] = with_dot < timed[label].get(json.dumps(launch), float("inf"))
+        chosen[qtype] = launch
+    print(f"\nbest launches (each type's cases, time per byte summed; dot where it wins): {json.dumps(chosen)}")
 
 
 if __name__ == "__main__":
