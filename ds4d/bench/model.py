@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
                 hf_done = True
                 theirs = _guarded(torch, "HF", lambda: _hf(torch, hf, ids, max(8, n // 2), device=device,
                                                            chunk=hf_chunk)[1])
-            rows.append(Row(label, got, theirs, floors.decode(batch, context)))
+            rows.append(Row(label, got, theirs, floors.decode(batch, context), extra=per_layer(floors, batch, context, got)))
 
     prefill_case(2048)
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -329,7 +329,17 @@ def _long_context(torch, model, ids, decode_tokens: int, chunk: int, floors, syn
          f"there and refuses a longer prompt before any work)")
     label = f"{tokens // 1000}K"
     return [Row(f"prefill {label} tok, b1", timing.prefill_tok_s, None, floors.prefill(tokens)),
-            Row(f"decode b1 @{label}", decode, None, floors.decode(1, tokens))]
+            Row(f"decode b1 @{label}", decode, None, floors.decode(1, tokens), extra=per_layer(floors, 1, tokens, decode))]
+
+
+def per_layer(floors, batch: int, context: int, tok_s: float | None) -> dict:
+    """A decode row's time per layer, with the head taken at its floor: (step time - the head's floor time) /
+    layers, and the floor's per layer (``Floors.layer_seconds``), in ms."""
+    if not tok_s:
+        return {}
+    step = batch / tok_s
+    return {"layer_ms": (step - floors.head_seconds()) / floors.cfg.num_hidden_layers * 1e3,
+            "layer_floor_ms": floors.layer_seconds(batch, context) * 1e3}
 
 
 def _profile_decode(torch, model, prompt, path: str, sync, steps: int = 8) -> None:
@@ -392,4 +402,13 @@ def _print_table(rows, cfg, args, device, bandwidth, matmul, hf_note, check) -> 
     for r in rows:
         say(f"| {r.case} | {_fmt(r.ds4d)} | {_fmt(r.hf)} | {_ratio(r.ds4d, r.hf)} | {_fmt(r.floor)} | "
              f"{_ratio(r.ds4d, r.floor)} |")
+    layered = [r for r in rows if "layer_ms" in r.extra]
+    if layered:
+        say(f"\n# per layer ({cfg.num_hidden_layers}): a decode step's time less the head's floor time, over the "
+            "layers, against the floor's per layer")
+        say("| case | ms per layer | floor ms per layer | time / floor |")
+        say("|---|---|---|---|")
+        for r in layered:
+            layer, floor = r.extra["layer_ms"], r.extra["layer_floor_ms"]
+            say(f"| {r.case} | {layer:.3f} | {floor:.3f} | {layer / floor:.2f}x |")
     sys.stdout.flush()

@@ -89,6 +89,14 @@ class Floors:
         step += batch * self._kv_bytes(context)
         return batch * self.bandwidth / step
 
+    def head_seconds(self) -> float:
+        """The output head read once at the copy bandwidth, as the floors count its bytes (2 a parameter)."""
+        return 2 * self.head_params / self.bandwidth
+
+    def layer_seconds(self, batch: int, context: int) -> float:
+        """A decode step's floor per layer: the step's floor time less the head's, over the layers."""
+        return (batch / self.decode(batch, context) - self.head_seconds()) / self.cfg.num_hidden_layers
+
     def prefill(self, tokens: int) -> float:
         cfg = self.cfg
         routed = cfg.num_hidden_layers * cfg.num_experts_per_tok * self.expert_params / self.ep

@@ -10,13 +10,15 @@ experts of a batch-1 decode step: six rows, each its own expert of a bank of 64 
 experts' matrices for the banks).  Prints each candidate, then a table of the best per type (and the best with
 the narrow loads and no matrix product, ``wide`` and ``dot`` off) against the element-wise kernel and cuBLAS, and the best launches as ``gguf_matmul.BLOCKWISE`` takes them.
 
-    python3 tests/gpu/gguf_gemv_sweep.py
+    python3 tests/gpu/gguf_gemv_sweep.py [LAUNCHES.json]   # also writes the best launches there
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -115,6 +117,8 @@ def main() -> None:
                 launch["dot"] = with_dot < timed[label].get(json.dumps(launch), float("inf"))
         chosen[qtype] = launch
     print(f"\nbest launches (each type's cases, time per byte summed; dot where it wins): {json.dumps(chosen)}")
+    if len(sys.argv) > 1:
+        Path(sys.argv[1]).write_text(json.dumps(chosen))
 
 
 if __name__ == "__main__":
