@@ -17,7 +17,7 @@ def test_decode_rows_report_their_time_and_floor_per_layer(tmp_path):
         [sys.executable, "-m", "ds4d.cli", "bench", "model", "--tiny", "--device", "cpu", "--dtype", "float32",
          "--no-hf", "--no-reference", "--main-only", "--batches", "1,2", "--decode-tokens", "3", "--layers", "0,4",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     decode = [row for row in result["rows"] if row["case"].startswith("decode")]
