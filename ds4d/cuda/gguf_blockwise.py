@@ -9,8 +9,7 @@ the ``gguf`` package's numpy dequantiser's, by the same operations in the same o
 off at launch).
 
 * :func:`gemv_kernel`: ``block_n`` weight rows times ``rows_per`` input rows (each tile decoded once for
-  all of them), summed in float32 (with ``dot``, 16 or more rows and weight rows: as a float32 matrix
-  product of each tile); with ``by_expert`` (one input row a program) the row's matrix is
+  all of them), summed in float32; with ``by_expert`` (one input row a program) the row's matrix is
   ``expert_ptr[row]``'s, ``expert_bytes`` apart in a bank;
 * :func:`dequant_kernel`: the values, as float32.
 """
@@ -89,104 +88,16 @@ def iq2_xxs_trip(row, trip, k: tl.constexpr, supers: tl.constexpr, codes_ptr, si
 
 
 @triton.jit
-def _half16(ptr):
-    """The float16 at 2-byte aligned byte pointers ``ptr``, as float32 (one 16-bit load)."""
-    return tl.load(ptr.to(tl.pointer_type(tl.float16))).to(tl.float32)
-
-
-@triton.jit
-def q8_0_wide_trip(row, trip, k: tl.constexpr, supers: tl.constexpr):
-    """:func:`q8_0_trip` with 16-bit loads (blocks start at even bytes): ``d`` in one load, the 32 codes
-    as 16 little-endian pairs, split in registers."""
-    per_trip: tl.constexpr = supers * 8
-    index = trip * per_trip + tl.arange(0, per_trip)
-    live = index < k // 32
-    at = row[:, None] + (tl.where(live, index, 0) * 34)[None, :]
-    d = _half16(at)
-    pairs = tl.load((at + 2).to(tl.pointer_type(tl.int16))[:, :, None] + tl.arange(0, 16)[None, None, :])
-    low = (pairs << 8) >> 8  # the even value: the low byte, sign-extended
-    high = pairs >> 8
-    q = tl.reshape(tl.join(low, high), (row.shape[0], per_trip, 32)).to(tl.float32)
-    w = tl.where(live[None, :, None], q * d[:, :, None], 0.0)
-    cols = index[:, None] * 32 + tl.arange(0, 32)[None, :]
-    return w, cols, cols < k
-
-
-@triton.jit
-def q2_k_wide_trip(row, trip, k: tl.constexpr, supers: tl.constexpr):
-    """:func:`q2_k_trip` with each code byte loaded once for the four values it holds: a block's 256 values
-    as two halves of 128, each 32 bytes read at four shifts; the same operations per value."""
-    halves: tl.constexpr = supers * 2
-    h = tl.arange(0, halves)
-    shift = tl.arange(0, 4)
-    b = tl.arange(0, 32)
-    index = trip * supers + h // 2
-    live = index < k // 256
-    block = row[:, None] + (tl.where(live, index, 0) * 84)[None, :]  # [block_n, halves]
-    scale_at = block + (h % 2)[None, :] * 8  # the half's eight sub-block scale bytes, two per shift
-    first = tl.load(scale_at[:, :, None] + 2 * shift[None, None, :]).to(tl.int32)  # [block_n, halves, 4]
-    second = tl.load(scale_at[:, :, None] + 2 * shift[None, None, :] + 1).to(tl.int32)
-    sc = tl.where((b < 16)[None, None, None, :], first[:, :, :, None], second[:, :, :, None])
-    dl = _half16(block + 80)[:, :, None, None] * (sc & 15).to(tl.float32)
-    ml = _half16(block + 82)[:, :, None, None] * (sc >> 4).to(tl.float32)
-    byte = tl.load(block[:, :, None] + 16 + (h % 2)[None, :, None] * 32 + b[None, None, :]).to(tl.int32)
-    q = ((byte[:, :, None, :] >> (2 * shift)[None, None, :, None]) & 3).to(tl.float32)
-    w = tl.where(live[None, :, None, None], dl * q - ml, 0.0)
-    w = tl.reshape(w, (row.shape[0], halves * 4, 32))
-    group = tl.arange(0, halves * 4)  # (block, half, shift): the 32 values at columns group * 32 + b
-    cols = (trip * supers * 8 + group)[:, None] * 32 + b[None, :]
-    return w, cols, cols < k
-
-
-@triton.jit
-def iq2_xxs_wide_trip(row, trip, k: tl.constexpr, supers: tl.constexpr, codes_ptr, signs_ptr):
-    """:func:`iq2_xxs_trip` with each grid index, its code and its sign byte loaded once for the eight
-    values they serve (16-bit loads for ``d`` and the scale-and-signs word); the same operations per value."""
-    groups: tl.constexpr = supers * 8
-    g = tl.arange(0, groups)
-    part = tl.arange(0, 4)
-    lane = tl.arange(0, 8)
-    index = trip * supers + g // 8
-    live = index < k // 256
-    block = row[:, None] + (tl.where(live, index, 0) * 66)[None, :]  # [block_n, groups]
-    group = block + 2 + (g % 8)[None, :] * 8
-    halves = (group + 4).to(tl.pointer_type(tl.uint16))
-    aux = tl.load(halves).to(tl.uint32) | (tl.load(halves + 1).to(tl.uint32) << 16)
-    db = _half16(block) * (0.5 + (aux >> 28).to(tl.float32)) * 0.25
-    grid_index = tl.load(group[:, :, None] + part[None, None, :]).to(tl.int32)  # [block_n, groups, 4]
-    sign_index = ((aux[:, :, None] >> (7 * part)[None, None, :]) & 127).to(tl.int32)
-    sign_byte = tl.load(signs_ptr + sign_index).to(tl.int32)
-    code = tl.load(codes_ptr + grid_index)
-    field = (code[:, :, :, None] >> (2 * lane)[None, None, None, :]) & 3  # [block_n, groups, 4, 8]
-    grid = tl.where(field == 0, 8.0, tl.where(field == 1, 25.0, 43.0))
-    value = db[:, :, None, None] * grid
-    w = tl.where(((sign_byte[:, :, :, None] >> lane[None, None, None, :]) & 1) != 0, -value, value)
-    w = tl.where(live[None, :, None, None], w, 0.0)
-    w = tl.reshape(w, (row.shape[0], groups, 32))
-    v = tl.arange(0, 32)
-    cols = index[:, None] * 256 + (g % 8)[:, None] * 32 + v[None, :]
-    return w, cols, cols < k
-
-
-@triton.jit
-def trip_values(row, trip, k: tl.constexpr, supers: tl.constexpr, table_ptr, signs_ptr, qtype: tl.constexpr,
-                wide: tl.constexpr = False):
+def trip_values(row, trip, k: tl.constexpr, supers: tl.constexpr, table_ptr, signs_ptr, qtype: tl.constexpr):
     """Trip ``trip`` of the weight rows at byte pointers ``row [block_n]``: (values ``[block_n, A, B]``
     float32 (0 past the last block), their columns ``[A, B]``, which of those exist), ``A = 8 * supers`` groups of
     ``B = 32`` values;
-    ``table_ptr``: IQ2_XXS's grid codes (``gguf_matmul._grid_codes``), ``signs_ptr``: its 128 sign bytes;
-    ``wide``: the ``*_wide_trip`` decoders (the same values, fewer and wider loads)."""
+    ``table_ptr``: IQ2_XXS's grid codes (``gguf_matmul._grid_codes``), ``signs_ptr``: its 128 sign bytes."""
     if qtype == Q8_0:
-        if wide:
-            return q8_0_wide_trip(row, trip, k, supers)
         return q8_0_trip(row, trip, k, supers)
     elif qtype == Q2_K:
-        if wide:
-            return q2_k_wide_trip(row, trip, k, supers)
         return q2_k_trip(row, trip, k, supers)
     else:
-        if wide:
-            return iq2_xxs_wide_trip(row, trip, k, supers, table_ptr, signs_ptr)
         return iq2_xxs_trip(row, trip, k, supers, table_ptr, signs_ptr)
 
 
@@ -214,36 +125,24 @@ def _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per: tl.constexpr
 @triton.jit
 def gemv_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, signs_ptr, expert_ptr, n, m, k: tl.constexpr, row_bytes,
                 expert_bytes, sxm, som, qtype: tl.constexpr, by_expert: tl.constexpr, block_n: tl.constexpr,
-                supers: tl.constexpr, rows_per: tl.constexpr, wide: tl.constexpr = False, dot: tl.constexpr = False):
+                supers: tl.constexpr, rows_per: tl.constexpr):
     first = tl.program_id(1) * rows_per
     base = raw_ptr
     if by_expert:
         base = raw_ptr + tl.load(expert_ptr + tl.program_id(1)).to(tl.int64) * expert_bytes
     rows = tl.program_id(0) * block_n + tl.arange(0, block_n)
     row = base + tl.where(rows < n, rows, 0).to(tl.int64) * row_bytes
-    if dot:  # each trip's tile times the rows' columns as one float32 matrix product (fused multiply-adds)
-        span: tl.constexpr = supers * 256
-        inputs = first + tl.arange(0, rows_per)
-        product = tl.zeros((block_n, rows_per), dtype=tl.float32)
-        for trip in range(tl.cdiv(k, span)):
-            w, cols, live = trip_values(row, trip, k, supers, table_ptr, signs_ptr, qtype, wide)
-            at = tl.reshape(cols, (span,))
-            mask = tl.reshape(live, (span,))[:, None] & (inputs < m)[None, :]
-            x = tl.load(x_ptr + inputs.to(tl.int64)[None, :] * sxm + at[:, None], mask=mask, other=0.0)
-            product = tl.dot(tl.reshape(w, (block_n, span)), x.to(tl.float32), product, input_precision="ieee")
-        total = tl.trans(product)
+    if rows_per == 1:  # a trip's tile: [block_n, supers * 8, 32]
+        acc = tl.zeros((block_n, supers * 8, 32), dtype=tl.float32)
     else:
-        if rows_per == 1:  # a trip's tile: [block_n, supers * 8, 32]
-            acc = tl.zeros((block_n, supers * 8, 32), dtype=tl.float32)
-        else:
-            acc = tl.zeros((rows_per, block_n, supers * 8), dtype=tl.float32)
-        for trip in range(tl.cdiv(k, 256 * supers)):
-            w, cols, live = trip_values(row, trip, k, supers, table_ptr, signs_ptr, qtype, wide)
-            acc = _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per)
-        if rows_per == 1:
-            total = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
-        else:
-            total = tl.sum(acc, axis=2)
+        acc = tl.zeros((rows_per, block_n, supers * 8), dtype=tl.float32)
+    for trip in range(tl.cdiv(k, 256 * supers)):
+        w, cols, live = trip_values(row, trip, k, supers, table_ptr, signs_ptr, qtype)
+        acc = _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per)
+    if rows_per == 1:
+        total = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
+    else:
+        total = tl.sum(acc, axis=2)
     which = first + tl.arange(0, rows_per)
     tl.store(out_ptr + which.to(tl.int64)[:, None] * som + rows[None, :], total,
              mask=(which[:, None] < m) & (rows[None, :] < n))
@@ -251,10 +150,10 @@ def gemv_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, signs_ptr, expert_ptr, n, m,
 
 @triton.jit
 def dequant_kernel(raw_ptr, out_ptr, table_ptr, signs_ptr, n, k: tl.constexpr, row_bytes, som, qtype: tl.constexpr,
-                   block_n: tl.constexpr, wide: tl.constexpr = False):
+                   block_n: tl.constexpr):
     """``out[n, k]`` float32: trip ``program_id(1)`` (256 values) of ``block_n`` weight rows."""
     rows = tl.program_id(0) * block_n + tl.arange(0, block_n)
     row = raw_ptr + tl.where(rows < n, rows, 0).to(tl.int64) * row_bytes
-    w, cols, live = trip_values(row, tl.program_id(1), k, 1, table_ptr, signs_ptr, qtype, wide)
+    w, cols, live = trip_values(row, tl.program_id(1), k, 1, table_ptr, signs_ptr, qtype)
     mask = (rows[:, None, None] < n) & live[None, :, :]
     tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * som + cols[None, :, :], w, mask=mask)

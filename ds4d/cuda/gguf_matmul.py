@@ -31,20 +31,13 @@ TYPES = {"Q8_0": 0, "Q2_K": 1, "IQ2_XXS": 2, "Q4_K": 3, "Q6_K": 4, "Q5_K": 5, "Q
          "IQ2_XS": 9, "MXFP4": 10}
 """The quant types with a decoder, by name (``gguf.GGMLQuantizationType`` names)."""
 
-BLOCKWISE = {"Q8_0": {"block_n": 16, "supers": 2, "warps": 4, "wide": False, "dot": False},
-             "Q2_K": {"block_n": 16, "supers": 2, "warps": 4, "wide": False, "dot": False},
-             "IQ2_XXS": {"block_n": 8, "supers": 2, "warps": 4, "wide": False, "dot": False}}
+BLOCKWISE = {"Q8_0": {"block_n": 8, "supers": 2, "warps": 4}, "Q2_K": {"block_n": 8, "supers": 1, "warps": 4},
+             "IQ2_XXS": {"block_n": 16, "supers": 1, "warps": 4}}
 """Types with block-by-block kernels (``gguf_blockwise``) and their GEMV's launch: weight rows per program, blocks of 256
-values per trip of its loop, warps, the decoders with fewer, wider loads (``wide``: the same values; every
-matrix at an even address), and for several input rows of one matrix, each tile times :data:`DOT_ROWS` of them as
-a float32 matrix product (``dot``) (``tests/gpu/gguf_gemv_sweep.py`` times the candidates)."""
+values per trip of its loop, warps (``tests/gpu/gguf_gemv_sweep.py`` times the candidates)."""
 
 MULTI_ROWS = 8
 """Input rows a block-wise GEMV program takes at most (each weight tile decoded once for all of them)."""
-
-DOT_ROWS = 16
-"""Input rows (and at least as many weight rows) a block-wise GEMV program takes with ``dot``: the smallest
-matrix product Triton builds."""
 
 _state: dict[str, object] = {}
 
@@ -151,7 +144,7 @@ def dequantize(raw: torch.Tensor, qtype: str, cols: int, *, blockwise: bool = Tr
         table = _grid_codes(raw.device) if qtype == "IQ2_XXS" else grid_table
         _blockwise().dequant_kernel[(-(-n // block_n), -(-cols // 256))](
             raw, out, table, signs, n, cols, row_bytes, out.stride(0), qtype=TYPES[qtype], block_n=block_n,
-            wide=BLOCKWISE[qtype]["wide"] and raw.data_ptr() % 2 == 0, enable_fp_fusion=False)
+            enable_fp_fusion=False)
         return out
     block_n, block_k = 16, 256
     grid = (-(-n // block_n), -(-cols // block_k))
@@ -197,15 +190,12 @@ def _launch_gemv(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_by
     chosen = chosen if by_expert else signs
     if blockwise and qtype in BLOCKWISE:
         launch = BLOCKWISE[qtype]
-        dot = launch["dot"] and not by_expert and m > 1
-        block_n = max(DOT_ROWS, launch["block_n"]) if dot else launch["block_n"]
-        rows_per = DOT_ROWS if dot else 1 if by_expert else min(MULTI_ROWS, 1 << (m - 1).bit_length())
+        rows_per = 1 if by_expert else min(MULTI_ROWS, 1 << (m - 1).bit_length())
         table = _grid_codes(flat.device) if qtype == "IQ2_XXS" else grid_table
-        _blockwise().gemv_kernel[(-(-n // block_n), -(-m // rows_per))](
+        _blockwise().gemv_kernel[(-(-n // launch["block_n"]), -(-m // rows_per))](
             x, flat, out, table, signs, chosen, n, m, cols, row_bytes, expert_bytes, x.stride(0), out.stride(0),
-            qtype=TYPES[qtype], by_expert=by_expert, block_n=block_n, supers=launch["supers"], rows_per=rows_per,
-            wide=launch["wide"] and (flat.data_ptr() | expert_bytes) % 2 == 0, dot=dot, num_warps=launch["warps"],
-            enable_fp_fusion=False)
+            qtype=TYPES[qtype], by_expert=by_expert, block_n=launch["block_n"], supers=launch["supers"],
+            rows_per=rows_per, num_warps=launch["warps"], enable_fp_fusion=False)
         return out
     block_k = 256 if cols % 256 == 0 else 32
     block_n = 16

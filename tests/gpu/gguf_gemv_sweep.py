@@ -7,8 +7,8 @@ several times the 50 MB L2, replayed; a call's time is the replay's over the cal
 Cases: Q8_0 linears of one row (``wq_b`` [32768, 1024], ``wo_b`` [4096, 8192]) and of eight, and the routed
 experts of a batch-1 decode step: six rows, each its own expert of a bank of 64 (gate/up IQ2_XXS
 [4096 (w1 over w3), 4096], down Q2_K [4096, 2048]).  GB/s counts the weight bytes the call reads (the six
-experts' matrices for the banks).  Prints each candidate, then a table of the best per type (and the best with
-the narrow loads and no matrix product, ``wide`` and ``dot`` off) against the element-wise kernel and cuBLAS, and the best launches as ``gguf_matmul.BLOCKWISE`` takes them.
+experts' matrices for the banks).  Prints each candidate, then a table of the best per type against the
+element-wise kernel and cuBLAS, and the best launches as ``gguf_matmul.BLOCKWISE`` takes them.
 
     python3 tests/gpu/gguf_gemv_sweep.py [LAUNCHES.json]   # also writes the best launches there
 """
@@ -33,9 +33,7 @@ CASES = [  # (label, type, N, K, rows, experts in the bank; 0: one matrix)
     ("gate/up [4096, 4096], 6 rows by expert", "IQ2_XXS", 4096, 4096, 6, 64),
     ("down [4096, 2048], 6 rows by expert", "Q2_K", 4096, 2048, 6, 64),
 ]
-LAUNCHES = [{"block_n": b, "supers": s, "warps": w, "wide": wide, "dot": dot}
-            for b, s, w, wide, dot in itertools.product((4, 8, 16), (1, 2), (4, 8), (False, True), (False, True))
-            if not dot or b == 16]  # with dot a program takes at least 16 weight rows
+LAUNCHES = [{"block_n": b, "supers": s, "warps": w} for b, s, w in itertools.product((4, 8, 16), (1, 2), (4, 8))]
 L2_BYTES = 50 << 20
 
 
@@ -75,8 +73,6 @@ def main() -> None:
         weights, x, ids, read = case_inputs(qtype, n, k, rows, experts)
         times = timed[label] = {}
         for launch in LAUNCHES:
-            if launch["dot"] and (rows == 1 or experts):  # dot serves several rows of one matrix only
-                continue
             gguf_matmul.BLOCKWISE[qtype] = launch
             try:
                 s = graph_time([lambda w=w, x=x, q=qtype, e=ids: gguf_matmul.gemv(x, w, q, e) for w in weights])
@@ -93,30 +89,19 @@ def main() -> None:
         dense_read = dense.nbytes * (rows if experts else 1)
         if experts:  # cuBLAS multiplies all rows by one matrix: the per-expert bytes are rows x that
             cublas *= rows
-        narrow = min((t for key, t in times.items() if not json.loads(key)["wide"] and not json.loads(key)["dot"]),
-                     default=float("nan"))
-        rows_out.append((label, qtype, read, min(times.values()), narrow, plain, dense_read, cublas))
-    print("\n| case | type | bytes | block-wise us | GB/s | narrow loads, no dot us | element-wise us | GB/s "
-          "| bf16 cuBLAS us | GB/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for label, qtype, read, s, narrow, plain, dense_read, cublas in rows_out:
+        rows_out.append((label, qtype, read, min(times.values()), plain, dense_read, cublas))
+    print("\n| case | type | bytes | block-wise us | GB/s | element-wise us | GB/s | bf16 cuBLAS us | GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for label, qtype, read, s, plain, dense_read, cublas in rows_out:
         print(f"| {label} | {qtype} | {read / 2**20:.1f} MiB | {s * 1e6:.1f} | {read / s / 1e9:,.0f} | "
-              f"{narrow * 1e6:.1f} | {plain * 1e6:.1f} | {read / plain / 1e9:,.0f} | {cublas * 1e6:.1f} | "
-              f"{dense_read / cublas / 1e9:,.0f} |")
+              f"{plain * 1e6:.1f} | {read / plain / 1e9:,.0f} | {cublas * 1e6:.1f} | {dense_read / cublas / 1e9:,.0f} |")
     chosen = {}
-    for qtype in sorted({case[1] for case in CASES}):
+    for qtype in sorted({case[1] for case in CASES}):  # least time per byte summed over the type's cases
         cases = [(label, read) for label, q, read, *_ in rows_out if q == qtype]
-        # the launch without dot with the least time per byte summed over the type's cases ...
         score = {key: sum(timed[label].get(key, float("inf")) / read for label, read in cases)
-                 for key in timed[cases[0][0]] if not json.loads(key)["dot"]}
-        launch = json.loads(min(score, key=score.get))
-        # ... then dot, if it wins the type's case of several rows of one matrix
-        for label, _, _, _, rows, experts in CASES:
-            if label in dict(cases) and rows > 1 and not experts:
-                with_dot = timed[label].get(json.dumps({**launch, "block_n": 16, "dot": True}), float("inf"))
-                launch["dot"] = with_dot < timed[label].get(json.dumps(launch), float("inf"))
-        chosen[qtype] = launch
-    print(f"\nbest launches (each type's cases, time per byte summed; dot where it wins): {json.dumps(chosen)}")
+                 for key in timed[cases[0][0]]}
+        chosen[qtype] = json.loads(min(score, key=score.get))
+    print(f"\nbest launches (each type's cases, time per byte summed): {json.dumps(chosen)}")
     if len(sys.argv) > 1:
         Path(sys.argv[1]).write_text(json.dumps(chosen))
 

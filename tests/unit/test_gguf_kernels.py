@@ -128,42 +128,6 @@ def test_blockwise_dequantize_against_the_element_wise_one(qtype):
     assert torch.equal(fast.view(torch.int32), plain.view(torch.int32))
 
 
-@pytest.mark.parametrize("qtype", sorted(gguf_matmul.BLOCKWISE))
-@pytest.mark.parametrize("inputs", [1, 3])
-def test_wide_decoders_give_the_same_bits(qtype, inputs, monkeypatch):
-    """The decoders with fewer, wider loads (``wide``) give the plain block-wise ones' values and GEMV sums
-    bit for bit: one input row and several, one matrix and a bank by expert, a width that is not a whole
-    number of trips."""
-    cols = 288 if qtype == "Q8_0" else 768
-    raw = torch.from_numpy(random_blocks(qtype, 40, cols, seed=cols + 7)).to(device())
-    banked = raw.view(4, 10, -1)
-    x = torch.randn(inputs, cols, generator=torch.Generator().manual_seed(inputs)).to(device())
-    experts = torch.tensor([3, 1, 3][:inputs]).to(device())
-
-    def run(wide: bool) -> list[torch.Tensor]:
-        monkeypatch.setitem(gguf_matmul.BLOCKWISE, qtype, {**gguf_matmul.BLOCKWISE[qtype], "wide": wide})
-        return [gguf_matmul.dequantize(raw, qtype, cols), gguf_matmul.gemv(x, raw, qtype),
-                gguf_matmul.gemv(x, banked, qtype, experts)]
-
-    for plain, wide in zip(run(False), run(True), strict=True):
-        assert torch.equal(wide.view(torch.int32), plain.view(torch.int32))
-
-
-@pytest.mark.parametrize("qtype", sorted(gguf_matmul.BLOCKWISE))
-@pytest.mark.parametrize("inputs", [2, 17])
-def test_gemv_as_a_matrix_product_is_within_rounding(qtype, inputs, monkeypatch):
-    """Several input rows of one matrix as float32 matrix products of each decoded tile (``dot``): within
-    float32 rounding of the products summed in float64, for rows past one program's 16 and a width whose
-    last trip is part empty; a bank by expert keeps the one-row kernel."""
-    cols = 288 if qtype == "Q8_0" else 768
-    raw = random_blocks(qtype, 24, cols, seed=cols + 3)
-    values = torch.from_numpy(numpy_values(raw, qtype).reshape(24, cols).astype(np.float32))
-    x = torch.randn(inputs, cols, generator=torch.Generator().manual_seed(inputs))
-    monkeypatch.setitem(gguf_matmul.BLOCKWISE, qtype, {**gguf_matmul.BLOCKWISE[qtype], "dot": True})
-    got = gguf_matmul.gemv(x.to(device()), torch.from_numpy(raw).to(device()), qtype).cpu()
-    assert within_rounding(got, x, values.expand(inputs, 24, cols))
-
-
 def bank(qtype: str, experts: int, rows: int, cols: int) -> tuple[np.ndarray, torch.Tensor]:
     """(raw ``[E, rows, row_bytes]``, its values ``[E, rows, cols]`` by the numpy dequantiser)."""
     raw = np.stack([random_blocks(qtype, rows, cols, seed=100 + e) for e in range(experts)])
