@@ -99,6 +99,8 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
     if args.family == "deepseek_v41":
         if args.widths != "tiny":
             raise PluginError("make-tiny --family deepseek_v41 writes tiny widths only")
+        if args.gguf:
+            raise PluginError("make-tiny --gguf writes DeepSeek-V4 files only (--family deepseek_v4)")
         from ds4d.models.deepseek_v41.make_tiny import main as make_tiny_v41
 
         return make_tiny_v41(args)
@@ -106,9 +108,19 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         raise PluginError(f"make-tiny knows --family deepseek_v4 and deepseek_v41, not {args.family!r}")
     if args.tokenizer != "tiny":
         raise PluginError("make-tiny --tokenizer is for --family deepseek_v41 (V4 checkpoints carry V4's tokenizer)")
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
+    if args.gguf:  # the config the random load formats and the benchmarks build (V4-Flash's, or small widths)
+        from ds4d.bench.random_v4 import base_config
+        from ds4d.models.deepseek_v4.config import DeepseekV4Config
+        from ds4d.models.deepseek_v4.gguf_writer import main_random_gguf
+
+        ratios = layers or [0, 0, 4, 128]
+        data = {**base_config(args.widths == "tiny"), "num_hidden_layers": len(ratios), "compress_ratios": ratios}
+        cfg = DeepseekV4Config.from_dict(data, name=Path(args.out).name.removesuffix(".gguf"))
+        main_random_gguf(Path(args.out), cfg, args.gguf, args.seed, widths=args.widths, device=args.device)
+        return 0
     from ds4d.models.deepseek_v4.make_tiny import main_make_tiny
 
-    layers = [int(x) for x in args.layers.split(",")] if args.layers else None
     main_make_tiny(Path(args.out), args.seed, layers, widths=args.widths, device=args.device)
     return 0
 
@@ -166,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--tokenizer", default="tiny", choices=["tiny", "v4"],
                       help="deepseek_v41: tiny (a small byte-level tokenizer.json) or v4 (the real 129,280 ids: "
                            "V4's tokenizer with V4.1's added tokens, derived at load)")
+    tiny.add_argument("--gguf", default="", choices=["", "q2"],
+                      help="deepseek_v4: write one GGUF file (--out FILE.gguf) in llama.cpp's converter layout with "
+                           "the linears and routed experts in random blocks of this recipe (q2: the ds4 q2 files'), "
+                           "the bytes load_format = random-q2 draws on the same --device and --seed")
     tiny.set_defaults(func=cmd_make_tiny)
     return parser
 

@@ -98,6 +98,8 @@ class MetadataError(ValueError):
 
 
 _GATING_FUNCS = {1: "softmax", 2: "sigmoid", 4: "sqrtsoftplus"}  # gguf.ExpertGatingFuncType
+GATING_FUNC_IDS = {name: number for number, name in _GATING_FUNCS.items()}
+"""``scoring_func`` -> the ``expert_gating_func`` number the converter writes."""
 
 
 def _short(value: Any) -> Any:

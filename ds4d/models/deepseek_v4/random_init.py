@@ -70,6 +70,14 @@ class RandomReader:
         self._issue(name, t)
         return t
 
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        """The shape :meth:`tensor` draws ``name`` in."""
+        return tuple(_shape(self.cfg, name)[0])
+
+    def index_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of :meth:`index`'s table."""
+        return self.cfg.vocab_size, self.cfg.num_experts_per_tok
+
     def index(self, name: str) -> torch.Tensor:
         cfg = self.cfg
         draws = torch.rand(cfg.vocab_size, cfg.n_routed_experts, generator=self._generator(name), device=self.device)
@@ -186,6 +194,13 @@ def random_gguf_blocks(rows: int, cols: int, qtype: str, generator: torch.Genera
     return raw.reshape(rows, -1)
 
 
+def _meta_blocks(rows: int, cols: int, qtype: str) -> torch.Tensor:
+    """A meta tensor of the shape :func:`random_gguf_blocks` returns."""
+    from ds4d.cuda import gguf_matmul
+
+    return torch.empty(rows, gguf_matmul.row_bytes_of(qtype, cols), dtype=torch.uint8, device="meta")
+
+
 def _fitting(qtype: str, cols: int) -> str | None:
     """``qtype``, or Q8_0 for rows that are not a whole number of its blocks (as llama-quantize falls back
     for such tensors), or None where Q8_0's blocks of 32 do not fit either."""
@@ -222,29 +237,45 @@ class RandomGgufReader(RandomReader):
         super().__init__(cfg, dtype=dtype, device=device, seed=seed, native=True, keep_values=False)
         self.recipe = GGUF_RECIPES[recipe]
 
-    def stored_linear(self, name: str) -> GgufWeight | None:
+    def stored_linear(self, name: str, *, describe: bool = False) -> GgufWeight | None:
+        """The linear ``name`` in random blocks of the recipe, or None (not stored in FP8 by the release, or
+        no type fits); with ``describe``, its blocks as a meta tensor (nothing drawn, nothing issued)."""
         if not FP8_IN_RELEASE.search(name):
             return None
         shape, _ = _shape(self.cfg, name)
         qtype = _fitting(self.recipe["linear"], shape[1])
         if qtype is None:
             return None
+        if describe:
+            return GgufWeight(_meta_blocks(shape[0], shape[1], qtype), qtype, shape[1], self.dtype)
         self._issue(name, torch.empty(shape, device="meta"))
         raw = random_gguf_blocks(shape[0], shape[1], qtype, self._generator(name), self.device)
         return GgufWeight(raw, qtype, shape[1], self.dtype)
 
-    def stored_bank(self, layer: int, device: torch.device | None) -> ExpertBank | None:
-        cfg, device = self.cfg, device or self.device
+    def expert_blocks(self, layer: int, device: torch.device, *, describe: bool = False,
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
+        """(uint8 ``[E, rows, row_bytes]`` per routed matrix w1, w2, w3, their types), or None where a type
+        does not fit; with ``describe``, meta tensors (nothing drawn, nothing issued)."""
+        cfg = self.cfg
         experts, inter, hidden = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
         shapes = {"w1": (inter, hidden), "w3": (inter, hidden), "w2": (hidden, inter)}
         types = {which: _fitting(self.recipe[which], cols) for which, (_, cols) in shapes.items()}
         if None in types.values():
-            return None  # RandomReader's experts, MXFP4
+            return None
         matrices = {}
         for which, (rows, cols) in shapes.items():
+            if describe:
+                matrices[which] = _meta_blocks(rows, cols, types[which]).expand(experts, -1, -1)
+                continue
             for expert in range(experts):  # the shapes a checkpoint's experts would be issued as
                 self._issue(f"layers.{layer}.ffn.experts.{expert}.{which}.weight", torch.empty(rows, cols, device="meta"))
             gen = self._generator(f"layers.{layer}.ffn.experts.{which}")
             matrices[which] = torch.stack([random_gguf_blocks(rows, cols, types[which], gen, self.device)
                                            for _ in range(experts)]).to(device)  # drawn where the generator is
-        return gguf_bank(matrices, types, self.dtype, self.block)
+        return {which: matrices[which] for which in ("w1", "w2", "w3")}, types
+
+    def stored_bank(self, layer: int, device: torch.device | None) -> ExpertBank | None:
+        blocks = self.expert_blocks(layer, device or self.device)
+        if blocks is None:
+            return None  # RandomReader's experts, MXFP4
+        return gguf_bank(*blocks, self.dtype, self.block)
