@@ -5,14 +5,29 @@
 # stored; then, after one warm-up request, a 2K-token prompt twice and a 64-token decode (the better of
 # two, less a one-token request's time) through /v1/completions, timed from the client; SERVE_ARGS go to
 # `ds4d serve`.  Logs under $OUT (or ./out).
+#
+#   GGUF=/tmp/q2.gguf LAYERS=0,0,4,128,... tests/gpu/random_serve.sh   # a DeepSeek-V4 q2 GGUF FILE instead:
+#       written first when missing (`make-tiny --gguf q2 --widths flash --device cuda`, V4-Flash widths at
+#       LAYERS), then served from the file (`ds4d serve --model FILE`)
 set -o pipefail
 source "$(dirname "$0")/daemon_lib.sh"
 ds4d_setup || exit 1
 DIR=${DIR:-/tmp/random_v41}; PORT=${PORT:-18431}
 FAMILY=${FAMILY:-deepseek_v41}
-ds4d_random_config "$DIR" "$FAMILY" "${LAYERS:-}" "${EXPERTS:-384}" || exit 1
+if [ -n "${GGUF:-}" ]; then
+  if [ ! -f "$GGUF" ]; then
+    written=$(date +%s)
+    $PY -m ds4d.cli make-tiny --family deepseek_v4 --gguf q2 --widths flash --device cuda --out "$GGUF" \
+      ${LAYERS:+--layers "$LAYERS"} || exit 1
+    echo "written in $(( $(date +%s) - written )) s"
+  fi
+  MODEL_ARGS=(--model "$GGUF")
+else
+  ds4d_random_config "$DIR" "$FAMILY" "${LAYERS:-}" "${EXPERTS:-384}" || exit 1
+  MODEL_ARGS=(--model "$DIR" --load-format random)
+fi
 start=$(date +%s)
-$PY -m ds4d.cli serve --model "$DIR" --load-format random --device cuda --port "$PORT" ${SERVE_ARGS:-} \
+$PY -m ds4d.cli serve "${MODEL_ARGS[@]}" --device cuda --port "$PORT" ${SERVE_ARGS:-} \
   > "$OUT/random_serve.log" 2>&1 &
 PID=$!
 ds4d_wait_ready "$PORT" "$PID" "${READY_S:-400}" || { tail -30 "$OUT/random_serve.log"; kill $PID; exit 1; }
