@@ -105,10 +105,11 @@ def _tensors(reader: RandomGgufReader, cfg: DeepseekV4Config, describe: bool = F
             yield name, values.shape, values, None
             continue
         # matrices: BF16, which holds the drawn values exactly (``RandomReader.tensor`` rounds them to bf16)
-        drawn = torch.empty(shape, dtype=torch.bfloat16, device="meta") if describe else \
-            reader.tensor(reference, torch.bfloat16)
-        yield name, *_stored(drawn.view(torch.uint8) if not describe else
-                             torch.empty((*shape[:-1], 2 * shape[-1]), dtype=torch.uint8, device="meta"), "BF16", gguf)
+        if describe:
+            data = torch.empty((*shape[:-1], 2 * shape[-1]), dtype=torch.uint8, device="meta")
+        else:
+            data = reader.tensor(reference, torch.bfloat16).view(torch.uint8)
+        yield name, *_stored(data, "BF16", gguf)
 
 
 def _stored(raw: torch.Tensor, qtype: str, gguf) -> tuple[tuple[int, ...], np.ndarray, object]:
