@@ -2,16 +2,27 @@
 
 ``gguf_kernels`` decodes every weight element on its own, loading its block's float16 fields, scale
 bytes and code bytes once per element.  Here a "trip" decodes a tile of whole blocks of ``block_n``
-weight rows at once (``supers`` x 256 values a row; Q8_0: eight blocks of 32 per 256): the fields a
-block shares (``d``, ``dmin``, the sub-block scales, IQ2_XXS's scale-and-signs words) are loaded once per
-block or sub-block and broadcast over its values, so a value costs about one byte load.  The values are
-the ``gguf`` package's numpy dequantiser's, by the same operations in the same order (fused multiply-adds
-off at launch).
+weight rows at once (``supers`` x 256 values a row; Q8_0: eight blocks of 32 per 256), and a decode
+step is bound by the instructions a value costs, so each value gets as few as it can:
+
+* the fields a block or a group shares (``d``, ``dmin``, the sub-block scales, IQ2_XXS's grid indices
+  and scale-and-signs word) are read once, as 16- or 32-bit words, and turned into what the values need
+  (IQ2_XXS's sign bytes by parity, not a table);
+* the values a word holds go onto new innermost axes (``tl.join``), which a thread keeps in its own
+  registers, so a word is split there and never broadcast across threads;
+* small integers become float32 by integer ``or`` and a float add (``small_int_float``), not by a
+  conversion instruction, which issues at an eighth of the rate.
+
+The values are the ``gguf`` package's numpy dequantiser's bit for bit (fused multiply-adds off at launch;
+the one ``tl.fma`` of Q2_K adds to a product that is exact, so it rounds once, as numpy does).
 
 * :func:`gemv_kernel`: ``block_n`` weight rows times ``rows_per`` input rows (each tile decoded once for
   all of them), summed in float32; with ``by_expert`` (one input row a program) the row's matrix is
   ``expert_ptr[row]``'s, ``expert_bytes`` apart in a bank;
 * :func:`dequant_kernel`: the values, as float32.
+
+The blocks are read in 16-bit words (32-bit for Q2_K), so a matrix must start at a multiple of 4 bytes
+(``gguf_matmul`` checks what it can see).
 """
 
 from __future__ import annotations
@@ -19,98 +30,132 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ds4d.cuda.gguf_kernels import Q2_K, Q8_0, half_at, word_at
+from ds4d.cuda.gguf_kernels import Q2_K, Q8_0
+
+
+@triton.jit
+def small_int_float(bits):
+    """Integers ``bits`` in [0, 2^23) -> float32, exactly: the bits of 2^23 + ``bits``, less 2^23."""
+    return (bits | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def half_word(word):
+    """The float16 in the low 16 bits of ``word``, as float32."""
+    return (word & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _fours(a0, a1, a2, a3):
+    """``a0`` .. ``a3`` on two new inner axes: ``[..., i, j]`` is ``a(2 * i + j)``."""
+    return tl.join(tl.join(a0, a2), tl.join(a1, a3))
 
 
 @triton.jit
 def q8_0_trip(row, trip, k: tl.constexpr, supers: tl.constexpr):
-    """34-byte blocks of 32: ``d`` once per block, the 32 int8 codes as a row of the tile."""
+    """34-byte blocks of 32: ``d``, then 32 int8 codes, read as sixteen 16-bit words (the blocks are
+    2-byte aligned); a code ``c`` is ``(c ^ 128) + 2^23`` in float32, less 2^23 + 128."""
     per_trip: tl.constexpr = supers * 8
     index = trip * per_trip + tl.arange(0, per_trip)
-    v = tl.arange(0, 32)
-    live = index < k // 32
-    at = row[:, None] + (tl.where(live, index, 0) * 34)[None, :]
-    d = half_at(at)
-    q = tl.load(at[:, :, None] + 2 + v[None, None, :]).to(tl.int8, bitcast=True).to(tl.float32)
-    w = tl.where(live[None, :, None], q * d[:, :, None], 0.0)
-    cols = index[:, None] * 32 + v[None, :]
+    at = row[:, None] + (tl.where(index < k // 32, index, 0) * 34)[None, :]  # [block_n, blocks]
+    d = half_word(tl.load(at.to(tl.pointer_type(tl.uint16))).to(tl.int32))
+    pair = tl.arange(0, 16)
+    words = tl.load((at[:, :, None] + 2 + 2 * pair[None, None, :]).to(tl.pointer_type(tl.uint16))).to(tl.int32)
+    code = tl.join(words & 255, words >> 8)  # [block_n, blocks, 16, 2]
+    q = ((code ^ 128) | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0
+    w = tl.reshape(q * d[:, :, None, None], (row.shape[0], per_trip, 32))
+    cols = index[:, None] * 32 + tl.arange(0, 32)[None, :]
     return w, cols, cols < k
 
 
 @triton.jit
 def q2_k_trip(row, trip, k: tl.constexpr, supers: tl.constexpr):
-    """84-byte blocks of 256 as eight groups of 32 (two sub-blocks of 16 each): the two sub-blocks' scale
-    bytes (and the block's ``d``, ``dmin``) once, then the 32 two-bit codes."""
-    g = tl.arange(0, supers * 8)  # group of the trip
-    v = tl.arange(0, 32)
-    j = (g % 8)[:, None] * 32 + v[None, :]  # value within its block, [groups, 32]
-    index = trip * supers + g // 8
-    live = index < k // 256
-    block = row[:, None] + (tl.where(live, index, 0) * 84)[None, :]  # [block_n, groups]
-    first = tl.load(block + (g % 8)[None, :] * 2).to(tl.int32)  # the group's two sub-block scale bytes
-    second = tl.load(block + (g % 8)[None, :] * 2 + 1).to(tl.int32)
-    sc = tl.where((v < 16)[None, None, :], first[:, :, None], second[:, :, None])
-    dl = half_at(block + 80)[:, :, None] * (sc & 15).to(tl.float32)
-    ml = half_at(block + 82)[:, :, None] * (sc >> 4).to(tl.float32)
-    byte = tl.load(block[:, :, None] + 16 + ((j // 128) * 32 + j % 32)[None, :, :]).to(tl.int32)
-    q = ((byte >> (((j % 128) // 32) * 2)[None, :, :]) & 3).to(tl.float32)
-    w = tl.where(live[None, :, None], dl * q - ml, 0.0)
-    cols = index[:, None] * 256 + j
+    """84-byte blocks of 256: 16 scale bytes, 64 code bytes, ``d`` and ``dmin``.  A block's two halves
+    of 128 values each read 32 code bytes, whose four 2-bit fields are four runs of 32 values (shift
+    ``s``: values ``32 s`` on), each run two sub-blocks of 16 (``e``) with a scale byte of their own."""
+    halves: tl.constexpr = supers * 2
+    hh = tl.arange(0, halves)
+    e = tl.arange(0, 2)
+    v = tl.arange(0, 16)
+    half = hh % 2
+    index = trip * supers + hh // 2
+    block = row[:, None] + (tl.where(index < k // 256, index, 0) * 84)[None, :]  # [block_n, halves]
+    dm = tl.load((block + 80).to(tl.pointer_type(tl.uint32)))
+    scale_at = block[:, :, None] + (half * 8)[None, :, None] + e[None, None, :]  # sub-block 8 half + 2 s + e
+    sc = _fours(tl.load(scale_at).to(tl.int32), tl.load(scale_at + 2).to(tl.int32),
+                tl.load(scale_at + 4).to(tl.int32), tl.load(scale_at + 6).to(tl.int32))  # [bn, halves, e, 2, 2]
+    dl = half_word(dm)[:, :, None, None, None] * small_int_float(sc & 15)
+    ml = half_word(dm >> 16)[:, :, None, None, None] * small_int_float(sc >> 4)
+    code = tl.load(block[:, :, None, None] + 16 + (half * 32)[None, :, None, None] + (e * 16)[None, None, :, None]
+                   + v[None, None, None, :]).to(tl.int32)  # [bn, halves, e, 16]
+    q = small_int_float(_fours(code & 3, (code >> 2) & 3, (code >> 4) & 3, (code >> 6) & 3))  # [..., 16, 2, 2]
+    w = tl.fma(dl[:, :, :, None, :, :], q, -ml[:, :, :, None, :, :])  # dl * q is exact: one rounding, as numpy's
+    w = tl.reshape(w, (row.shape[0], halves * 32, 4))
+    shift = tl.arange(0, 2)[:, None] * 2 + tl.arange(0, 2)[None, :]
+    cols = ((index * 256 + half * 128)[:, None, None, None, None] + (e * 16)[None, :, None, None, None]
+            + v[None, None, :, None, None] + (shift * 32)[None, None, None, :, :])
+    cols = tl.reshape(cols, (halves * 32, 4))
     return w, cols, cols < k
 
 
 @triton.jit
-def iq2_xxs_trip(row, trip, k: tl.constexpr, supers: tl.constexpr, codes_ptr, signs_ptr):
-    """66-byte blocks of 256 as eight groups of 32: each group's scale-and-signs word once; per 8 values
-    a grid index, its sign byte and its grid entry's 16-bit code (``codes_ptr``: eight 2-bit fields, one a
-    value, each 0, 1, 2 for the grid's 8, 25, 43), loaded once for the 8 lanes (from L1)."""
+def iq2_xxs_trip(row, trip, k: tl.constexpr, supers: tl.constexpr, grid_ptr):
+    """66-byte blocks of 256: ``d``, then eight groups of 32 values in 8 bytes: four grid indices (a part
+    of 8 values each) and a word of four 7-bit sign patterns (the eighth sign makes the count of minus
+    signs even) over a 4-bit scale.  ``grid_ptr``: the grid as int32 ``[256, 2]`` (``_grid_words``), an
+    entry's eight magnitudes as bytes."""
     groups: tl.constexpr = supers * 8
-    g = tl.arange(0, groups)  # group of the trip
-    v = tl.arange(0, 32)
-    part = v // 8
-    lane = v % 8
+    g = tl.arange(0, groups)
     index = trip * supers + g // 8
-    live = index < k // 256
-    block = row[:, None] + (tl.where(live, index, 0) * 66)[None, :]  # [block_n, groups]
-    group = block + 2 + (g % 8)[None, :] * 8
-    aux = word_at(group + 4)
-    db = half_at(block) * (0.5 + (aux >> 28).to(tl.float32)) * 0.25
-    grid_index = tl.load(group[:, :, None] + part[None, None, :]).to(tl.int32)  # [block_n, groups, 32]
-    sign_index = ((aux[:, :, None] >> (7 * part)[None, None, :]) & 127).to(tl.int32)
-    sign_byte = tl.load(signs_ptr + sign_index).to(tl.int32)
-    field = (tl.load(codes_ptr + grid_index) >> (2 * lane)[None, None, :]) & 3
-    grid = tl.where(field == 0, 8.0, tl.where(field == 1, 25.0, 43.0))
-    value = db[:, :, None] * grid
-    w = tl.where(((sign_byte >> lane[None, None, :]) & 1) != 0, -value, value)
-    w = tl.where(live[None, :, None], w, 0.0)
-    cols = index[:, None] * 256 + (g % 8)[:, None] * 32 + v[None, :]
+    block = row[:, None] + (tl.where(index < k // 256, index, 0) * 66)[None, :]  # [block_n, groups]
+    group = (block + 2 + (g % 8)[None, :] * 8).to(tl.pointer_type(tl.uint16))
+    aux = tl.load(group + 2).to(tl.uint32) | (tl.load(group + 3).to(tl.uint32) << 16)
+    db = half_word(tl.load(block.to(tl.pointer_type(tl.uint16))).to(tl.int32))
+    db = db * (0.5 + (aux >> 28).to(tl.float32)) * 0.25
+    first = tl.load(group).to(tl.int32)
+    second = tl.load(group + 1).to(tl.int32)
+    entry = _fours(first & 255, first >> 8, second & 255, second >> 8)  # [bn, groups, 2, 2]: part 2 i + j
+    signs = _fours(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127)
+    parity = signs ^ (signs >> 4)
+    parity = parity ^ (parity >> 2)
+    parity = parity ^ (parity >> 1)
+    signs = signs | ((parity & 1) << 7)
+    words = tl.join(tl.load(grid_ptr + entry * 2), tl.load(grid_ptr + entry * 2 + 1))  # [..., 2 (word)]
+    magnitude = small_int_float(_fours(words & 255, (words >> 8) & 255, (words >> 16) & 255, words >> 24))
+    nibbles = tl.join(signs, signs >> 4)  # [..., 2 (word)]
+    minus = _fours(nibbles & 1, (nibbles >> 1) & 1, (nibbles >> 2) & 1, (nibbles >> 3) & 1)  # as the magnitudes
+    value = db[:, :, None, None, None, None, None] * magnitude  # exact: d, the scale and a grid byte
+    w = (value.to(tl.uint32, bitcast=True) ^ (minus.to(tl.uint32) << 31)).to(tl.float32, bitcast=True)
+    w = tl.reshape(w, (row.shape[0], groups * 4, 8))
+    cols = index[:, None] * 256 + (g % 8)[:, None] * 32 + tl.arange(0, 32)[None, :]
+    cols = tl.reshape(cols, (groups * 4, 8))
     return w, cols, cols < k
 
 
 @triton.jit
-def trip_values(row, trip, k: tl.constexpr, supers: tl.constexpr, table_ptr, signs_ptr, qtype: tl.constexpr):
+def trip_values(row, trip, k: tl.constexpr, supers: tl.constexpr, table_ptr, qtype: tl.constexpr):
     """Trip ``trip`` of the weight rows at byte pointers ``row [block_n]``: (values ``[block_n, A, B]``
-    float32 (0 past the last block), their columns ``[A, B]``, which of those exist), ``A = 8 * supers`` groups of
-    ``B = 32`` values;
-    ``table_ptr``: IQ2_XXS's grid codes (``gguf_matmul._grid_codes``), ``signs_ptr``: its 128 sign bytes."""
+    float32, their columns ``[A, B]``, which of those exist; past the last block the values are some
+    block's, finite, and are not to be used); ``table_ptr``: IQ2_XXS's grid words."""
     if qtype == Q8_0:
         return q8_0_trip(row, trip, k, supers)
     elif qtype == Q2_K:
         return q2_k_trip(row, trip, k, supers)
     else:
-        return iq2_xxs_trip(row, trip, k, supers, table_ptr, signs_ptr)
+        return iq2_xxs_trip(row, trip, k, supers, table_ptr)
 
 
 @triton.jit
 def _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per: tl.constexpr):
     """``acc`` plus the tile ``w [block_n, A, B]`` times input rows ``first`` .. ``first + rows_per`` (of
-    ``m``) at columns ``cols [A, B]`` (``live``: those that exist), in float32.  One row: ``acc`` is
-    ``[block_n, A, B]``, the products added element by element (summed once, at the end); more: ``acc`` is
-    ``[rows_per, block_n, A]``, each row's products summed over ``B`` each trip."""
+    ``m``) at columns ``cols [A, B]`` (``live``: those that exist; the others' inputs are read as 0), in
+    float32.  One row: ``acc`` is ``[block_n, A, B]``, the products added element by element (summed once,
+    at the end); more: ``acc`` is ``[rows_per, block_n, A]``, each row's products summed over ``B`` each
+    trip."""
     if rows_per == 1:
         mask = live & (tl.zeros_like(cols) + first < m)
         x = tl.load(x_ptr + first.to(tl.int64) * sxm + cols, mask=mask, other=0.0).to(tl.float32)
-        acc = acc + w * x[None, :, :]
+        acc = tl.fma(w, x[None, :, :], acc)
     else:
         which = tl.arange(0, rows_per)
         for r in tl.static_range(rows_per):
@@ -123,21 +168,23 @@ def _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per: tl.constexpr
 
 
 @triton.jit
-def gemv_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, signs_ptr, expert_ptr, n, m, k: tl.constexpr, row_bytes,
-                expert_bytes, sxm, som, qtype: tl.constexpr, by_expert: tl.constexpr, block_n: tl.constexpr,
-                supers: tl.constexpr, rows_per: tl.constexpr):
+def gemv_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, expert_ptr, n, m, k: tl.constexpr, row_bytes, expert_bytes,
+                sxm, som, qtype: tl.constexpr, by_expert: tl.constexpr, block_n: tl.constexpr, supers: tl.constexpr,
+                rows_per: tl.constexpr):
+    tile_a: tl.constexpr = supers * 8 if qtype == Q8_0 else (supers * 64 if qtype == Q2_K else supers * 32)
+    tile_b: tl.constexpr = 256 * supers // tile_a  # a trip's tile: [block_n, tile_a, tile_b]
     first = tl.program_id(1) * rows_per
     base = raw_ptr
     if by_expert:
         base = raw_ptr + tl.load(expert_ptr + tl.program_id(1)).to(tl.int64) * expert_bytes
     rows = tl.program_id(0) * block_n + tl.arange(0, block_n)
     row = base + tl.where(rows < n, rows, 0).to(tl.int64) * row_bytes
-    if rows_per == 1:  # a trip's tile: [block_n, supers * 8, 32]
-        acc = tl.zeros((block_n, supers * 8, 32), dtype=tl.float32)
+    if rows_per == 1:
+        acc = tl.zeros((block_n, tile_a, tile_b), dtype=tl.float32)
     else:
-        acc = tl.zeros((rows_per, block_n, supers * 8), dtype=tl.float32)
+        acc = tl.zeros((rows_per, block_n, tile_a), dtype=tl.float32)
     for trip in range(tl.cdiv(k, 256 * supers)):
-        w, cols, live = trip_values(row, trip, k, supers, table_ptr, signs_ptr, qtype)
+        w, cols, live = trip_values(row, trip, k, supers, table_ptr, qtype)
         acc = _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per)
     if rows_per == 1:
         total = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
@@ -149,11 +196,11 @@ def gemv_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, signs_ptr, expert_ptr, n, m,
 
 
 @triton.jit
-def dequant_kernel(raw_ptr, out_ptr, table_ptr, signs_ptr, n, k: tl.constexpr, row_bytes, som, qtype: tl.constexpr,
+def dequant_kernel(raw_ptr, out_ptr, table_ptr, n, k: tl.constexpr, row_bytes, som, qtype: tl.constexpr,
                    block_n: tl.constexpr):
     """``out[n, k]`` float32: trip ``program_id(1)`` (256 values) of ``block_n`` weight rows."""
     rows = tl.program_id(0) * block_n + tl.arange(0, block_n)
     row = raw_ptr + tl.where(rows < n, rows, 0).to(tl.int64) * row_bytes
-    w, cols, live = trip_values(row, tl.program_id(1), k, 1, table_ptr, signs_ptr, qtype)
+    w, cols, live = trip_values(row, tl.program_id(1), k, 1, table_ptr, qtype)
     mask = (rows[:, None, None] < n) & live[None, :, :]
     tl.store(out_ptr + rows.to(tl.int64)[:, None, None] * som + cols[None, :, :], w, mask=mask)

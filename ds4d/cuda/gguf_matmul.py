@@ -31,8 +31,8 @@ TYPES = {"Q8_0": 0, "Q2_K": 1, "IQ2_XXS": 2, "Q4_K": 3, "Q6_K": 4, "Q5_K": 5, "Q
          "IQ2_XS": 9, "MXFP4": 10}
 """The quant types with a decoder, by name (``gguf.GGMLQuantizationType`` names)."""
 
-BLOCKWISE = {"Q8_0": {"block_n": 8, "supers": 2, "warps": 4}, "Q2_K": {"block_n": 8, "supers": 1, "warps": 4},
-             "IQ2_XXS": {"block_n": 16, "supers": 1, "warps": 4}}
+BLOCKWISE = {"Q8_0": {"block_n": 8, "supers": 2, "warps": 4}, "Q2_K": {"block_n": 32, "supers": 1, "warps": 4},
+             "IQ2_XXS": {"block_n": 32, "supers": 1, "warps": 4}}
 """Types with block-by-block kernels (``gguf_blockwise``) and their GEMV's launch: weight rows per program, blocks of 256
 values per trip of its loop, warps (``tests/gpu/gguf_gemv_sweep.py`` times the candidates)."""
 
@@ -98,20 +98,23 @@ def _tables(device: torch.device, qtype: str) -> tuple[torch.Tensor, torch.Tenso
     return _state[key]
 
 
-def _grid_codes(device: torch.device) -> torch.Tensor:
-    """IQ2_XXS's grid as ``gguf_blockwise`` reads it: int32 ``[256]``, entry ``e``'s eight values as 2-bit
-    fields (value ``i`` at bits ``2i``: 0, 1, 2 for 8, 25, 43), from the ``gguf`` package's grid."""
-    key = ("codes", str(device))
+def _grid_words(device: torch.device) -> torch.Tensor:
+    """IQ2_XXS's grid as ``gguf_blockwise`` reads it: int32 ``[256, 2]``, entry ``e``'s eight values as
+    bytes, little-endian (value ``i`` in byte ``i % 4`` of word ``i // 4``), from the ``gguf`` package's grid."""
+    key = ("words", str(device))
     if key not in _state:
         grid = _tables(torch.device("cpu"), "IQ2_XXS")[0]
-        if not bool(torch.isin(grid, torch.tensor([8.0, 25.0, 43.0])).all()):
-            raise ValueError("the gguf package's IQ2_XXS grid holds values other than 8, 25 and 43")
-        fields = torch.zeros_like(grid, dtype=torch.int32)
-        for code, value in enumerate((8.0, 25.0, 43.0)):
-            fields[grid == value] = code
-        codes = (fields << (2 * torch.arange(8, dtype=torch.int32))).sum(dim=1, dtype=torch.int32)
-        _state[key] = codes.to(device)
+        if not bool(((grid >= 0) & (grid < 256) & (grid == grid.round())).all()):
+            raise ValueError("the gguf package's IQ2_XXS grid holds values that are not bytes")
+        _state[key] = grid.to(torch.uint8).contiguous().view(torch.int32).to(device)
     return _state[key]
+
+
+def _check_word_aligned(raw: torch.Tensor, qtype: str) -> None:
+    """The block-wise kernels read blocks in 16- and 32-bit words: ``raw`` must start at a multiple of 4
+    bytes (every allocation does; a whole row of these types is a multiple of 2 or 4 bytes long)."""
+    if raw.data_ptr() % 4:
+        raise ValueError(f"{qtype} blocks must start at a multiple of 4 bytes for the block-wise kernels")
 
 
 def row_bytes_of(qtype: str, cols: int) -> int:
@@ -140,10 +143,11 @@ def dequantize(raw: torch.Tensor, qtype: str, cols: int, *, blockwise: bool = Tr
     n = raw.shape[0]
     out = torch.empty(n, cols, dtype=torch.float32, device=raw.device)
     if blockwise and qtype in BLOCKWISE:
+        _check_word_aligned(raw, qtype)
         block_n = 16
-        table = _grid_codes(raw.device) if qtype == "IQ2_XXS" else grid_table
+        table = _grid_words(raw.device) if qtype == "IQ2_XXS" else grid_table
         _blockwise().dequant_kernel[(-(-n // block_n), -(-cols // 256))](
-            raw, out, table, signs, n, cols, row_bytes, out.stride(0), qtype=TYPES[qtype], block_n=block_n,
+            raw, out, table, n, cols, row_bytes, out.stride(0), qtype=TYPES[qtype], block_n=block_n,
             enable_fp_fusion=False)
         return out
     block_n, block_k = 16, 256
@@ -189,11 +193,12 @@ def _launch_gemv(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_by
     by_expert = chosen is not None
     chosen = chosen if by_expert else signs
     if blockwise and qtype in BLOCKWISE:
+        _check_word_aligned(flat, qtype)
         launch = BLOCKWISE[qtype]
         rows_per = 1 if by_expert else min(MULTI_ROWS, 1 << (m - 1).bit_length())
-        table = _grid_codes(flat.device) if qtype == "IQ2_XXS" else grid_table
+        table = _grid_words(flat.device) if qtype == "IQ2_XXS" else grid_table
         _blockwise().gemv_kernel[(-(-n // launch["block_n"]), -(-m // rows_per))](
-            x, flat, out, table, signs, chosen, n, m, cols, row_bytes, expert_bytes, x.stride(0), out.stride(0),
+            x, flat, out, table, chosen, n, m, cols, row_bytes, expert_bytes, x.stride(0), out.stride(0),
             qtype=TYPES[qtype], by_expert=by_expert, block_n=launch["block_n"], supers=launch["supers"],
             rows_per=rows_per, num_warps=launch["warps"], enable_fp_fusion=False)
         return out
@@ -214,7 +219,8 @@ def gemv_at(x: torch.Tensor, addresses: torch.Tensor, qtype: str, n: int, *, ali
     ``aligned`` (the caller's promise that every address is a multiple of 16): the experts are 16 bytes
     apart, so the compiler knows what it knows of a bank's aligned experts and builds the same kernel:
     the result is :func:`gemv`'s with ``experts`` bit for bit where the bank's matrices are a multiple of
-    16 bytes.  Unaligned, the experts are one byte apart, and the sums may round differently.  No host read:
+    16 bytes.  Unaligned, the experts are one byte apart, and the sums may round differently (every
+    address must still be a multiple of 4 for the block-wise types: they read 16- and 32-bit words).  No host read:
     capturable in a CUDA graph."""
     row_bytes = row_bytes_of(qtype, x.shape[-1])
     if x.stride(-1) != 1:
