@@ -172,7 +172,9 @@ def _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per: tl.constexpr
 @triton.jit
 def gemv_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, expert_ptr, n, m, k: tl.constexpr, row_bytes, expert_bytes,
                 sxm, som, qtype: tl.constexpr, by_expert: tl.constexpr, block_n: tl.constexpr, supers: tl.constexpr,
-                rows_per: tl.constexpr):
+                rows_per: tl.constexpr, stages: tl.constexpr):
+    """``stages``: the software pipeline of the loop over trips (each trip's block bytes copied that many
+    trips ahead, asynchronously, into shared memory; 1: none)."""
     first = tl.program_id(1) * rows_per
     base = raw_ptr
     if by_expert:
@@ -186,7 +188,7 @@ def gemv_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, expert_ptr, n, m, k: tl.cons
     else:
         acc = _times_rows(tl.zeros((rows_per, block_n, w.shape[1]), dtype=tl.float32), w, x_ptr, first, m, sxm,
                           cols, live, rows_per)
-    for trip in range(1, tl.cdiv(k, 256 * supers)):
+    for trip in tl.range(1, tl.cdiv(k, 256 * supers), num_stages=stages):
         w, cols, live = trip_values(row, trip, k, supers, table_ptr, qtype)
         acc = _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per)
     if rows_per == 1:

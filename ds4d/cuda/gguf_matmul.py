@@ -31,10 +31,11 @@ TYPES = {"Q8_0": 0, "Q2_K": 1, "IQ2_XXS": 2, "Q4_K": 3, "Q6_K": 4, "Q5_K": 5, "Q
          "IQ2_XS": 9, "MXFP4": 10}
 """The quant types with a decoder, by name (``gguf.GGMLQuantizationType`` names)."""
 
-BLOCKWISE = {"Q8_0": {"block_n": 8, "supers": 2, "warps": 4}, "Q2_K": {"block_n": 32, "supers": 1, "warps": 4},
-             "IQ2_XXS": {"block_n": 32, "supers": 1, "warps": 4}}
+BLOCKWISE = {"Q8_0": {"block_n": 8, "supers": 2, "warps": 4, "stages": 3},
+             "Q2_K": {"block_n": 16, "supers": 1, "warps": 4, "stages": 3},
+             "IQ2_XXS": {"block_n": 8, "supers": 2, "warps": 4, "stages": 3}}
 """Types with block-by-block kernels (``gguf_blockwise``) and their GEMV's launch: weight rows per program, blocks of 256
-values per trip of its loop, warps (``tests/gpu/gguf_gemv_sweep.py`` times the candidates)."""
+values per trip of its loop, warps, software pipeline stages (``tests/gpu/gguf_gemv_sweep.py`` times the candidates)."""
 
 MULTI_ROWS = 8
 """Input rows a block-wise GEMV program takes at most (each weight tile decoded once for all of them)."""
@@ -200,7 +201,7 @@ def _launch_gemv(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_by
         _blockwise().gemv_kernel[(-(-n // launch["block_n"]), -(-m // rows_per))](
             x, flat, out, table, chosen, n, m, cols, row_bytes, expert_bytes, x.stride(0), out.stride(0),
             qtype=TYPES[qtype], by_expert=by_expert, block_n=launch["block_n"], supers=launch["supers"],
-            rows_per=rows_per, num_warps=launch["warps"], enable_fp_fusion=False)
+            rows_per=rows_per, stages=launch["stages"], num_warps=launch["warps"], enable_fp_fusion=False)
         return out
     block_k = 256 if cols % 256 == 0 else 32
     block_n = 16
