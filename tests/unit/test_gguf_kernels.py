@@ -210,3 +210,20 @@ def test_bad_shapes_and_types_are_refused():
         gguf_matmul.block_shape("IQ1_S")
     with pytest.raises(ValueError, match="a bank"):
         gguf_matmul.gemv(torch.zeros(1, 32), raw, "Q8_0", torch.zeros(1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_matmul.BLOCKWISE))
+def test_blockwise_kernels_refuse_blocks_off_a_word(qtype):
+    """The block-wise kernels read blocks in 16- and 32-bit words: blocks that start off a multiple of 4 bytes
+    are refused with a message (and the element-wise kernels still decode them, to the same values)."""
+    values, nbytes = gguf_matmul.block_shape(qtype)
+    raw = random_blocks(qtype, 2, values, seed=9)
+    store = torch.zeros(raw.size + 2, dtype=torch.uint8, device=device())
+    shifted = store[2:].view(2, nbytes)  # two bytes past an allocation's start
+    shifted.copy_(torch.from_numpy(raw))
+    with pytest.raises(ValueError, match="multiple of 4 bytes"):
+        gguf_matmul.dequantize(shifted, qtype, values)
+    with pytest.raises(ValueError, match="multiple of 4 bytes"):
+        gguf_matmul.gemv(torch.ones(1, values, device=shifted.device), shifted, qtype)
+    plain = gguf_matmul.dequantize(shifted, qtype, values, blockwise=False).cpu().numpy()
+    assert np.array_equal(plain, numpy_values(raw, qtype).reshape(2, values).astype(np.float32))
