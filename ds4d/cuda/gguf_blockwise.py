@@ -122,10 +122,10 @@ def iq2_xxs_trip(row, trip, k: tl.constexpr, supers: tl.constexpr, grid_ptr):
     signs = signs | ((parity & 1) << 7)
     words = tl.join(tl.load(grid_ptr + entry * 2), tl.load(grid_ptr + entry * 2 + 1))  # [..., 2 (word)]
     magnitude = small_int_float(_fours(words & 255, (words >> 8) & 255, (words >> 16) & 255, words >> 24))
-    nibbles = tl.join(signs << 28, signs << 24)  # [..., 2 (word)]: the word's four sign bits at bits 28-31
-    minus = _fours(nibbles << 3, nibbles << 2, nibbles << 1, nibbles)  # as the magnitudes, each sign at bit 31
+    nibbles = tl.join(signs, signs >> 4)  # [..., 2 (word)]
+    minus = _fours(nibbles & 1, (nibbles >> 1) & 1, (nibbles >> 2) & 1, (nibbles >> 3) & 1)  # as the magnitudes
     value = db[:, :, None, None, None, None, None] * magnitude  # exact: d, the scale and a grid byte
-    w = (value.to(tl.uint32, bitcast=True) ^ (minus & 0x80000000)).to(tl.float32, bitcast=True)
+    w = (value.to(tl.uint32, bitcast=True) ^ (minus.to(tl.uint32) << 31)).to(tl.float32, bitcast=True)
     w = tl.reshape(w, (row.shape[0], groups * 4, 8))
     cols = index[:, None] * 256 + (g % 8)[:, None] * 32 + tl.arange(0, 32)[None, :]
     cols = tl.reshape(cols, (groups * 4, 8))
@@ -146,13 +146,6 @@ def trip_values(row, trip, k: tl.constexpr, supers: tl.constexpr, table_ptr, qty
 
 
 @triton.jit
-def _input(x_ptr, row, m, sxm, cols, live):
-    """Input row ``row`` (of ``m``) at columns ``cols``, as float32 (0 where not ``live`` or past ``m``)."""
-    mask = live & (tl.zeros_like(cols) + row < m)
-    return tl.load(x_ptr + row.to(tl.int64) * sxm + cols, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per: tl.constexpr):
     """``acc`` plus the tile ``w [block_n, A, B]`` times input rows ``first`` .. ``first + rows_per`` (of
     ``m``) at columns ``cols [A, B]`` (``live``: those that exist; the others' inputs are read as 0), in
@@ -160,11 +153,16 @@ def _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per: tl.constexpr
     at the end); more: ``acc`` is ``[rows_per, block_n, A]``, each row's products summed over ``B`` each
     trip."""
     if rows_per == 1:
-        acc = tl.fma(w, _input(x_ptr, first, m, sxm, cols, live)[None, :, :], acc)
+        mask = live & (tl.zeros_like(cols) + first < m)
+        x = tl.load(x_ptr + first.to(tl.int64) * sxm + cols, mask=mask, other=0.0).to(tl.float32)
+        acc = tl.fma(w, x[None, :, :], acc)
     else:
         which = tl.arange(0, rows_per)
         for r in tl.static_range(rows_per):
-            part = tl.sum(w * _input(x_ptr, first + r, m, sxm, cols, live)[None, :, :], axis=2)
+            row = first + r
+            mask = live & (tl.zeros_like(cols) + row < m)
+            x = tl.load(x_ptr + row.to(tl.int64) * sxm + cols, mask=mask, other=0.0).to(tl.float32)
+            part = tl.sum(w * x[None, :, :], axis=2)
             acc = tl.where(which[:, None, None] == r, acc + part[None, :, :], acc)
     return acc
 
@@ -175,20 +173,19 @@ def gemv_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, expert_ptr, n, m, k: tl.cons
                 rows_per: tl.constexpr, stages: tl.constexpr):
     """``stages``: the software pipeline of the loop over trips (each trip's block bytes copied that many
     trips ahead, asynchronously, into shared memory; 1: none)."""
+    tile_a: tl.constexpr = supers * 8 if qtype == Q8_0 else (supers * 64 if qtype == Q2_K else supers * 32)
+    tile_b: tl.constexpr = 256 * supers // tile_a  # a trip's tile: [block_n, tile_a, tile_b]
     first = tl.program_id(1) * rows_per
     base = raw_ptr
     if by_expert:
         base = raw_ptr + tl.load(expert_ptr + tl.program_id(1)).to(tl.int64) * expert_bytes
     rows = tl.program_id(0) * block_n + tl.arange(0, block_n)
     row = base + tl.where(rows < n, rows, 0).to(tl.int64) * row_bytes
-    # the first trip outside the loop: one row's sums start as its products, in the tile's own layout
-    w, cols, live = trip_values(row, 0, k, supers, table_ptr, qtype)
     if rows_per == 1:
-        acc = w * _input(x_ptr, first, m, sxm, cols, live)[None, :, :]
+        acc = tl.zeros((block_n, tile_a, tile_b), dtype=tl.float32)
     else:
-        acc = _times_rows(tl.zeros((rows_per, block_n, w.shape[1]), dtype=tl.float32), w, x_ptr, first, m, sxm,
-                          cols, live, rows_per)
-    for trip in tl.range(1, tl.cdiv(k, 256 * supers), num_stages=stages):
+        acc = tl.zeros((rows_per, block_n, tile_a), dtype=tl.float32)
+    for trip in tl.range(tl.cdiv(k, 256 * supers), num_stages=stages):
         w, cols, live = trip_values(row, trip, k, supers, table_ptr, qtype)
         acc = _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per)
     if rows_per == 1:

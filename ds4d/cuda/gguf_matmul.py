@@ -31,11 +31,12 @@ TYPES = {"Q8_0": 0, "Q2_K": 1, "IQ2_XXS": 2, "Q4_K": 3, "Q6_K": 4, "Q5_K": 5, "Q
          "IQ2_XS": 9, "MXFP4": 10}
 """The quant types with a decoder, by name (``gguf.GGMLQuantizationType`` names)."""
 
-BLOCKWISE = {"Q8_0": {"block_n": 8, "supers": 2, "warps": 4, "stages": 3},
-             "Q2_K": {"block_n": 16, "supers": 1, "warps": 4, "stages": 3},
-             "IQ2_XXS": {"block_n": 8, "supers": 2, "warps": 4, "stages": 3}}
-"""Types with block-by-block kernels (``gguf_blockwise``) and their GEMV's launch: weight rows per program, blocks of 256
-values per trip of its loop, warps, software pipeline stages (``tests/gpu/gguf_gemv_sweep.py`` times the candidates)."""
+BLOCKWISE = {"Q8_0": {"block_n": 8, "supers": 2, "warps": 4, "stages": 1},
+             "Q2_K": {"block_n": 16, "supers": 1, "warps": 4, "stages": 1},
+             "IQ2_XXS": {"block_n": 8, "supers": 2, "warps": 4, "stages": 1}}
+"""Types with block-by-block kernels (``gguf_blockwise``) and their GEMV's launch: weight rows per program, blocks of
+256 values per trip of its loop, warps, software pipeline stages of the loop (1: none); the best of
+``tests/gpu/gguf_gemv_sweep.py`` on an H200 (docs/BENCHMARKS.md; pipelined loops not yet timed there)."""
 
 MULTI_ROWS = 8
 """Input rows a block-wise GEMV program takes at most (each weight tile decoded once for all of them)."""
