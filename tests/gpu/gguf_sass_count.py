@@ -7,13 +7,16 @@ that keep enough programs in flight, so the loop's instructions per weight value
 its 8-cycle int-to-float conversions, its registers, which bound how many programs an SM holds) are
 what to look at before spending device time; the sweep (``gguf_gemv_sweep.py``) then times them.
 
-    python3 tests/gpu/gguf_sass_count.py [--x bf16|fp32] [--stages N]
+    python3 tests/gpu/gguf_sass_count.py [--x bf16|fp32] [--stages N] [--json]   # --json: one line a case
+
+Triton's interpreter (``TRITON_INTERPRET=1``) must be off: it compiles nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import re
 import subprocess
@@ -74,22 +77,36 @@ def loop_and_registers(kernel) -> tuple[collections.Counter, int]:
     return ops, int(registers.group(1)) if registers else 0
 
 
+def loop_counts(qtype: str, k: int, by_expert: bool, block_n: int, supers: int, rows_per: int = 1, stages: int = 1,
+                x: str = "bf16") -> dict[str, float]:
+    """The GEMV's loop for one launch: instructions, global loads and int-to-float conversions per weight
+    value a thread decodes (4 warps), and registers a thread."""
+    ops, registers = loop_and_registers(compiled(qtype, k, by_expert, block_n, supers, rows_per, stages, x))
+    values = block_n * supers * 256 / 128
+    return {"instructions": sum(ops.values()) / values, "loads": (ops["LDG"] + ops["LDGSTS"]) / values,
+            "conversions": (ops["I2F"] + ops["F2I"]) / values, "registers": registers}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--x", default="bf16", choices=["bf16", "fp32"], help="the input rows' dtype")
     parser.add_argument("--stages", type=int, default=1, help="the loop's pipeline stages")
+    parser.add_argument("--json", action="store_true", help="a JSON line a case, not a table")
     args = parser.parse_args()
+    if args.json:
+        for qtype, k, by_expert in CASES:
+            for block_n, supers in LAUNCHES:
+                counts = loop_counts(qtype, k, by_expert, block_n, supers, 1, args.stages, args.x)
+                print(json.dumps(dict(counts, qtype=qtype, block_n=block_n, supers=supers)))
+        return
     print("| type | launch | rows | instructions a value | loads a value | conversions a value | registers |")
     print("|---|---|---|---|---|---|---|")
     for qtype, k, by_expert in CASES:
         for block_n, supers in LAUNCHES:
             for rows_per in (1,) if by_expert else (1, 8):
-                kernel = compiled(qtype, k, by_expert, block_n, supers, rows_per, args.stages, args.x)
-                ops, registers = loop_and_registers(kernel)
-                values = block_n * supers * 256 / 128  # a trip's values a thread (4 warps)
-                loads = ops["LDG"] + ops["LDGSTS"]
-                print(f"| {qtype} | {block_n} x {supers} | {rows_per} | {sum(ops.values()) / values:.2f} | "
-                      f"{loads / values:.2f} | {(ops['I2F'] + ops['F2I']) / values:.2f} | {registers} |")
+                c = loop_counts(qtype, k, by_expert, block_n, supers, rows_per, args.stages, args.x)
+                print(f"| {qtype} | {block_n} x {supers} | {rows_per} | {c['instructions']:.2f} | {c['loads']:.2f} | "
+                      f"{c['conversions']:.2f} | {c['registers']} |")
 
 
 if __name__ == "__main__":
