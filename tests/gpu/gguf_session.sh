@@ -7,6 +7,7 @@
 #   SWEEP=0 TESTS=0 tests/gpu/gguf_session.sh       # benchmarks only
 #   KINDS=gguf FULL=1 tests/gpu/gguf_session.sh     # q2 only, then q2 at full depth (43 layers, CONTEXT=32768)
 #   GATE=1 tests/gpu/gguf_session.sh                # also the regression gate's quick rows, after the tests
+#   SWEPT=1 tests/gpu/gguf_session.sh               # the benchmarks with the sweep's best launches (its JSON)
 set -o pipefail
 source "$(dirname "$0")/daemon_lib.sh"
 ds4d_setup || exit 1
@@ -19,17 +20,19 @@ if [ "${GATE:-0}" = 1 ]; then  # the regression gate's 4-layer rows (tests/gpu/g
   INSTALL=0 BENCH_S=${GATE_S:-200} bash tests/gpu/gate.sh --quick 2>&1 | tail -12
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
-  timeout 280 $PY tests/gpu/gguf_gemv_sweep.py 2>&1 | tee "$OUT/sweep.txt" | grep -v "^  "
+  timeout 280 $PY tests/gpu/gguf_gemv_sweep.py "$OUT/launches.json" 2>&1 | tee "$OUT/sweep.txt" | grep -v "^  "
 fi
+LAUNCHES=$([ "${SWEPT:-0}" = 1 ] && [ -f "$OUT/launches.json" ] && echo "$OUT/launches.json" || echo -)
 for kind in ${KINDS:-gguf native}; do
   flag=$([ $kind = gguf ] && echo "--gguf q2" || echo "--native")
   echo "== bench model $flag $COMMON --layers $LAYERS"
-  timeout "${BENCH_S:-240}" $PY -m ds4d.cli bench model $flag $COMMON --layers "$LAYERS" --json "$OUT/$kind.json" \
+  timeout "${BENCH_S:-240}" $PY tests/gpu/with_launches.py "$LAUNCHES" bench model $flag $COMMON --layers "$LAYERS" \
+    --json "$OUT/$kind.json" \
     2>&1 | tee "$OUT/$kind.log" | grep -v "^  " | tail -14
 done
 if [ "${FULL:-0}" = 1 ]; then
   echo "== bench model --gguf q2 --depth full --main-only $COMMON --context ${CONTEXT:-32768}"
-  timeout "${FULL_S:-300}" $PY -m ds4d.cli bench model --gguf q2 --depth full --main-only $COMMON \
+  timeout "${FULL_S:-300}" $PY tests/gpu/with_launches.py "$LAUNCHES" bench model --gguf q2 --depth full --main-only $COMMON \
     --context "${CONTEXT:-32768}" --json "$OUT/full.json" 2>&1 | tee "$OUT/full.log" | grep -v "^  " | tail -14
 fi
 
