@@ -33,7 +33,8 @@ CASES = [  # (label, type, N, K, rows, experts in the bank; 0: one matrix)
     ("gate/up [4096, 4096], 6 rows by expert", "IQ2_XXS", 4096, 4096, 6, 64),
     ("down [4096, 2048], 6 rows by expert", "Q2_K", 4096, 2048, 6, 64),
 ]
-LAUNCHES = [{"block_n": b, "supers": s, "warps": 4, "stages": p} for b, s, p in itertools.product((8, 16), (1, 2), (1, 3))]
+LAUNCHES = [{"block_n": b, "supers": s, "warps": 4, "stages": p}
+            for (b, s), p in itertools.product(((4, 4), (8, 1), (8, 2), (16, 1), (16, 2)), (1, 3))]
 L2_BYTES = 50 << 20
 
 
