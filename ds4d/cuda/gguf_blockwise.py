@@ -21,8 +21,8 @@ the one ``tl.fma`` of Q2_K adds to a product that is exact, so it rounds once, a
   ``expert_ptr[row]``'s, ``expert_bytes`` apart in a bank;
 * :func:`dequant_kernel`: the values, as float32.
 
-The blocks are read in 16-bit words (32-bit for Q2_K), so a matrix must start at a multiple of 4 bytes
-(``gguf_matmul`` checks what it can see).
+The blocks are read in 16-bit words (and 32-bit for Q2_K), so a matrix must start at a multiple of 2
+bytes (4 for Q2_K; ``gguf_matmul.WORD_BYTES``, checked where the host can see the address).
 """
 
 from __future__ import annotations
@@ -135,8 +135,8 @@ def iq2_xxs_trip(row, trip, k: tl.constexpr, supers: tl.constexpr, grid_ptr):
 @triton.jit
 def trip_values(row, trip, k: tl.constexpr, supers: tl.constexpr, table_ptr, qtype: tl.constexpr):
     """Trip ``trip`` of the weight rows at byte pointers ``row [block_n]``: (values ``[block_n, A, B]``
-    float32, their columns ``[A, B]``, which of those exist; past the last block the values are some
-    block's, finite, and are not to be used); ``table_ptr``: IQ2_XXS's grid words."""
+    float32, their columns ``[A, B]``, which of those exist; past the last block of a row the values are
+    its first block's again, to be multiplied by inputs read as 0); ``table_ptr``: IQ2_XXS's grid words."""
     if qtype == Q8_0:
         return q8_0_trip(row, trip, k, supers)
     elif qtype == Q2_K:

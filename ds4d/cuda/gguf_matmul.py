@@ -112,11 +112,15 @@ def _grid_words(device: torch.device) -> torch.Tensor:
     return _state[key]
 
 
+WORD_BYTES = {"Q8_0": 2, "Q2_K": 4, "IQ2_XXS": 2}
+"""The block-wise kernels read their blocks in words of this many bytes: a matrix starts at a multiple of it
+(as every allocation does, and every row, since the rows are whole blocks: 34, 84 and 66 bytes)."""
+
+
 def _check_word_aligned(raw: torch.Tensor, qtype: str) -> None:
-    """The block-wise kernels read blocks in 16- and 32-bit words: ``raw`` must start at a multiple of 4
-    bytes (every allocation does; a whole row of these types is a multiple of 2 or 4 bytes long)."""
-    if raw.data_ptr() % 4:
-        raise ValueError(f"{qtype} blocks must start at a multiple of 4 bytes for the block-wise kernels")
+    if raw.data_ptr() % WORD_BYTES[qtype]:
+        raise ValueError(f"{qtype} blocks must start at a multiple of {WORD_BYTES[qtype]} bytes for the block-wise "
+                         "kernels")
 
 
 def row_bytes_of(qtype: str, cols: int) -> int:
@@ -222,7 +226,7 @@ def gemv_at(x: torch.Tensor, addresses: torch.Tensor, qtype: str, n: int, *, ali
     apart, so the compiler knows what it knows of a bank's aligned experts and builds the same kernel:
     the result is :func:`gemv`'s with ``experts`` bit for bit where the bank's matrices are a multiple of
     16 bytes.  Unaligned, the experts are one byte apart, and the sums may round differently (every
-    address must still be a multiple of 4 for the block-wise types: they read 16- and 32-bit words).  No host read:
+    address must still be a multiple of the type's :data:`WORD_BYTES`).  No host read:
     capturable in a CUDA graph."""
     row_bytes = row_bytes_of(qtype, x.shape[-1])
     if x.stride(-1) != 1:

@@ -214,16 +214,21 @@ def test_bad_shapes_and_types_are_refused():
 
 @pytest.mark.parametrize("qtype", sorted(gguf_matmul.BLOCKWISE))
 def test_blockwise_kernels_refuse_blocks_off_a_word(qtype):
-    """The block-wise kernels read blocks in 16- and 32-bit words: blocks that start off a multiple of 4 bytes
-    are refused with a message (and the element-wise kernels still decode them, to the same values)."""
+    """The block-wise kernels read blocks in 16-bit words (and 32-bit for Q2_K): blocks that start off such a
+    word are refused with a message (and the element-wise kernels still decode them, to the same values)."""
     values, nbytes = gguf_matmul.block_shape(qtype)
     raw = random_blocks(qtype, 2, values, seed=9)
-    store = torch.zeros(raw.size + 2, dtype=torch.uint8, device=device())
-    shifted = store[2:].view(2, nbytes)  # two bytes past an allocation's start
-    shifted.copy_(torch.from_numpy(raw))
-    with pytest.raises(ValueError, match="multiple of 4 bytes"):
-        gguf_matmul.dequantize(shifted, qtype, values)
-    with pytest.raises(ValueError, match="multiple of 4 bytes"):
-        gguf_matmul.gemv(torch.ones(1, values, device=shifted.device), shifted, qtype)
-    plain = gguf_matmul.dequantize(shifted, qtype, values, blockwise=False).cpu().numpy()
-    assert np.array_equal(plain, numpy_values(raw, qtype).reshape(2, values).astype(np.float32))
+    word = gguf_matmul.WORD_BYTES[qtype]
+    store = torch.zeros(raw.size + word, dtype=torch.uint8, device=device())
+    for offset in range(1, word):
+        shifted = store[offset:offset + raw.size].view(2, nbytes)  # off an allocation's start, so off a word
+        shifted.copy_(torch.from_numpy(raw))
+        with pytest.raises(ValueError, match=f"multiple of {word} bytes"):
+            gguf_matmul.dequantize(shifted, qtype, values)
+        with pytest.raises(ValueError, match=f"multiple of {word} bytes"):
+            gguf_matmul.gemv(torch.ones(1, values, device=shifted.device), shifted, qtype)
+        plain = gguf_matmul.dequantize(shifted, qtype, values, blockwise=False).cpu().numpy()
+        assert np.array_equal(plain, numpy_values(raw, qtype).reshape(2, values).astype(np.float32))
+    rows = torch.from_numpy(random_blocks(qtype, 3, values, seed=10)).to(device())
+    assert torch.equal(gguf_matmul.dequantize(rows[1:], qtype, values),  # a slice of whole rows is on a word
+                       gguf_matmul.dequantize(rows, qtype, values)[1:])
