@@ -19,6 +19,9 @@ the one ``tl.fma`` of Q2_K adds to a product that is exact, so it rounds once, a
 * :func:`gemv_kernel`: ``block_n`` weight rows times ``rows_per`` input rows (each tile decoded once for
   all of them), summed in float32; with ``by_expert`` (one input row a program) the row's matrix is
   ``expert_ptr[row]``'s, ``expert_bytes`` apart in a bank;
+* :func:`tiles_kernel`: a tile of input rows of one expert times ``block_n`` weight rows on tensor cores,
+  each trip's values decoded once for the whole tile and handed to ``tl.dot`` in the inputs' dtype
+  (a prefill's rows grouped by expert);
 * :func:`dequant_kernel`: the values, as float32.
 
 The blocks are read in 16-bit words (and 32-bit for Q2_K), so a matrix must start at a multiple of 2
@@ -195,6 +198,40 @@ def gemv_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, expert_ptr, n, m, k: tl.cons
     which = first + tl.arange(0, rows_per)
     tl.store(out_ptr + which.to(tl.int64)[:, None] * som + rows[None, :], total,
              mask=(which[:, None] < m) & (rows[None, :] < n))
+
+
+@triton.jit
+def tiles_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, tile_expert_ptr, tile_start_ptr, tile_end_ptr, n,
+                 k: tl.constexpr, row_bytes, expert_bytes, sxm, som, qtype: tl.constexpr, block_m: tl.constexpr,
+                 block_n: tl.constexpr, supers: tl.constexpr, precision: tl.constexpr, stages: tl.constexpr):
+    """Input rows ``tile_start .. tile_end`` of tile ``program_id(0)`` (rows sorted by expert, all of the
+    tile's expert ``tile_expert``; one matrix: expert 0) times ``block_n`` weight rows of that expert's
+    matrix.  A trip decodes ``supers`` x 256 values of each weight row once, in float32, puts them in
+    column order (Q2_K's come in runs of 32 by shift), reads the tile's inputs there (rows of contiguous
+    columns) and adds their product on tensor cores (``precision`` as in
+    ``quant_kernels.fp8_tiles_kernel``), in float32.  A spare tile (start == end) runs no trip."""
+    span: tl.constexpr = 256 * supers
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    rows = start + tl.arange(0, block_m)
+    live_rows = rows < end
+    weights = tl.program_id(1) * block_n + tl.arange(0, block_n)
+    row = raw_ptr + expert * expert_bytes + tl.where(weights < n, weights, 0).to(tl.int64) * row_bytes
+    acc = tl.zeros((block_m, block_n), dtype=tl.float32)
+    trips = tl.where(start < end, tl.cdiv(k, span), 0)
+    for trip in tl.range(0, trips, num_stages=stages):
+        w, _, _ = trip_values(row, trip, k, supers, table_ptr, qtype)
+        if qtype == Q2_K:  # [block_n, halves * 32, 4 (shift)]: the shifts' runs of 32 put back in column order
+            w = tl.permute(tl.reshape(w, (block_n, 2 * supers, 32, 4)), (0, 1, 3, 2))
+        w = tl.reshape(w, (block_n, span))  # Q8_0's and IQ2_XXS's values come in column order
+        cols = trip * span + tl.arange(0, span)
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sxm + cols[None, :],
+                    mask=live_rows[:, None] & (cols < k)[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=precision)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * som + weights[None, :], acc,
+             mask=live_rows[:, None] & (weights[None, :] < n))
 
 
 @triton.jit

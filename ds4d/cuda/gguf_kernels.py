@@ -290,14 +290,14 @@ def tiles_kernel(x_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, tile_expert_ptr, 
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
     start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)  # start == end: a spare tile, every load and store masked off
+    end = tl.load(tile_end_ptr + tile)  # start == end: a spare tile, no loop trip, its store masked off
     rows = start + tl.arange(0, block_m)
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
     live_rows = rows < end
     live_cols = cols < n
     base = raw_ptr + expert * expert_bytes + tl.where(live_cols, cols, 0).to(tl.int64)[None, :] * row_bytes
     acc = tl.zeros([block_m, block_n], dtype=tl.float32)
-    for k0 in range(0, k, block_k):
+    for k0 in range(0, tl.where(start < end, k, 0), block_k):  # a spare tile decodes nothing
         inputs = k0 + tl.arange(0, block_k)
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sxm + inputs[None, :], mask=live_rows[:, None], other=0.0)
         w = decode(base, inputs[:, None], grid_ptr, signs_ptr, qtype)

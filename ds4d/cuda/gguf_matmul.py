@@ -15,7 +15,7 @@ have decoders in ``gguf_kernels`` (:data:`TYPES`):
   pairs);
 * :func:`tiles`: the same product on tensor cores for a batch of rows (the weight decoded into the
   rows' dtype a tile at a time), and with ``offsets`` for rows sorted by expert (a prefill's
-  pairs), tiles of one expert's rows each.
+  pairs), tiles of one expert's rows each (the ds4 q2 recipe's types by ``gguf_blockwise``).
 
 With ``TRITON_INTERPRET=1`` the kernels run on CPU tensors: that is how the tests compare them
 with the numpy dequantisers.
@@ -250,10 +250,21 @@ def _anchor(device: torch.device) -> torch.Tensor:
     return _state[key]
 
 
-def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor | None = None) -> torch.Tensor:
+BLOCKWISE_TILES = {qtype: {"block_m": 64, "block_n": 64, "supers": 1, "warps": 8, "stages": 1} for qtype in BLOCKWISE}
+"""The block-wise tiles' launch per type of :data:`BLOCKWISE`: input rows and weight rows a program, blocks
+of 256 values a trip, warps, pipeline stages of the loop.  Chosen from the loop compiled for an H200
+(``tests/gpu/gguf_sass_count.py --tiles``: no register spills for any of the three types, the fewest
+instructions a weight value of those that spill none), not yet timed; 64 input rows because a 2K-token prefill
+gives each of V4-Flash's 256 experts about 48, so most experts' weights are decoded once a step."""
+
+
+def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor | None = None, *,
+          blockwise: bool = True) -> torch.Tensor:
     """float32 ``[M, N]``: ``x [M, K]`` (float32, bfloat16 or float16) times the weight rows of ``raw``
     on tensor cores, each weight tile decoded into ``x``'s dtype; with ``offsets [E]`` (group ends),
-    ``x``'s rows are sorted by expert and ``raw`` is a bank ``[E, N, row_bytes]``."""
+    ``x``'s rows are sorted by expert and ``raw`` is a bank ``[E, N, row_bytes]``.  The types of
+    :data:`BLOCKWISE` take ``gguf_blockwise``'s tiles (a trip's values decoded once for a tile of rows)
+    unless ``blockwise`` is False."""
     from ds4d.cuda.quant_matmul import _precision, expert_tiles
 
     cols = x.shape[-1]
@@ -266,11 +277,21 @@ def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor 
     out = torch.empty(m, n, dtype=torch.float32, device=raw.device)
     if not m:
         return out
-    block_m, block_n, block_k = 32, 32, 32
     if offsets is None:
         offsets = torch.tensor([m], dtype=torch.int32, device=raw.device)
-    expert, first, end = expert_tiles(offsets.to(raw.device), m, block_m)
     grid_table, signs = _tables(raw.device, qtype)
+    if blockwise and qtype in BLOCKWISE:
+        _check_word_aligned(flat, qtype)
+        launch = BLOCKWISE_TILES[qtype]
+        expert, first, end = expert_tiles(offsets.to(raw.device), m, launch["block_m"])
+        table = _grid_words(raw.device) if qtype == "IQ2_XXS" else grid_table
+        _blockwise().tiles_kernel[(expert.shape[0], -(-n // launch["block_n"]))](
+            x, flat, out, table, expert, first, end, n, cols, row_bytes, expert_bytes, x.stride(0), out.stride(0),
+            qtype=TYPES[qtype], block_m=launch["block_m"], block_n=launch["block_n"], supers=launch["supers"],
+            precision=_precision(x), stages=launch["stages"], num_warps=launch["warps"], enable_fp_fusion=False)
+        return out
+    block_m, block_n, block_k = 32, 32, 32
+    expert, first, end = expert_tiles(offsets.to(raw.device), m, block_m)
     _kernels().tiles_kernel[(expert.shape[0], -(-n // block_n))](
         x, flat, out, grid_table, signs, expert, first, end, n, cols, row_bytes, expert_bytes, x.stride(0),
         out.stride(0), qtype=TYPES[qtype], block_m=block_m, block_n=block_n, block_k=block_k,

@@ -8,6 +8,7 @@ its 8-cycle int-to-float conversions, its registers, which bound how many progra
 what to look at before spending device time; the sweep (``gguf_gemv_sweep.py``) then times them.
 
     python3 tests/gpu/gguf_sass_count.py [--x bf16|fp32] [--stages N] [--json]   # --json: one line a case
+    python3 tests/gpu/gguf_sass_count.py --tiles [--json]   # the prefill's expert tiles, old and block-wise
 
 Triton's interpreter (``TRITON_INTERPRET=1``) must be off: it compiles nothing.
 """
@@ -26,7 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ds4d.cuda import gguf_blockwise
+from ds4d.cuda import gguf_blockwise, gguf_kernels, gguf_matmul
 from ds4d.cuda.gguf_matmul import TYPES
 
 SIGNATURE = {"x_ptr": "*bf16", "raw_ptr": "*u8", "out_ptr": "*fp32", "table_ptr": "*i32", "expert_ptr": "*i32",
@@ -45,13 +46,53 @@ def tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+TILES_SIGNATURE = {"x_ptr": "*bf16", "raw_ptr": "*u8", "out_ptr": "*fp32", "table_ptr": "*i32",
+                   "tile_expert_ptr": "*i32", "tile_start_ptr": "*i32", "tile_end_ptr": "*i32", "n": "i32",
+                   "k": "constexpr", "row_bytes": "i32", "expert_bytes": "i64", "sxm": "i32", "som": "i32",
+                   "qtype": "constexpr", "block_m": "constexpr", "block_n": "constexpr", "supers": "constexpr",
+                   "precision": "constexpr", "stages": "constexpr"}
+"""``gguf_blockwise.tiles_kernel``'s arguments; ``gguf_kernels.tiles_kernel`` (element by element) calls the table
+``grid_ptr`` and has a second one (``signs_ptr``) after it, ``block_k`` for ``supers`` and no ``stages``."""
+TILES_ALIGNED = (0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 12)
+TILES_CASES = [("Q8_0", 4096), ("IQ2_XXS", 4096), ("Q2_K", 2048)]  # the experts' gate/up and down widths
+TILES_LAUNCHES = [(True, 64, 32, 4), (True, 64, 32, 8), (True, 128, 64, 8)]  # (block-wise, rows, weight rows, warps)
+
+
+def _compile(fn, signature: dict, constants: dict, aligned, warps: int = 4):
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants,
+                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": warps, "enable_fp_fusion": False})
+
+
 def compiled(qtype: str, k: int, by_expert: bool, block_n: int, supers: int, rows_per: int, stages: int, x: str):
     constants = {"k": k, "qtype": TYPES[qtype], "by_expert": by_expert, "block_n": block_n, "supers": supers,
                  "rows_per": rows_per, "stages": stages}
-    source = ASTSource(fn=gguf_blockwise.gemv_kernel, signature=dict(SIGNATURE, x_ptr=f"*{x}"), constexprs=constants,
-                       attrs={(i,): [["tt.divisibility", 16]] for i in ALIGNED})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "enable_fp_fusion": False})
+    return _compile(gguf_blockwise.gemv_kernel, dict(SIGNATURE, x_ptr=f"*{x}"), constants, ALIGNED)
+
+
+def tiles_counts(qtype: str, k: int, blockwise: bool, block_m: int, block_n: int, warps: int = 4) -> dict[str, float]:
+    """The expert tiles' loop (bfloat16 rows): instructions and loads per weight value a thread decodes, the
+    same per weight value and input row of the tile (the decode shared by ``block_m`` rows), tensor-core
+    instructions a trip, registers a thread.  ``blockwise``: ``gguf_blockwise.tiles_kernel`` with a trip of
+    256 values, else ``gguf_kernels.tiles_kernel`` with 32."""
+    common = {"k": k, "qtype": TYPES[qtype], "block_m": block_m, "block_n": block_n, "precision": "tf32"}
+    if blockwise:
+        kernel = _compile(gguf_blockwise.tiles_kernel, TILES_SIGNATURE, dict(common, supers=1, stages=1),
+                          TILES_ALIGNED, warps)
+        span = 256
+    else:
+        renamed = {"table_ptr": "grid_ptr", "supers": "block_k"}
+        pairs = [(renamed.get(name, name), kind) for name, kind in TILES_SIGNATURE.items() if name != "stages"]
+        signature = dict(pairs[:4] + [("signs_ptr", "*u8")] + pairs[4:])
+        aligned = tuple(i + (i >= 4) for i in TILES_ALIGNED) + (4,)
+        kernel = _compile(gguf_kernels.tiles_kernel, signature, dict(common, block_k=32), aligned, warps)
+        span = 32
+    ops, registers = loop_and_registers(kernel)
+    values = block_n * span / (32 * warps)
+    return {"instructions": sum(ops.values()) / values, "loads": (ops["LDG"] + ops["LDGSTS"]) / values,
+            "per_row": sum(ops.values()) / values / block_m, "mma": ops["HMMA"] + ops["HGMMA"],
+            "spills": ops["LDL"] + ops["STL"], "registers": registers}
 
 
 def loop_and_registers(kernel) -> tuple[collections.Counter, int]:
@@ -92,7 +133,29 @@ def main() -> None:
     parser.add_argument("--x", default="bf16", choices=["bf16", "fp32"], help="the input rows' dtype")
     parser.add_argument("--stages", type=int, default=1, help="the loop's pipeline stages")
     parser.add_argument("--json", action="store_true", help="a JSON line a case, not a table")
+    parser.add_argument("--tiles", action="store_true",
+                        help="the prefill's expert tiles (block-wise against element-wise), not the GEMV")
     args = parser.parse_args()
+    if args.tiles:
+        if not args.json:
+            print("| type | kernel | rows x weight rows, warps | instructions a value | loads a value | instructions a "
+                  "value and row | mma a trip | spills | registers |")
+            print("|---|---|---|---|---|---|---|---|---|")
+        for qtype, k in TILES_CASES:
+            default = gguf_matmul.BLOCKWISE_TILES[qtype]
+            launches = [(False, 32, 32, 4), (True, default["block_m"], default["block_n"], default["warps"])]
+            launches += [launch for launch in TILES_LAUNCHES if launch not in launches]
+            for blockwise, block_m, block_n, warps in launches:
+                c = tiles_counts(qtype, k, blockwise, block_m, block_n, warps)
+                kind = "block-wise" if blockwise else "element-wise"
+                if blockwise and (block_m, block_n, warps) == launches[1][1:]:
+                    kind += " (default)"
+                if args.json:
+                    print(json.dumps(dict(c, qtype=qtype, kernel=kind, block_m=block_m, block_n=block_n, warps=warps)))
+                    continue
+                print(f"| {qtype} | {kind} | {block_m} x {block_n}, {warps} | {c['instructions']:.2f} | "
+                      f"{c['loads']:.2f} | {c['per_row']:.3f} | {c['mma']} | {c['spills']} | {c['registers']} |")
+        return
     if args.json:
         for qtype, k, by_expert in CASES:
             for block_n, supers in LAUNCHES:

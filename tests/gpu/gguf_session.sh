@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # DeepSeek-V4 GGUF blocks on one GPU, in one device call: the kernels' and the native model's GPU tests,
-# the GEMV sweep (tests/gpu/gguf_gemv_sweep.py), then `bench model --gguf q2` against the native FP8/MXFP4
-# model of the same depth, back to back.  Carry the gguf wheel in .whl/ (daemon_lib.sh installs it).
+# the GEMV and prefill-tiles sweeps (tests/gpu/gguf_gemv_sweep.py, gguf_tiles_sweep.py), then
+# `bench model --gguf q2` against the native FP8/MXFP4 model of the same depth, back to back.  Carry the gguf wheel in .whl/ (daemon_lib.sh installs it).
 #
 #   LAYERS=0,0,4,128 tests/gpu/gguf_session.sh      # the depth of both benchmarks (default: V4-Flash's first 4)
 #   SWEEP=0 TESTS=0 tests/gpu/gguf_session.sh       # benchmarks only
 #   KINDS=gguf FULL=1 tests/gpu/gguf_session.sh     # q2 only, then q2 at full depth (43 layers, CONTEXT=32768)
 #   GATE=1 tests/gpu/gguf_session.sh                # also the regression gate's quick rows, after the tests
-#   SWEPT=1 tests/gpu/gguf_session.sh               # the benchmarks with the sweep's best launches (its JSON)
+#   SWEPT=1 tests/gpu/gguf_session.sh               # the benchmarks with the sweeps' best launches (their JSON)
+#   TILES_SWEEP=0 tests/gpu/gguf_session.sh         # no tiles sweep
 set -o pipefail
 source "$(dirname "$0")/daemon_lib.sh"
 ds4d_setup || exit 1
@@ -22,7 +23,15 @@ fi
 if [ "${SWEEP:-1}" = 1 ]; then
   timeout 280 $PY tests/gpu/gguf_gemv_sweep.py "$OUT/launches.json" 2>&1 | tee "$OUT/sweep.txt" | grep -v "^  "
 fi
-LAUNCHES=$([ "${SWEPT:-0}" = 1 ] && [ -f "$OUT/launches.json" ] && echo "$OUT/launches.json" || echo -)
+if [ "${TILES_SWEEP:-1}" = 1 ]; then
+  timeout ${TILES_SWEEP_S:-200} $PY tests/gpu/gguf_tiles_sweep.py "$OUT/tiles.json" 2>&1 | tee "$OUT/tiles.txt" \
+    | grep -v "^  "
+fi
+LAUNCHES=-
+if [ "${SWEPT:-0}" = 1 ]; then  # the sweeps' JSON files that were written
+  swept=$(ls "$OUT/launches.json" "$OUT/tiles.json" 2>/dev/null | paste -sd, -)
+  LAUNCHES=${swept:--}
+fi
 for kind in ${KINDS:-gguf native}; do
   flag=$([ $kind = gguf ] && echo "--gguf q2" || echo "--native")
   echo "== bench model $flag $COMMON --layers $LAYERS"

@@ -32,3 +32,20 @@ def test_the_decoders_loops_convert_next_to_no_value():
     for case in cases:
         assert case["instructions"] > 1, case  # the loop was found
         assert case["conversions"] < 1 / 16, case
+
+
+def test_the_block_wise_tiles_decode_a_value_once_for_a_tile_of_rows():
+    """The prefill's expert tiles (``--tiles``): for each type, the block-wise tiles at their default launch spend
+    under a quarter of the element-wise tiles' instructions per weight value and input row (their decoders are
+    the GEMV's, a trip's values decoded once for 64 rows, not 32) and spill no register."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "gguf_sass_count.py"), "--tiles", "--json"],
+                         env=env, capture_output=True, text=True, check=True, timeout=600).stdout
+    cases = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    for qtype in ("Q8_0", "Q2_K", "IQ2_XXS"):
+        plain = next(c for c in cases if c["qtype"] == qtype and c["kernel"] == "element-wise")
+        default = next(c for c in cases if c["qtype"] == qtype and c["kernel"] == "block-wise (default)")
+        assert plain["mma"] > 0 and default["mma"] > 0, (plain, default)  # the loops were found
+        assert default["per_row"] < plain["per_row"] / 4, (qtype, default, plain)
+        assert default["spills"] == 0, default
