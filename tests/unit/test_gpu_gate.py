@@ -66,3 +66,20 @@ def test_per_layer_cost_from_two_depths(tmp_path, capsys):
     baseline = tmp_path / "h200.json"
     assert gate.main([str(shallow), str(deep), "--baseline", str(baseline)]) == 0
     assert "per layer (decode step, from the two depths)" in capsys.readouterr().out
+
+
+def test_a_gguf_run_is_gated_by_its_own_keys_and_left_out_of_the_per_layer_cost(tmp_path):
+    """``GGUF=1 gate.sh`` adds ``q2layers4.json`` (the q2 recipe at 4 layers): its rows are keyed by that name,
+    new until the baseline has them, and it is not taken for a depth beside ``layers4`` and ``layers16``."""
+    def rows(path, values):
+        path.write_text(json.dumps({"rows": [{"case": c, "ds4d": v, "floor": f} for c, (v, f) in values.items()]}))
+        return path
+
+    native = rows(tmp_path / "layers4.json", {B1: (820.0, 2013.0)})
+    q2 = rows(tmp_path / "q2layers4.json", {B1: (580.0, 2118.0), PREFILL: (16000.0, 326000.0)})
+    assert gate.per_layer([native, q2]) == []
+    got = gate.figures(q2)
+    assert got == {f"q2layers4: {B1}": 580.0, f"q2layers4: {PREFILL}": 16000.0}
+    baseline = {f"layers4: {B1}": 820.0, f"q2layers4: {B1}": 700.0}
+    table = {key: verdict for key, _, _, verdict in gate.compare(got, baseline, 0.10)}
+    assert table == {f"q2layers4: {B1}": "REGRESSED", f"q2layers4: {PREFILL}": "new"}
