@@ -36,8 +36,8 @@ LAUNCHES = [{"block_m": m, "block_n": n, "supers": 1, "warps": w, "stages": p}
                                (64, 128, 8, 1), (64, 64, 8, 2), (64, 64, 8, 3))]
 """Candidates (input rows, weight rows, warps, pipeline stages).  Compiled for sm_90 (Triton 3.9), 64 x 64 with 8
 warps spills no register for any of the three types; some of the others do for some types (64 x 128: Q8_0 and
-IQ2_XXS; 128 x 64: Q8_0); 2 and 3 stages copy a trip's blocks and inputs ahead into shared memory (at most
-160 KiB a program)."""
+IQ2_XXS; 128 x 64: Q8_0; 32 x 64: IQ2_XXS; 64 x 32 with 4 warps: Q8_0); 2 and 3 stages copy a trip's blocks and
+inputs ahead into shared memory (at most 160 KiB a program)."""
 
 
 def routed_offsets(tokens: int) -> torch.Tensor:
