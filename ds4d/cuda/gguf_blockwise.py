@@ -175,7 +175,8 @@ def gemv_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, expert_ptr, n, m, k: tl.cons
                 sxm, som, qtype: tl.constexpr, by_expert: tl.constexpr, block_n: tl.constexpr, supers: tl.constexpr,
                 rows_per: tl.constexpr, stages: tl.constexpr):
     """``stages``: the software pipeline of the loop over trips (each trip's block bytes copied that many
-    trips ahead, asynchronously, into shared memory; 1: none)."""
+    trips ahead, asynchronously, into shared memory; 1: none; 0: no loop, every trip written out, so the
+    compiler may issue a later trip's loads before an earlier trip's arithmetic)."""
     tile_a: tl.constexpr = supers * 8 if qtype == Q8_0 else (supers * 64 if qtype == Q2_K else supers * 32)
     tile_b: tl.constexpr = 256 * supers // tile_a  # a trip's tile: [block_n, tile_a, tile_b]
     first = tl.program_id(1) * rows_per
@@ -188,9 +189,14 @@ def gemv_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, expert_ptr, n, m, k: tl.cons
         acc = tl.zeros((block_n, tile_a, tile_b), dtype=tl.float32)
     else:
         acc = tl.zeros((rows_per, block_n, tile_a), dtype=tl.float32)
-    for trip in tl.range(tl.cdiv(k, 256 * supers), num_stages=stages):
-        w, cols, live = trip_values(row, trip, k, supers, table_ptr, qtype)
-        acc = _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per)
+    if stages == 0:  # every trip written out: the compiler may issue a later trip's loads early
+        for trip in tl.static_range((k + 256 * supers - 1) // (256 * supers)):
+            w, cols, live = trip_values(row, trip, k, supers, table_ptr, qtype)
+            acc = _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per)
+    else:
+        for trip in tl.range(tl.cdiv(k, 256 * supers), num_stages=stages):
+            w, cols, live = trip_values(row, trip, k, supers, table_ptr, qtype)
+            acc = _times_rows(acc, w, x_ptr, first, m, sxm, cols, live, rows_per)
     if rows_per == 1:
         total = tl.sum(tl.sum(acc, axis=2), axis=1)[None, :]
     else:

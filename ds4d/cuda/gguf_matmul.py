@@ -35,7 +35,8 @@ BLOCKWISE = {"Q8_0": {"block_n": 8, "supers": 2, "warps": 4, "stages": 1},
              "Q2_K": {"block_n": 16, "supers": 1, "warps": 4, "stages": 1},
              "IQ2_XXS": {"block_n": 8, "supers": 2, "warps": 4, "stages": 1}}
 """Types with block-by-block kernels (``gguf_blockwise``) and their GEMV's launch: weight rows per program, blocks of
-256 values per trip of its loop, warps, software pipeline stages of the loop (1: none); the best of
+256 values per trip of its loop, warps, software pipeline stages of the loop (1: none; 0: no loop, every trip
+written out); the best of
 ``tests/gpu/gguf_gemv_sweep.py`` on an H200 (docs/BENCHMARKS.md; pipelined loops not yet timed there)."""
 
 MULTI_ROWS = 8

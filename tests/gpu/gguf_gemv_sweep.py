@@ -35,6 +35,9 @@ CASES = [  # (label, type, N, K, rows, experts in the bank; 0: one matrix)
 ]
 LAUNCHES = [{"block_n": b, "supers": s, "warps": 4, "stages": p}
             for (b, s), p in itertools.product(((4, 4), (8, 1), (8, 2), (16, 1), (16, 2)), (1, 3))]
+LAUNCHES += [{"block_n": b, "supers": s, "warps": 4, "stages": 0} for b, s in ((8, 2), (16, 1))]
+"""Stages 0 (every trip written out): compiled for sm_90, the most bytes a thread has in flight grows 1.3-3x at
+these two launches (``gguf_sass_count.py --stages 0``), for some more registers."""
 L2_BYTES = 50 << 20
 
 

@@ -8,6 +8,7 @@ its 8-cycle int-to-float conversions, its registers, which bound how many progra
 what to look at before spending device time; the sweep (``gguf_gemv_sweep.py``) then times them.
 
     python3 tests/gpu/gguf_sass_count.py [--x bf16|fp32] [--stages N] [--json]   # --json: one line a case
+                                                                               # --stages 0: trips written out
     python3 tests/gpu/gguf_sass_count.py --tiles [--json]   # the prefill's expert tiles, old and block-wise
 
 Triton's interpreter (``TRITON_INTERPRET=1``) must be off: it compiles nothing.
@@ -88,50 +89,84 @@ def tiles_counts(qtype: str, k: int, blockwise: bool, block_m: int, block_n: int
         aligned = tuple(i + (i >= 4) for i in TILES_ALIGNED) + (4,)
         kernel = _compile(gguf_kernels.tiles_kernel, signature, dict(common, block_k=32), aligned, warps)
         span = 32
-    ops, registers = loop_and_registers(kernel)
+    ops, registers, _ = loop_and_registers(kernel)
     values = block_n * span / (32 * warps)
     return {"instructions": sum(ops.values()) / values, "loads": (ops["LDG"] + ops["LDGSTS"]) / values,
             "per_row": sum(ops.values()) / values / block_m, "mma": ops["HMMA"] + ops["HGMMA"],
             "spills": ops["LDL"] + ops["STL"], "registers": registers}
 
 
-def loop_and_registers(kernel) -> tuple[collections.Counter, int]:
-    """(opcode counts of the longest backward branch's body, registers a thread)."""
+def _sass(kernel) -> tuple[list[str], str]:
+    """(the kernel's SASS lines, ``cuobjdump``'s resource usage)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
         cubin.flush()
         text = subprocess.run([tool("nvdisasm"), "-c", cubin.name], capture_output=True, text=True, check=True).stdout
         usage = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", cubin.name], capture_output=True,
                                text=True, check=True).stdout
-    lines = text.splitlines()
+    return text.splitlines(), usage
+
+
+INSTRUCTION = re.compile(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?P\d+\s+)?([A-Z0-9_]+)((?:\.[A-Z0-9_]+)*)\s*([^;]*);")
+LOAD_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}  # LDG's width suffix (none: 4 bytes)
+
+
+def loop_and_registers(kernel) -> tuple[collections.Counter, int, bool]:
+    """(opcode counts of the longest backward branch's body, or of the whole kernel where no loop is left (every
+    trip written out), registers a thread, whether a loop was found)."""
+    lines, usage = _sass(kernel)
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"\.(L_x_\d+):", line.strip()))}
     body = (0, 0)
     for i, line in enumerate(lines):
         jump = re.search(r"BRA\s+`?\(\.(L_x_\d+)\)", line)
         if jump and labels.get(jump.group(1), i) < i - 1 and i - labels[jump.group(1)] > body[1] - body[0]:
             body = (labels[jump.group(1)], i)
+    looped = body != (0, 0)
     ops = collections.Counter()
-    for line in lines[body[0]:body[1] + 1]:
-        if m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(?:@!?P\d+\s+)?([A-Z0-9_]+)", line):
+    for line in lines[body[0]:body[1] + 1] if looped else lines:
+        if m := INSTRUCTION.match(line):
             ops[m.group(1)] += 1
     registers = re.search(r"REG:(\d+)", usage)
-    return ops, int(registers.group(1)) if registers else 0
+    return ops, int(registers.group(1)) if registers else 0, looped
+
+
+def bytes_in_flight(kernel) -> int:
+    """The most bytes a thread has requested by global loads into registers and not yet used, at any point of the
+    kernel read in order: a load counts from its issue to the first later instruction that names its destination
+    register.  An estimate (a use earlier in a loop's text, or a load into shared memory, is not seen), for how
+    far the loads run ahead of the arithmetic: a GEMV that waits on memory is bound by the bytes in flight."""
+    found = [m for line in _sass(kernel)[0] if (m := INSTRUCTION.match(line))]
+    spans = []
+    for i, m in enumerate(found):
+        dest = re.match(r"R(\d+)", m.group(3))
+        if m.group(1) != "LDG" or not dest:
+            continue
+        width = next((b for suffix, b in LOAD_BYTES.items() if m.group(2).endswith("." + suffix)), 4)
+        registers = {f"R{int(dest.group(1)) + j}" for j in range(max(1, width // 4))}
+        end = next((j for j in range(i + 1, len(found)) if registers & set(re.findall(r"\bR\d+\b", found[j].group(3)))),
+                   len(found))
+        spans.append((i, end, width))
+    return max((sum(w for start, end, w in spans if start <= i < end) for i, _, _ in spans), default=0)
 
 
 def loop_counts(qtype: str, k: int, by_expert: bool, block_n: int, supers: int, rows_per: int = 1, stages: int = 1,
                 x: str = "bf16") -> dict[str, float]:
-    """The GEMV's loop for one launch: instructions, global loads and int-to-float conversions per weight
-    value a thread decodes (4 warps), and registers a thread."""
-    ops, registers = loop_and_registers(compiled(qtype, k, by_expert, block_n, supers, rows_per, stages, x))
-    values = block_n * supers * 256 / 128
+    """The GEMV's loop for one launch (``stages`` 0: its trips written out, counted over the whole kernel):
+    instructions, global loads and int-to-float conversions per weight value a thread decodes (4 warps),
+    registers a thread, and :func:`bytes_in_flight`."""
+    kernel = compiled(qtype, k, by_expert, block_n, supers, rows_per, stages, x)
+    ops, registers, looped = loop_and_registers(kernel)
+    values = block_n * (supers * 256 if looped else k) / 128
     return {"instructions": sum(ops.values()) / values, "loads": (ops["LDG"] + ops["LDGSTS"]) / values,
-            "conversions": (ops["I2F"] + ops["F2I"]) / values, "registers": registers}
+            "conversions": (ops["I2F"] + ops["F2I"]) / values, "registers": registers,
+            "in_flight": bytes_in_flight(kernel)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--x", default="bf16", choices=["bf16", "fp32"], help="the input rows' dtype")
-    parser.add_argument("--stages", type=int, default=1, help="the loop's pipeline stages")
+    parser.add_argument("--stages", type=int, default=1,
+                        help="the loop's pipeline stages (0: every trip written out, no loop)")
     parser.add_argument("--json", action="store_true", help="a JSON line a case, not a table")
     parser.add_argument("--tiles", action="store_true",
                         help="the prefill's expert tiles (block-wise against element-wise), not the GEMV")
@@ -162,14 +197,15 @@ def main() -> None:
                 counts = loop_counts(qtype, k, by_expert, block_n, supers, 1, args.stages, args.x)
                 print(json.dumps(dict(counts, qtype=qtype, block_n=block_n, supers=supers)))
         return
-    print("| type | launch | rows | instructions a value | loads a value | conversions a value | registers |")
-    print("|---|---|---|---|---|---|---|")
+    print("| type | launch | rows | instructions a value | loads a value | conversions a value | registers | "
+          "bytes in flight a thread |")
+    print("|---|---|---|---|---|---|---|---|")
     for qtype, k, by_expert in CASES:
         for block_n, supers in LAUNCHES:
             for rows_per in (1,) if by_expert else (1, 8):
                 c = loop_counts(qtype, k, by_expert, block_n, supers, rows_per, args.stages, args.x)
                 print(f"| {qtype} | {block_n} x {supers} | {rows_per} | {c['instructions']:.2f} | {c['loads']:.2f} | "
-                      f"{c['conversions']:.2f} | {c['registers']} |")
+                      f"{c['conversions']:.2f} | {c['registers']} | {c['in_flight']} |")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,22 @@ def test_blockwise_gemv_against_the_element_wise_one(qtype, cols, inputs):
 
 
 @pytest.mark.parametrize("qtype", sorted(gguf_matmul.BLOCKWISE))
+def test_blockwise_gemv_with_its_trips_written_out_or_pipelined_sums_the_same(qtype, monkeypatch):
+    """``stages`` 0 (no loop: every trip written out) and 3 (the loop pipelined) give the loop's sums bit for bit,
+    for one input row and for three, a width of five trips and a part-full one."""
+    cols = 1280 if qtype != "Q8_0" else 1312
+    raw = torch.from_numpy(random_blocks(qtype, 21, cols, seed=cols + 2)).to(device())
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(13)).to(device())
+    got = {}
+    for stages in (1, 0, 3):
+        monkeypatch.setitem(gguf_matmul.BLOCKWISE, qtype, dict(gguf_matmul.BLOCKWISE[qtype], stages=stages))
+        got[stages] = [gguf_matmul.gemv(x[:rows], raw, qtype).cpu() for rows in (1, 3)]
+    for stages in (0, 3):
+        for mine, looped in zip(got[stages], got[1]):
+            assert torch.equal(mine.view(torch.int32), looped.view(torch.int32)), stages
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_matmul.BLOCKWISE))
 def test_blockwise_dequantize_against_the_element_wise_one(qtype):
     """The block-wise decoders give the element-wise kernel's values bit for bit, for a width that is not
     a whole number of 256-value trips for Q8_0 and rows that leave a program part full."""
