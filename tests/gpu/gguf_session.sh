@@ -9,6 +9,8 @@
 #   GATE=1 tests/gpu/gguf_session.sh                # also the regression gate's quick rows, after the tests
 #   SWEPT=1 tests/gpu/gguf_session.sh               # the benchmarks with the sweeps' best launches (their JSON)
 #   TILES_SWEEP=0 tests/gpu/gguf_session.sh         # no tiles sweep
+#   BENCH=0 tests/gpu/gguf_session.sh               # tests and sweeps only (the sweeps alone take up to 8 minutes)
+#   LAUNCHES=a.json,b.json SWEEP=0 TILES_SWEEP=0 tests/gpu/gguf_session.sh   # benchmarks with launches from files
 set -o pipefail
 source "$(dirname "$0")/daemon_lib.sh"
 ds4d_setup || exit 1
@@ -27,12 +29,14 @@ if [ "${TILES_SWEEP:-1}" = 1 ]; then
   timeout ${TILES_SWEEP_S:-200} $PY tests/gpu/gguf_tiles_sweep.py "$OUT/tiles.json" 2>&1 | tee "$OUT/tiles.txt" \
     | grep -v "^  "
 fi
-LAUNCHES=-
+LAUNCHES=${LAUNCHES:--}
 if [ "${SWEPT:-0}" = 1 ]; then  # the sweeps' JSON files that were written
   swept=$(ls "$OUT/launches.json" "$OUT/tiles.json" 2>/dev/null | paste -sd, -)
   LAUNCHES=${swept:--}
 fi
+[ "${BENCH:-1}" = 1 ] || KINDS=skip
 for kind in ${KINDS:-gguf native}; do
+  [ $kind = skip ] && continue
   flag=$([ $kind = gguf ] && echo "--gguf q2" || echo "--native")
   echo "== bench model $flag $COMMON --layers $LAYERS"
   timeout "${BENCH_S:-240}" $PY tests/gpu/with_launches.py "$LAUNCHES" bench model $flag $COMMON --layers "$LAYERS" \
