@@ -312,13 +312,47 @@ def test_missing_and_unknown_tensors_are_named(tmp_path):
     ("deepseek4.attention.head_count_kv", 2, gguf.GGUFValueType.UINT32, None, "one KV head"),
     ("deepseek4.swiglu_clamp_exp", [10.0, 7.0, 10.0], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.FLOAT32,
      "one limit"),
-    ("deepseek4.nextn_predict_layers", 1, gguf.GGUFValueType.UINT32, None, "MTP-only export"),
     ("deepseek4.rope.scaling.type", "linear", gguf.GGUFValueType.STRING, None, "YaRN or no RoPE scaling"),
 ])
 def test_metadata_ds4d_cannot_serve_is_refused_naming_the_key(tmp_path, key, value, vtype, sub, message):
     bad = rewrite(FIXTURES / "bf16.gguf", tmp_path / "bad.gguf", keys={key: (value, vtype, sub)})
     with pytest.raises(MetadataError, match=f"{key} = .*{message}"):
         load_gguf_model(bad)
+
+
+NEXTN = {"deepseek4.nextn_predict_layers": (1, gguf.GGUFValueType.UINT32, None)}
+
+
+def test_a_next_token_prediction_count_without_its_block_serves_the_file(tmp_path):
+    """ds4's files: ``nextn_predict_layers`` = 1 copied from the converter that dropped the MTP block, no MTP
+    tensor, ``block_count`` the main model's.  Served as the main model, the same logits as without the key."""
+    plain = load_gguf_model(FIXTURES / "bf16.gguf")
+    ds4_like = load_gguf_model(rewrite(FIXTURES / "bf16.gguf", tmp_path / "ds4-like.gguf", keys=NEXTN))
+    assert ds4_like.cfg.num_hidden_layers == plain.cfg.num_hidden_layers
+    assert torch.equal(ds4_like.logits_for(PROMPT), plain.logits_for(PROMPT))
+
+
+def test_an_mtp_block_after_the_main_ones_is_left_unused_and_an_mtp_only_file_refused(tmp_path):
+    """An export with its MTP block: one more block (``blk.L.*``, a whole layer's tensors and ``blk.L.nextn.*``),
+    ``block_count`` L + 1.  The main L blocks are served, the same logits; a file of the MTP block alone (no
+    main block) is refused naming the key."""
+    reader = gguf.GGUFReader(FIXTURES / "bf16.gguf")
+    layers = int(reader.fields["deepseek4.block_count"].contents())
+    last = f"blk.{layers - 1}."
+    extra = {t.name.replace(last, f"blk.{layers}.", 1): (np.array(t.data), t.tensor_type)
+             for t in reader.tensors if t.name.startswith(last)}
+    extra[f"blk.{layers}.nextn.eh_proj.weight"] = (np.zeros((4, 8), dtype=np.float32), gguf.GGMLQuantizationType.F32)
+    ratios = [int(r) for r in reader.fields["deepseek4.attention.compress_ratios"].contents()]
+    keys = dict(NEXTN, **{"deepseek4.block_count": (layers + 1, gguf.GGUFValueType.UINT32, None),
+                          "deepseek4.attention.compress_ratios": (ratios[:layers] + [0], gguf.GGUFValueType.ARRAY,
+                                                                  gguf.GGUFValueType.UINT32)})
+    with_mtp = load_gguf_model(rewrite(FIXTURES / "bf16.gguf", tmp_path / "with-mtp.gguf", tensors=extra, keys=keys))
+    assert with_mtp.cfg.num_hidden_layers == layers
+    assert torch.equal(with_mtp.logits_for(PROMPT), load_gguf_model(FIXTURES / "bf16.gguf").logits_for(PROMPT))
+    main = tuple(t.name for t in reader.tensors if t.name.startswith("blk."))
+    alone = rewrite(FIXTURES / "bf16.gguf", tmp_path / "mtp-only.gguf", tensors=extra, keys=keys, drop=main)
+    with pytest.raises(MetadataError, match=r"deepseek4\.nextn_predict_layers = 1: an MTP-only export"):
+        load_gguf_model(alone)
 
 
 def test_the_cut_vocabulary_gives_a_tokenizer_from_the_file():

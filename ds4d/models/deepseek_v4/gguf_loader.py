@@ -46,6 +46,7 @@ from ds4d.models.deepseek_v4.gguf_names import (
     config_dict,
     expert_gguf_name,
     gguf_name,
+    is_mtp_tensor,
 )
 from ds4d.models.deepseek_v4.loader import CheckpointError, expected_tensors
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
@@ -288,6 +289,12 @@ class GGUFWeightReader:
         self._check_expert_shapes()
         unused = sorted(set(self.files.tensor_names) - set(wanted))
         unused = [n for n in unused if not IGNORED_TENSORS.match(n)]
+        if self.files.get(f"{ARCHITECTURE}.nextn_predict_layers"):
+            mtp = {n for n in unused if is_mtp_tensor(n, self.cfg.num_hidden_layers)}
+            if mtp:
+                log.info("%s: %d tensors of its next-token-prediction block(s) not used (no speculative decoding)",
+                         self.files.path.name, len(mtp))
+            unused = [n for n in unused if n not in mtp]
         if unused:
             more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
             raise CheckpointError(f"{self.files.path.name}: tensor {', '.join(map(repr, unused[:5]))}{more} "
@@ -312,7 +319,12 @@ def read_config(files: GGUFSet) -> DeepseekV4Config:
     if arch != ARCHITECTURE:
         raise CheckpointError(f"{files.path.name}: architecture {arch!r} is not DeepSeek-V4 ({ARCHITECTURE!r})")
     vocab_size = files.shape("token_embd.weight")[0]
-    data = config_dict(files, vocab_size, files.path.name)
+    data = config_dict(files, vocab_size, files.path.name, files.tensor_names)
+    blocks = int(files.get(f"{ARCHITECTURE}.block_count"))
+    if files.get(f"{ARCHITECTURE}.nextn_predict_layers") and data["num_hidden_layers"] == blocks:
+        log.info("%s: %s.nextn_predict_layers = %s, but no block of the file is a next-token-prediction block (as "
+                 "in ds4's files): serving its %d blocks", files.path.name, ARCHITECTURE,
+                 files.get(f"{ARCHITECTURE}.nextn_predict_layers"), blocks)
     name = str(files.get("general.name") or "") or SPLIT_NAME.sub(r"\g<stem>", files.path.name).removesuffix(".gguf")
     return DeepseekV4Config.from_dict(data, name=name)
 

@@ -8,6 +8,13 @@ the hash-routed layers as I32 ``blk.N.ffn_gate_tid2eid.weight``.  It drops the h
 layers' unused ``gate.bias`` and the multi-token-prediction block (unless asked for an
 MTP-only export, which ds4d does not serve).
 
+``deepseek4.nextn_predict_layers`` alone does not say what a file holds: ds4's files set it to
+1 with no MTP tensor at all (its quantiser copies the metadata of a converter that counted the
+MTP block and dropped it), and an export with the MTP block numbers it after the main blocks
+(``blk.43.*`` with its ``blk.43.nextn.*``).  So the main model is whatever leading blocks are
+not MTP blocks: served when there is one, MTP blocks left unused; a file without a main block is
+an MTP-only export and refused.
+
 This module maps reference names (``layers.3.attn.wq_b.weight``, the names the forward
 pass reads, see ``loader.expected_tensors``) to those GGUF names, and rebuilds the
 ``config.json`` the checkpoint had from the metadata, refusing what the forward pass
@@ -76,6 +83,20 @@ IGNORED_TENSORS = re.compile(r"^blk\.\d+\.exp_probs_b_vl\.bias$")
 image tokens of the vision export)."""
 
 _LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+_NEXTN = re.compile(r"^blk\.(\d+)\.nextn\.")
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+
+
+def mtp_blocks(tensor_names: Any) -> set[int]:
+    """The blocks of a file that hold next-token-prediction tensors (``blk.N.nextn.*``)."""
+    return {int(m.group(1)) for name in tensor_names if (m := _NEXTN.match(name))}
+
+
+def is_mtp_tensor(name: str, layers: int) -> bool:
+    """A tensor of a next-token-prediction block: ``mtp.*`` (ds4's separate MTP file's names), ``blk.N.nextn.*``,
+    or anything of a block past the main model's ``layers``."""
+    block = _BLOCK.match(name)
+    return name.startswith("mtp.") or bool(_NEXTN.match(name)) or (block is not None and int(block.group(1)) >= layers)
 
 
 def gguf_name(reference: str) -> str:
@@ -112,11 +133,12 @@ def _short(value: Any) -> Any:
     return value
 
 
-def config_dict(meta: Any, vocab_size: int, source: str) -> dict[str, Any]:
+def config_dict(meta: Any, vocab_size: int, source: str, tensor_names: Any = ()) -> dict[str, Any]:
     """The ``config.json`` (official spelling) that ``meta`` describes.
 
     ``meta.get(key, default)`` reads one metadata value; ``vocab_size`` is the embedding's rows;
-    ``source`` names the file in errors."""
+    ``source`` names the file in errors; ``tensor_names``: the file's tensors, which say, when
+    ``nextn_predict_layers`` is set, which blocks are the main model's (the module's docstring)."""
     arch = ARCHITECTURE
 
     def get(suffix: str, default: Any = None) -> Any:
@@ -131,10 +153,17 @@ def config_dict(meta: Any, vocab_size: int, source: str) -> dict[str, Any]:
     def refuse(key: str, value: Any, why: str) -> MetadataError:
         return MetadataError(f"{source}: {arch}.{key} = {value!r}: {why}")
 
-    if get("nextn_predict_layers"):
-        raise refuse("nextn_predict_layers", get("nextn_predict_layers"),
-                     "an MTP-only export (the next-token-prediction block alone); serve the main model's file")
     layers = int(need("block_count"))
+    if get("nextn_predict_layers"):
+        names = set(tensor_names)
+        mtp = mtp_blocks(names)
+        main = 0
+        while main < layers and main not in mtp and f"blk.{main}.attn_q_a.weight" in names:
+            main += 1
+        if not main:
+            raise refuse("nextn_predict_layers", get("nextn_predict_layers"),
+                         "an MTP-only export (the next-token-prediction block alone); serve the main model's file")
+        layers = main
     hidden = int(need("embedding_length"))
     if int(get("attention.head_count_kv", 1)) != 1:
         raise refuse("attention.head_count_kv", get("attention.head_count_kv"), "DeepSeek-V4 has one KV head")
