@@ -353,6 +353,10 @@ def test_an_mtp_block_after_the_main_ones_is_left_unused_and_an_mtp_only_file_re
     alone = rewrite(FIXTURES / "bf16.gguf", tmp_path / "mtp-only.gguf", tensors=extra, keys=keys, drop=main)
     with pytest.raises(MetadataError, match=r"deepseek4\.nextn_predict_layers = 1: an MTP-only export"):
         load_gguf_model(alone)
+    short = rewrite(FIXTURES / "bf16.gguf", tmp_path / "short.gguf", tensors=extra, keys=keys,
+                    drop=("blk.1.attn_q_a.weight",))  # a main block short of a tensor is not the model's end
+    with pytest.raises(MetadataError, match=r"block_count = .*: block 1 has no attn_q_a tensor"):
+        load_gguf_model(short)
 
 
 def test_the_cut_vocabulary_gives_a_tokenizer_from_the_file():

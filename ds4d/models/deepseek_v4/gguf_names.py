@@ -163,6 +163,10 @@ def config_dict(meta: Any, vocab_size: int, source: str, tensor_names: Any = ())
         if not main:
             raise refuse("nextn_predict_layers", get("nextn_predict_layers"),
                          "an MTP-only export (the next-token-prediction block alone); serve the main model's file")
+        stray = sorted(set(range(main, layers)) - mtp)
+        if stray:  # a main block short of a tensor is not taken for the end of the model
+            raise refuse("block_count", layers, f"block {stray[0]} has no attn_q_a tensor and no next-token-prediction "
+                         "tensor (blk.N.nextn.*)")
         layers = main
     hidden = int(need("embedding_length"))
     if int(get("attention.head_count_kv", 1)) != 1:
