@@ -335,7 +335,7 @@ def test_a_next_token_prediction_count_without_its_block_serves_the_file(tmp_pat
 def test_an_mtp_block_after_the_main_ones_is_left_unused_and_an_mtp_only_file_refused(tmp_path):
     """An export with its MTP block: one more block (``blk.L.*``, a whole layer's tensors and ``blk.L.nextn.*``),
     ``block_count`` L + 1.  The main L blocks are served, the same logits; a file of the MTP block alone (no
-    main block) is refused naming the key."""
+    main block) is refused naming the key, and so is one named as ds4's MTP file (``mtp.0.*``)."""
     reader = gguf.GGUFReader(FIXTURES / "bf16.gguf")
     layers = int(reader.fields["deepseek4.block_count"].contents())
     last = f"blk.{layers - 1}."
@@ -353,6 +353,10 @@ def test_an_mtp_block_after_the_main_ones_is_left_unused_and_an_mtp_only_file_re
     alone = rewrite(FIXTURES / "bf16.gguf", tmp_path / "mtp-only.gguf", tensors=extra, keys=keys, drop=main)
     with pytest.raises(MetadataError, match=r"deepseek4\.nextn_predict_layers = 1: an MTP-only export"):
         load_gguf_model(alone)
+    named_apart = {name.replace(f"blk.{layers}.", "mtp.0.", 1): value for name, value in extra.items()}
+    ds4_mtp = rewrite(FIXTURES / "bf16.gguf", tmp_path / "ds4-mtp.gguf", tensors=named_apart, drop=main)
+    with pytest.raises(CheckpointError, match=r"its tensors are mtp\.\* and it has no main block"):
+        load_gguf_model(ds4_mtp)  # ds4's MTP file names its block mtp.0.*, with or without the key
     short = rewrite(FIXTURES / "bf16.gguf", tmp_path / "short.gguf", tensors=extra, keys=keys,
                     drop=("blk.1.attn_q_a.weight",))  # a main block short of a tensor is not the model's end
     with pytest.raises(MetadataError, match=r"block_count = .*: block 1 has no attn_q_a tensor"):

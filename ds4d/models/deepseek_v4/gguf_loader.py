@@ -318,8 +318,13 @@ def read_config(files: GGUFSet) -> DeepseekV4Config:
     arch = files.get("general.architecture")
     if arch != ARCHITECTURE:
         raise CheckpointError(f"{files.path.name}: architecture {arch!r} is not DeepSeek-V4 ({ARCHITECTURE!r})")
+    names = files.tensor_names
+    if "blk.0.attn_q_a.weight" not in names and any(n.startswith("mtp.") for n in names):
+        raise CheckpointError(f"{files.path.name}: its tensors are mtp.* and it has no main block: a next-token-"
+                              "prediction file (as ds4's MTP file), which ds4d does not serve; serve the main model's "
+                              "file")
     vocab_size = files.shape("token_embd.weight")[0]
-    data = config_dict(files, vocab_size, files.path.name, files.tensor_names)
+    data = config_dict(files, vocab_size, files.path.name, names)
     blocks = int(files.get(f"{ARCHITECTURE}.block_count"))
     if files.get(f"{ARCHITECTURE}.nextn_predict_layers") and data["num_hidden_layers"] == blocks:
         log.info("%s: %s.nextn_predict_layers = %s, but no block of the file is a next-token-prediction block (as "
