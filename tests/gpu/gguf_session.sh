@@ -23,7 +23,7 @@ if [ "${GATE:-0}" = 1 ]; then  # the regression gate's 4-layer rows (tests/gpu/g
   INSTALL=0 BENCH_S=${GATE_S:-200} bash tests/gpu/gate.sh --quick 2>&1 | tail -12
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
-  timeout 280 $PY tests/gpu/gguf_gemv_sweep.py "$OUT/launches.json" 2>&1 | tee "$OUT/sweep.txt" | grep -v "^  "
+  timeout ${SWEEP_S:-280} $PY tests/gpu/gguf_gemv_sweep.py "$OUT/launches.json" 2>&1 | tee "$OUT/sweep.txt" | grep -v "^  "
 fi
 if [ "${TILES_SWEEP:-1}" = 1 ]; then
   timeout ${TILES_SWEEP_S:-200} $PY tests/gpu/gguf_tiles_sweep.py "$OUT/tiles.json" 2>&1 | tee "$OUT/tiles.txt" \
