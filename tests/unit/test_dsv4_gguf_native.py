@@ -93,6 +93,24 @@ def test_blocks_as_stored_give_the_decoded_models_logits(name, linear_type, kept
     assert torch.equal(got.argmax(-1), want.argmax(-1)) and got_ids == want_ids
 
 
+def test_linears_of_one_input_multiply_in_one_gemv_and_give_the_same_logits_bit_for_bit():
+    """``wq_a`` with ``wkv``, and the shared expert's ``w1`` with ``w3``: one weight of both's rows (the two are
+    views of it: no memory more), multiplied in one GEMV where the rows take the GEMV (decode steps), each alone
+    otherwise (the prefill).  A GEMV's row sums do not depend on the rows beside them, so the model's prefill and
+    decode logits are those of the unfused model bit for bit."""
+    fused = _load("converted.gguf", native=True)
+    attn, ffn = fused.weights.layers[1].attn, fused.weights.layers[1].ffn
+    assert attn.wq_a_wkv is not None and ffn.shared_w13 is not None
+    assert attn.wq_a.raw.data_ptr() == attn.wq_a_wkv.raw.data_ptr()  # wq_a, then wkv: views of the fused rows
+    assert attn.wkv.raw.data_ptr() == attn.wq_a_wkv.raw[attn.wq_a.raw.shape[0]:].data_ptr()
+    apart = _load("converted.gguf", native=True)
+    for layer in apart.weights.layers:
+        layer.attn.wq_a_wkv = layer.ffn.shared_w13 = None
+    assert fused.info.parameter_bytes == apart.info.parameter_bytes
+    (got, got_ids), (want, want_ids) = _run(fused), _run(apart)
+    assert torch.equal(got, want) and got_ids == want_ids
+
+
 def test_the_summary_names_what_stays_in_blocks():
     model = _load("quant-Q2_K.gguf", native=True)
     summary = kept_summary(model.weights)

@@ -30,7 +30,7 @@ from ds4d.cuda import attention_triton, prefill_triton
 from ds4d.models.deepseek_v4.cache import LayerCache
 from ds4d.models.deepseek_v4.compressor import compress_chunk, gather_entries, project, store_entries
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
-from ds4d.models.deepseek_v4.ops import Rope, apply_rope, linear, rms_norm, unweighted_rms_norm
+from ds4d.models.deepseek_v4.ops import Rope, apply_rope, linear, linear_pair, rms_norm, unweighted_rms_norm
 from ds4d.models.deepseek_v4.weights import AttentionWeights, IndexerWeights
 
 
@@ -337,9 +337,10 @@ def project_qkv(
     """``x [T, D]`` -> (query residual ``[T, q_lora_rank]``, roped queries ``[T, H, d]``, roped KV ``[T, d]``);
     ``kernels``: norms and RoPE of the fresh projections in place (``prefill_triton.head_norm_rope``)."""
     eps = cfg.rms_norm_eps
-    q_residual = rms_norm(linear(x, weights.wq_a), weights.q_norm, eps)
+    q_low, kv_low = linear_pair(x, weights.wq_a, weights.wkv, weights.wq_a_wkv)
+    q_residual = rms_norm(q_low, weights.q_norm, eps)
     q = linear(q_residual, weights.wq_b).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
-    kv = rms_norm(linear(x, weights.wkv), weights.kv_norm, eps)
+    kv = rms_norm(kv_low, weights.kv_norm, eps)
     if kernels and prefill_triton.rope_usable(q, 2 * cos.shape[-1]):
         prefill_triton.head_norm_rope(q, cos, sin, eps)
         return q_residual, q, prefill_triton.head_norm_rope(kv.unsqueeze(1), cos, sin, norm=False).squeeze(1)

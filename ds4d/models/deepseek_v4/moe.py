@@ -30,10 +30,11 @@ import torch.nn.functional as F
 
 from ds4d.cuda import gguf_matmul, moe_gemv, prefill_triton, quant_matmul
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
-from ds4d.models.deepseek_v4.ops import linear, linear_f32
+from ds4d.models.deepseek_v4.ops import linear, linear_f32, linear_pair
 from ds4d.models.deepseek_v4.stored import (
     GgufAddresses,
     GgufMatrices,
+    GgufWeight,
     Linear,
     Mxfp4Addresses,
     Mxfp4Matrices,
@@ -53,8 +54,10 @@ def _gated(gate: torch.Tensor, up: torch.Tensor, limit: float, kernels: bool = F
     return F.silu(gate) * up
 
 
-def _swiglu(x: torch.Tensor, w1: Linear, w3: Linear, w2: Linear, limit: float, kernels: bool = False) -> torch.Tensor:
-    return linear(_gated(linear(x, w1), linear(x, w3), limit, kernels), w2)
+def _swiglu(x: torch.Tensor, w1: Linear, w3: Linear, w2: Linear, limit: float, kernels: bool = False,
+            w13: GgufWeight | None = None) -> torch.Tensor:
+    """``w13``: ``w1`` and ``w3`` as one weight (``ops.linear_pair``)."""
+    return linear(_gated(*linear_pair(x, w1, w3, w13), limit, kernels), w2)
 
 
 def _scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -226,7 +229,8 @@ def moe_forward(
     tally_routing(tally, indices)
     limit = cfg.swiglu_limit
     if grouped:
-        shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit, kernels)
+        shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit, kernels,
+                         weights.shared_w13)
         return _routed_grouped(x, expert_weights, indices, weights, limit, kernels) + shared
     routed = torch.zeros_like(x)
     for expert in torch.unique(indices).tolist():
@@ -236,5 +240,5 @@ def moe_forward(
             x[token_idx], bank.weight("w1", expert), bank.weight("w3", expert), bank.weight("w2", expert), limit
         )
         routed.index_add_(0, token_idx, out * expert_weights[token_idx, slot, None].to(out.dtype))
-    shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit)
+    shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit, w13=weights.shared_w13)
     return routed + shared

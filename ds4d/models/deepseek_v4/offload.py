@@ -338,7 +338,7 @@ class ExpertOffload:
         expert_weights, indices = route(x, token_ids, weights, cfg)
         tally_routing(tally, indices)
         limit = cfg.swiglu_limit
-        shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit)
+        shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit, w13=weights.shared_w13)
         return self.routed(layer, x, expert_weights, indices, limit=limit, decode=decode) + shared
 
     def routed(

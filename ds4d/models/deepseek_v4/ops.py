@@ -144,3 +144,20 @@ def linear(x: torch.Tensor, weight) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         return padded_product(x, lambda rows: torch.nn.functional.linear(rows, weight))
     return padded_product(x, weight.matmul)
+
+
+def linear_pair(x: torch.Tensor, first, second, both=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(``x @ first^T``, ``x @ second^T``).  ``both`` (``stored.fuse_rows`` of the two): where the rows take
+    the GEMV (``both.takes_gemv``), one launch over both weights, each half bit for bit its own product;
+    otherwise each weight alone, as :func:`linear` multiplies it."""
+    if both is None:
+        return linear(x, first), linear(x, second)
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        if both.takes_gemv(rows):
+            return both.matmul(rows)
+        return torch.cat([first.matmul(rows), second.matmul(rows)], dim=-1)
+
+    out = padded_product(x, product)
+    split = first.shape[0]
+    return out[..., :split], out[..., split:]

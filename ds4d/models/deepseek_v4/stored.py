@@ -77,6 +77,27 @@ class GgufWeight:
             return gguf_matmul.linear(flat, self.raw, self.qtype, **launch).view(*x.shape[:-1], -1)
         return torch.nn.functional.linear(x, self.dense())
 
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`matmul` multiplies ``x`` by the GEMV, whose sums for a weight row do not depend on
+        the weight rows beside it."""
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        return gguf_matmul.available() and x.device == self.raw.device and rows <= gguf_matmul.GEMV_ROWS
+
+
+def fuse_rows(first: Linear, second: Linear) -> GgufWeight | None:
+    """One :class:`GgufWeight` of ``first``'s rows over ``second``'s when both are GGUF blocks of one type and
+    width on one device (two linears of one input: its GEMV is one launch, with more programs); ``first`` and
+    ``second`` then hold views of its rows, so no memory is added.  None for any other pair."""
+    if not (isinstance(first, GgufWeight) and isinstance(second, GgufWeight)):
+        return None
+    if (first.qtype, first.cols, first.dtype, first.raw.device) != (second.qtype, second.cols, second.dtype,
+                                                                     second.raw.device):
+        return None
+    rows = first.raw.shape[0]
+    both = torch.cat([first.raw, second.raw])
+    first.raw, second.raw = both[:rows], both[rows:]
+    return GgufWeight(both, first.qtype, first.cols, first.dtype)
+
 
 @dataclass
 class GgufMatrices:

@@ -20,7 +20,15 @@ import torch
 from ds4d.models.deepseek_v4.config import CSA_RATIO, DeepseekV4Config
 from ds4d.models.deepseek_v4.loader import CheckpointError, WeightReader
 from ds4d.models.deepseek_v4.quant import dequant_fp8_block, dequant_mxfp4
-from ds4d.models.deepseek_v4.stored import Fp8Weight, GgufMatrices, GgufWeight, Linear, Mxfp4Matrices, gguf_values
+from ds4d.models.deepseek_v4.stored import (
+    Fp8Weight,
+    GgufMatrices,
+    GgufWeight,
+    Linear,
+    Mxfp4Matrices,
+    fuse_rows,
+    gguf_values,
+)
 
 
 @dataclass
@@ -66,6 +74,7 @@ class AttentionWeights:
     ratio: int
     compressor: CompressorWeights | None = None
     indexer: IndexerWeights | None = None
+    wq_a_wkv: GgufWeight | None = None  # stored.fuse_rows(wq_a, wkv), where both are GGUF blocks of one form
 
 
 @dataclass
@@ -132,6 +141,7 @@ class MoEWeights:
     shared_w2: Linear
     shared_w3: Linear
     gate_split: torch.Tensor | None = None  # ops.split_bf16(gate), where set (add_split_weights)
+    shared_w13: GgufWeight | None = None  # stored.fuse_rows(shared_w1, shared_w3), where both are GGUF blocks
 
 
 @dataclass
@@ -177,7 +187,8 @@ def _walk(obj):
                 yield from _walk(getattr(obj, name))
 
 
-_NOT_PARAMETERS = {"gate_up", "native", "gguf", "_dense_cache", "fn_split", "split", "gate_split"}
+_NOT_PARAMETERS = {"gate_up", "native", "gguf", "_dense_cache", "fn_split", "split", "gate_split", "wq_a_wkv",
+                   "shared_w13"}
 """Views over, or copies of, tensors counted elsewhere."""
 
 
@@ -254,6 +265,7 @@ def _attention(reader: WeightReader, cfg: DeepseekV4Config, layer: int) -> Atten
         sink=reader.tensor(p + "attn_sink", F32),
         ratio=ratio,
     )
+    weights.wq_a_wkv = fuse_rows(weights.wq_a, weights.wkv)
     if ratio:
         weights.compressor = _compressor(reader, p + "compressor.", ratio, cfg.head_dim)
     if ratio == CSA_RATIO:
@@ -340,7 +352,7 @@ def _moe(reader: WeightReader, cfg: DeepseekV4Config, layer: int, expert_device:
     p = f"layers.{layer}.ffn."
     hashed = cfg.is_hash_layer(layer)
     experts = _experts(reader, cfg, layer, expert_device)
-    return MoEWeights(
+    weights = MoEWeights(
         gate=reader.tensor(p + "gate.weight", F32),
         bias=None if hashed else reader.tensor(p + "gate.bias", F32),
         tid2eid=reader.index(p + "gate.tid2eid") if hashed else None,
@@ -349,6 +361,8 @@ def _moe(reader: WeightReader, cfg: DeepseekV4Config, layer: int, expert_device:
         shared_w2=_linear(reader, p + "shared_experts.w2.weight"),
         shared_w3=_linear(reader, p + "shared_experts.w3.weight"),
     )
+    weights.shared_w13 = fuse_rows(weights.shared_w1, weights.shared_w3)
+    return weights
 
 
 def read_weights(
