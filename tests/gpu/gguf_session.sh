@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # DeepSeek-V4 GGUF blocks on one GPU, in one device call: the kernels' and the native model's GPU tests,
 # the GEMV and prefill-tiles sweeps (tests/gpu/gguf_gemv_sweep.py, gguf_tiles_sweep.py), then
-# `bench model --gguf q2` against the native FP8/MXFP4 model of the same depth, back to back.  Carry the gguf wheel in .whl/ (daemon_lib.sh installs it).
+# `bench model --gguf q2` against the native FP8/MXFP4 model of the same depth, back to back.  Carry the gguf
+# wheel in .whl/ (daemon_lib.sh installs it).
 #
 #   LAYERS=0,0,4,128 tests/gpu/gguf_session.sh      # the depth of both benchmarks (default: V4-Flash's first 4)
 #   SWEEP=0 TESTS=0 tests/gpu/gguf_session.sh       # benchmarks only
