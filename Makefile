@@ -6,8 +6,6 @@ PIP := $(PY) -m pip
 #   make serve TORCH_SPEC='torch==2.11.0'
 TORCH_SPEC ?= torch==2.13.0
 SERVE_ARGS ?=
-# test processes (pytest-xdist; each test file runs whole in one of them): 2 fits a 2-core, 24 GB machine
-TEST_WORKERS ?= 2
 
 .PHONY: serve test install-demo install-test clean
 
@@ -34,7 +32,7 @@ serve: $(VENV)/.demo
 	$(VENV)/bin/ds4d serve $(SERVE_ARGS)
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q tests
 
 clean:
 	rm -rf $(VENV) *.egg-info
