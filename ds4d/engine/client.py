@@ -153,9 +153,12 @@ class RequestStream:
         self._closed = False
 
     async def next(self, timeout: float | None = None) -> StepOutput | None:
-        """The next output, or None if ``timeout`` seconds pass first."""
+        """The next output, or None if ``timeout`` seconds pass first.  A cancellation (a client gone) always
+        raises here: ``asyncio.timeout``, not ``asyncio.wait_for``, which on Python 3.11 returns the result
+        instead when the output arrives as the task is cancelled, so the request would run on unaborted."""
         try:
-            out = await asyncio.wait_for(self._queue.get(), timeout)
+            async with asyncio.timeout(timeout):
+                out = await self._queue.get()
         except TimeoutError:
             return None
         if out.finish_reason is not None:
