@@ -114,8 +114,21 @@ def test_pool_pressure_preempts_and_every_request_finishes(small, sdk, model):
     assert solo.choices[0].text == results[1].choices[0].text
 
 
+def aborted_in_log(daemon) -> int:
+    """How many requests the daemon has logged as ended by an abort (its one line per finished request)."""
+    return sum("finish=abort" in line for line in list(daemon.log_lines))
+
+
+def wait_aborted(daemon, count: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while aborted_in_log(daemon) < count:
+        assert time.monotonic() < deadline, daemon.log
+        time.sleep(0.05)
+
+
 def test_client_disconnect_aborts_and_frees_blocks(small, sdk, model):
     baseline = wait_idle(small, get_json(small, "/v1/ds4d/stats")["kv"]["used_blocks"], 30)["kv"]["used_blocks"]
+    aborted = aborted_in_log(small)
     stream = sdk.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count to a thousand."}],
                                          max_tokens=230, stream=True, extra_body={"ignore_eos": True})
     chunks = iter(stream)
@@ -124,6 +137,7 @@ def test_client_disconnect_aborts_and_frees_blocks(small, sdk, model):
     assert get_json(small, "/v1/ds4d/stats")["requests"]["running"] == 1
     stream.close()
     wait_idle(small, baseline, ABORT_WITHIN_S)
+    wait_aborted(small, aborted + 1, ABORT_WITHIN_S)  # ended by the abort, not by running out its tokens
 
     body = json.dumps({"model": model, "prompt": WORDS, "max_tokens": 200, "ignore_eos": True}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", small.port, timeout=30)
@@ -134,4 +148,5 @@ def test_client_disconnect_aborts_and_frees_blocks(small, sdk, model):
         time.sleep(0.05)
     conn.close()  # a non-streaming client that gives up
     wait_idle(small, baseline, ABORT_WITHIN_S)
+    wait_aborted(small, aborted + 2, ABORT_WITHIN_S)
     assert metric(small, "ds4d_requests_running") == 0
