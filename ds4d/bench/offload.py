@@ -14,7 +14,9 @@ whether the offloaded logits equal the all-on-device ones bit for bit.
 from __future__ import annotations
 
 import gc
+import json
 import time
+from pathlib import Path
 
 from ds4d.bench.random_v4 import Floors, bench_config, build, measure_ceilings, on_path, say
 
@@ -136,8 +138,10 @@ def run_offload(args) -> int:
 
         moe_ref = moe_forward(moe_x, moe_ids, layer.ffn, cfg, grouped=True)
         rows.append(("all on device, no offload (graphs)",
-                     timed(on_path(model, "graphs", base), "all experts on the device (graphs)"), None))
-        rows.append(("all on device, no offload (eager)", timed(eager, "all experts on the device (eager)"), None))
+                     timed(on_path(model, "graphs", base), "all experts on the device (graphs)"), None,
+                     "all on device"))
+        rows.append(("all on device, no offload (eager)", timed(eager, "all experts on the device (eager)"), None,
+                     "all on device, eager"))
         del eager
         t0 = time.perf_counter()
         offload = ExpertOffload(
@@ -176,15 +180,17 @@ def run_offload(args) -> int:
         say(f"{fraction:.0%} on device: {stats['gpu_experts']} experts; host RAM {stats['host_ram_bytes'] / 2**30:.1f} "
              f"GiB for {stats['host_experts']} experts")
         label = f"{stats['gpu_experts']}/{total} experts on device ({fraction:.0%})"
+        key = f"{fraction:.0%} on device"
         if offload.gather and not args.gather_only:  # the same placement, decode reading cold experts in place
             offload.gather = False
             rows.append((label + ", decode reads cold experts in place" + (", compiled" if args.compile else ""),
-                         timed(graphs, f"{fraction:.0%} on device, in place", long=False), same))
+                         timed(graphs, f"{fraction:.0%} on device, in place", long=False), same,
+                         key + ", cold experts read in place"))
             offload.gather = True
             label += ", decode gathers cold experts first"
         try:
             rows.append((label + (", compiled" if args.compile else ""), timed(graphs, f"{fraction:.0%} on device"),
-                         same))
+                         same, key))
         except Exception as exc:  # a failed compile must not lose the uncompiled figures
             if not args.compile:
                 raise
@@ -192,7 +198,7 @@ def run_offload(args) -> int:
             args.compile = False
             best = best.replace(compile_decode=False)
             graphs = on_path(model, "graphs", best)
-            rows.append((label, timed(graphs, f"{fraction:.0%} on device"), same))
+            rows.append((label, timed(graphs, f"{fraction:.0%} on device"), same, key))
 
     pcie = offload.pcie_bytes_s
     stats = offload.expert_stats()
@@ -214,7 +220,8 @@ def run_offload(args) -> int:
          "bit-identical to all on device |")
     say("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if args.context else "")
         + ("---|---|---|" if args.context and args.prefill_block else "") + "---|")
-    for label, result, same in rows:
+    figures = []  # --json: one row per figure, keyed "<placement>: <case>" (tests/gpu/gate.py reads them)
+    for label, result, same, key in rows:
         pre_floor, dec_floor = floors.prefill(2048), floors.decode(1, 1024)
         long_floor = floors.prefill(args.context) if args.context else 0
         moved_p, moved_d, moved_l, cpu = "0 / 0", "0 / 0 / 0", "0 / 0", 0.0
@@ -243,9 +250,23 @@ def run_offload(args) -> int:
                 long_cells += " | | |"
         say(f"| {label} | {result['prefill']:,.0f} | {pre_floor:,.0f} | {moved_p} | {result['decode']:,.1f} | "
              f"{dec_floor:,.0f} | {moved_d} | {cpu:.1f} |{long_cells} {same or 'reference'} |")
+        figures += [{"case": f"{key}: prefill 2048 tok, b1", "ds4d": result["prefill"], "floor": pre_floor,
+                     "gb_copied": result.get("moved_prefill", {}).get("bytes_copied", 0) / 1e9},
+                    {"case": f"{key}: decode b1 @1K", "ds4d": result["decode"], "floor": dec_floor}]
+        if "long" in result:
+            figures.append({"case": f"{key}: prefill {args.context} tok, b1", "ds4d": result["long"],
+                            "floor": long_floor,
+                            "gb_copied": result.get("moved_long", {}).get("bytes_copied", 0) / 1e9})
+        if "long_blocks" in result:
+            figures.append({"case": f"{key}: prefill {args.context} tok, b1 (one step, layer by layer)",
+                            "ds4d": result["long_blocks"], "floor": block_floor,
+                            "gb_copied": result.get("moved_long_blocks", {}).get("bytes_copied", 0) / 1e9})
     hit = [row["hit_rate"] for row in stats["layers"] if row["hit_rate"] is not None]
     if hit:
         say(f"# GPU hit rate per layer over the whole run: min {min(hit):.2f}, mean {sum(hit) / len(hit):.2f}, "
              f"max {max(hit):.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": figures, "layers": cfg.num_hidden_layers,
+                                               "pcie_gb_s": pcie / 1e9}, indent=1))
     offload.close()
     return 0

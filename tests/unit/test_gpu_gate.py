@@ -83,3 +83,32 @@ def test_a_gguf_run_is_gated_by_its_own_keys_and_left_out_of_the_per_layer_cost(
     baseline = {f"layers4: {B1}": 820.0, f"q2layers4: {B1}": 700.0}
     table = {key: verdict for key, _, _, verdict in gate.compare(got, baseline, 0.10)}
     assert table == {f"q2layers4: {B1}": "REGRESSED", f"q2layers4: {PREFILL}": "new"}
+
+
+def test_full_depth_offload_rows_are_gated_by_their_case_after_the_placement(tmp_path):
+    """``gate.sh --full`` writes ``full.json`` (``bench model --expert-gpu-fraction``): each row's label
+    starts with its placement; the gated part is the case after it."""
+    long, blocks = "prefill 32768 tok, b1", "prefill 32768 tok, b1 (one step, layer by layer)"
+    full = write_result(tmp_path / "full.json", {f"88% on device: {PREFILL}": 2181.0, f"88% on device: {B1}": 38.9,
+                                                 f"88% on device: {long}": 1567.0, f"88% on device: {blocks}": 2917.0,
+                                                 "88% on device: copies per second": 3.0})
+    got = gate.figures(full)
+    baseline = {f"full: 88% on device: {B1}": 50.0, f"full: 88% on device: {long}": 1500.0}
+    table = {key: verdict for key, _, _, verdict in gate.compare(got, baseline, 0.10)}
+    assert table == {f"full: 88% on device: {PREFILL}": "new", f"full: 88% on device: {B1}": "REGRESSED",
+                     f"full: 88% on device: {long}": "better", f"full: 88% on device: {blocks}": "new",
+                     "full: 88% on device: copies per second": "not gated"}
+
+
+def test_agent_results_give_step_two_prompt_rates_reused_and_cold(tmp_path):
+    """``gate.sh --agent`` gates ``bench agent --json`` (agent_gpu.json, agent_ram.json): step 2's prompt
+    tokens over its time to first token, the median over the repeats, with the prefix reused and cold."""
+    rows = [{"step2_prompt_tokens": 1000, "ttft_reused_ms": 100.0, "ttft_cold_ms": 1000.0},
+            {"step2_prompt_tokens": 2000, "ttft_reused_ms": 100.0, "ttft_cold_ms": 1000.0},
+            {"step2_prompt_tokens": 3000, "ttft_reused_ms": 1000.0, "ttft_cold_ms": 1500.0}]
+    path = tmp_path / "agent_ram.json"
+    path.write_text(json.dumps({"model": "m", "rows": rows}))
+    got = gate.figures(path)
+    assert got == {f"agent_ram: {gate.AGENT_REUSED}": 10_000.0, f"agent_ram: {gate.AGENT_COLD}": 2000.0}
+    table = {key: verdict for key, _, _, verdict in gate.compare(got, {f"agent_ram: {gate.AGENT_REUSED}": 12_000.0}, 0.10)}
+    assert table == {f"agent_ram: {gate.AGENT_REUSED}": "REGRESSED", f"agent_ram: {gate.AGENT_COLD}": "new"}
