@@ -112,7 +112,7 @@ def run_offload(args) -> int:
                 del engine
                 gc.collect()
                 blocked = model.with_paths(model.paths.replace(prefill_block=args.prefill_block))
-                engine = make_engine(blocked, max_num_seqs=1, context_tokens=args.context + 8,
+                engine = make_engine(blocked, max_num_seqs=1, context_tokens=max(2048, args.context) + 8,
                                      prefill_chunk=args.context)
                 run_batch(engine, prefill_ids, 1, sync)  # its first step: compiles, the pass bank
                 s6 = stats()

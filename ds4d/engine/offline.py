@@ -92,6 +92,8 @@ class OfflineEngine:
             cache = PrefixCache(BlockPool(num_blocks, info.block_size_tokens, prefix_caching=prefix_caching))
         model.allocate_cache(cache.pool.num_blocks, max_num_seqs)
         self.model = model
+        self.pool_tokens = cache.pool.num_blocks * info.block_size_tokens
+        """Tokens the KV pool holds: a longer prompt could never run (:meth:`submit` refuses it)."""
         self.outputs: list[StepOutput] = []
         """Every step output so far, when no ``publish`` was given (the caller may clear it)."""
         self.core = build_core(
@@ -136,7 +138,11 @@ class OfflineEngine:
         return self.core.take_snapshot()
 
     def submit(self, request: EngineRequest) -> None:
-        """Queue ``request``; the next step may schedule it."""
+        """Queue ``request``; the next step may schedule it.  A prompt longer than the whole KV pool
+        raises ValueError (it would wait for room forever; the daemon refuses it as too long)."""
+        if len(request.prompt_ids) > self.pool_tokens:
+            raise ValueError(f"a prompt of {len(request.prompt_ids)} tokens can never fit the KV pool "
+                             f"({self.pool_tokens} tokens)")
         self.core.add_request(request)
 
     def abort(self, request_id: str) -> None:

@@ -33,3 +33,29 @@ def test_decode_rows_report_their_time_and_floor_per_layer(tmp_path):
         assert f"| {row['case']} | {extra['layer_ms']:.3f} | {extra['layer_floor_ms']:.3f} |" in run.stdout
     prefill = [row for row in result["rows"] if row["case"].startswith("prefill")]
     assert prefill and all(not row["extra"] for row in prefill)
+
+
+def test_offload_rows_are_written_for_the_gate(tmp_path):
+    """``bench model --expert-gpu-fraction --json`` (``gate.sh --full``): per placement, prefill 2K, decode b1,
+    the long prompt in chunks and as one step layer by layer, each with its floor and the GB it copied;
+    the gate reads them keyed by placement and gates them by their case."""
+    from tests.gpu import gate
+
+    out = tmp_path / "full.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "ds4d.cli", "bench", "model", "--tiny", "--device", "cpu", "--dtype", "float32",
+         "--no-hf", "--no-reference", "--decode-tokens", "2", "--layers", "0,4", "--expert-gpu-fraction", "0.5",
+         "--stream-experts", "--context", "512", "--prefill-block", "256", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {row["case"]: row for row in json.loads(out.read_text())["rows"]}
+    cases = ["prefill 2048 tok, b1", "decode b1 @1K", "prefill 512 tok, b1", "prefill 512 tok, b1 (one step, layer by layer)"]
+    assert list(rows) == [f"50% on device: {case}" for case in cases]
+    for row in rows.values():
+        assert row["ds4d"] > 0 and row["floor"] > 0
+    # half the experts in host RAM: every prefill copies some over (as its table row says)
+    assert all(row["gb_copied"] > 0 for case, row in rows.items() if "prefill" in case)
+    figures = gate.figures(out)
+    assert set(figures) == {f"full: {case}" for case in rows}
+    gated = [key for key, *_, verdict in gate.compare(figures, {}, 0.1) if verdict == "new"]
+    assert gated == sorted(f"full: {case}" for case in rows if "512" not in case)  # the gate's long rows are 32K

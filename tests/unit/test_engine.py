@@ -47,6 +47,17 @@ def test_single_request_matches_reference():
     assert finish["a"] is FinishReason.LENGTH
 
 
+def test_a_prompt_longer_than_the_whole_pool_is_refused_at_submit():
+    """It could never be scheduled (the engine would wait for room forever); a prompt that fills the pool
+    exactly is taken and runs."""
+    engine, outputs, _ = make_engine(num_blocks=8, block_size=4, max_num_seqs=1)
+    with pytest.raises(ValueError, match="33 tokens can never fit the KV pool .32 tokens"):
+        engine.submit(req("long", list(range(1, 34)), 1))
+    assert not engine.has_work
+    tokens, finish, _ = run(engine, outputs, [req("fits", list(range(1, 32)), 1)])
+    assert tokens["fits"] == reference_tokens(list(range(1, 32)), 1) and finish["fits"] is FinishReason.LENGTH
+
+
 @pytest.mark.parametrize("chunk", [1, 3, 4, 16, 1000])
 def test_chunk_size_does_not_change_output(chunk):
     engine, outputs, _ = make_engine(prefill_chunk=chunk)
