@@ -47,6 +47,28 @@ def test_fp8_linear(m, n, k):
             assert torch.equal(alone, got[r])
 
 
+@pytest.mark.parametrize(("first", "second", "k"), [(1024, 512, 4096), (2048, 2048, 4096)], ids=["wq_a+wkv", "w1+w3"])
+def test_fp8_pair_in_one_gemv_is_each_alone_bit_for_bit(first, second, k):
+    """``stored.fuse_rows`` of two FP8 linears of V4-Flash's widths: a batch-1 decode row through the fused
+    weight (one launch) gives each weight's own product bit for bit; more rows multiply each alone."""
+    from ds4d.models.deepseek_v4.ops import linear, linear_pair
+    from ds4d.models.deepseek_v4.stored import fuse_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(first + second)
+    weights = []
+    for n in (first, second):
+        w, s = quantize_fp8_block(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5)
+        weights.append(Fp8Weight.from_stored(w, s, torch.bfloat16))
+    inputs = [torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16) for rows in (1, 8)]
+    want = [[linear(x, w) for w in weights] for x in inputs]
+    both = fuse_rows(*weights)
+    assert both is not None and both.data.shape == (first + second, k)
+    for x, pair in zip(inputs, want, strict=True):
+        assert both.takes_gemv(x) == (x.shape[0] <= qm.TUNING["fp8_rows"]["most_rows"])
+        for got, expected in zip(linear_pair(x, *weights, both), pair, strict=True):
+            assert torch.equal(got, expected)
+
+
 def _bank(experts: int, n: int, k: int, gen):
     packed, scales, values = [], [], []
     for _ in range(experts):

@@ -85,6 +85,42 @@ def test_native_equals_decoded_prefill_and_decode(checkpoint):
     assert torch.equal(got.argmax(-1), want.argmax(-1)) and got_ids == want_ids
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests run the compiled kernels")
+def test_fp8_linears_of_one_input_multiply_in_one_gemv_and_give_the_same_logits_bit_for_bit(tmp_path):
+    """``wq_a`` with ``wkv`` and the shared expert's ``w1`` with ``w3``, FP8 as stored: one weight of both's rows
+    and scales (each a view of it: no memory more), one GEMV launch in a batch-1 decode step.  The first
+    weight ends on a scale block (128 rows here), so every row keeps its scales; a GEMV's row sums do not
+    depend on the rows beside them, so prefill and decode logits are those of the unfused model bit for bit.
+    The default tiny widths (32 rows of ``wq_a``, 64 inputs) are not fused: their rows straddle a block."""
+    path = write_tiny_checkpoint(tmp_path / "wide", seed=5, layers=[4], hidden_size=512, q_lora_rank=128,
+                                 head_dim=128, moe_intermediate_size=128)
+    prompt = [(i * 7919) % 5000 + 10 for i in range(40)]
+
+    def run(model):
+        driver = Driver(model)
+        driver.start("a")
+        out = [driver.prefill("a", prompt, chunk=40)]
+        for _ in range(3):
+            out.append(driver.step([("a", [int(out[-1][-1].argmax())], 1)])[0])
+        return torch.cat(out)
+
+    fused = _load(path, native=True)
+    attn, ffn = fused.weights.layers[0].attn, fused.weights.layers[0].ffn
+    assert isinstance(attn.wq_a_wkv, Fp8Weight) and isinstance(ffn.shared_w13, Fp8Weight)
+    assert attn.wq_a_wkv.data.shape == (256, 512) and attn.wq_a_wkv.scale.shape == (2, 4)
+    assert attn.wq_a.data.data_ptr() == attn.wq_a_wkv.data.data_ptr()
+    assert attn.wkv.scale.data_ptr() == attn.wq_a_wkv.scale[1:].data_ptr()
+    x = torch.randn(1, 512)
+    assert attn.wq_a_wkv.takes_gemv(x) and not attn.wq_a_wkv.takes_gemv(torch.randn(2, 512))
+    apart = _load(path, native=True)
+    for layer in apart.weights.layers:
+        layer.attn.wq_a_wkv = layer.ffn.shared_w13 = None
+    assert fused.info.parameter_bytes == apart.info.parameter_bytes
+    assert torch.equal(run(fused), run(apart))
+    narrow = _load(write_tiny_checkpoint(tmp_path / "narrow", seed=5, layers=[0]), native=True).weights.layers[0]
+    assert narrow.attn.wq_a_wkv is None and narrow.ffn.shared_w13 is None
+
+
 def test_weight_format_choice():
     assert not native_weights("auto", torch.float32, "cpu")
     assert not native_weights("dense", torch.bfloat16, "cpu")

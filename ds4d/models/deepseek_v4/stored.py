@@ -51,6 +51,13 @@ class Fp8Weight:
             return quant_matmul.fp8_linear(flat, self.data, self.scale, self.block).view(*x.shape[:-1], -1)
         return torch.nn.functional.linear(x, self.dense())  # no kernel here: decode, then the plain product
 
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """Whether :meth:`matmul` multiplies ``x`` by the per-row GEMV, whose sums for a weight row do not
+        depend on the weight rows beside it (``quant_matmul.fp8_linear``'s decode rows)."""
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        return (quant_matmul.available() and x.dtype == self.dtype and x.device == self.data.device
+                and 0 < rows <= quant_matmul.TUNING["fp8_rows"]["most_rows"])
+
 
 @dataclass
 class GgufWeight:
@@ -84,10 +91,14 @@ class GgufWeight:
         return gguf_matmul.available() and x.device == self.raw.device and rows <= gguf_matmul.GEMV_ROWS
 
 
-def fuse_rows(first: Linear, second: Linear) -> GgufWeight | None:
-    """One :class:`GgufWeight` of ``first``'s rows over ``second``'s when both are GGUF blocks of one type and
-    width on one device (two linears of one input: its GEMV is one launch, with more programs); ``first`` and
-    ``second`` then hold views of its rows, so no memory is added.  None for any other pair."""
+def fuse_rows(first: Linear, second: Linear) -> GgufWeight | Fp8Weight | None:
+    """One weight of ``first``'s rows over ``second``'s (two linears of one input: its GEMV is one launch, with
+    more programs) when both are GGUF blocks of one type and width on one device, or both FP8 of one width and
+    scale block whose first weight ends on a scale block, at 16-byte offsets (so the fused GEMV's loads are
+    those of the two alone); ``first`` and ``second`` then hold views of its rows, so no memory is added.
+    None for any other pair."""
+    if isinstance(first, Fp8Weight) and isinstance(second, Fp8Weight):
+        return _fuse_fp8(first, second)
     if not (isinstance(first, GgufWeight) and isinstance(second, GgufWeight)):
         return None
     if (first.qtype, first.cols, first.dtype, first.raw.device) != (second.qtype, second.cols, second.dtype,
@@ -97,6 +108,20 @@ def fuse_rows(first: Linear, second: Linear) -> GgufWeight | None:
     both = torch.cat([first.raw, second.raw])
     first.raw, second.raw = both[:rows], both[rows:]
     return GgufWeight(both, first.qtype, first.cols, first.dtype)
+
+
+def _fuse_fp8(first: Fp8Weight, second: Fp8Weight) -> Fp8Weight | None:
+    rows, cols = first.data.shape
+    if (cols, first.block, first.dtype, first.data.device) != (second.data.shape[1], second.block, second.dtype,
+                                                                 second.data.device) or rows % first.block:
+        return None
+    scale_rows = rows // first.block
+    if (rows * cols) % 16 or (scale_rows * first.scale.shape[1] * first.scale.element_size()) % 16:
+        return None
+    data, scale = torch.cat([first.data, second.data]), torch.cat([first.scale, second.scale])
+    first.data, second.data = data[:rows], data[rows:]
+    first.scale, second.scale = scale[:scale_rows], scale[scale_rows:]
+    return Fp8Weight(data, scale, first.dtype, first.block)
 
 
 @dataclass

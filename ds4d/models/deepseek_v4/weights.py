@@ -74,7 +74,7 @@ class AttentionWeights:
     ratio: int
     compressor: CompressorWeights | None = None
     indexer: IndexerWeights | None = None
-    wq_a_wkv: GgufWeight | None = None  # stored.fuse_rows(wq_a, wkv), where both are GGUF blocks of one form
+    wq_a_wkv: GgufWeight | Fp8Weight | None = None  # stored.fuse_rows(wq_a, wkv): both GGUF blocks of one form, or FP8
 
 
 @dataclass
@@ -141,7 +141,7 @@ class MoEWeights:
     shared_w2: Linear
     shared_w3: Linear
     gate_split: torch.Tensor | None = None  # ops.split_bf16(gate), where set (add_split_weights)
-    shared_w13: GgufWeight | None = None  # stored.fuse_rows(shared_w1, shared_w3), where both are GGUF blocks
+    shared_w13: GgufWeight | Fp8Weight | None = None  # stored.fuse_rows(shared_w1, shared_w3): GGUF blocks or FP8
 
 
 @dataclass
