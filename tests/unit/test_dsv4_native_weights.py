@@ -49,6 +49,16 @@ def _load(path, native: bool, padded: bool = False) -> DeepseekV4Model:
                            paths=ForwardPaths(fast_path=True, decode_graphs="padded" if padded else "off"))
 
 
+def _prefill_then_steps(model: DeepseekV4Model, prompt: list[int], steps: int = 3) -> list[torch.Tensor]:
+    """The prompt's logits as one chunk, then those of ``steps`` greedy decode steps of one row each."""
+    driver = Driver(model)
+    driver.start("a")
+    out = [driver.prefill("a", prompt, chunk=len(prompt))]
+    for _ in range(steps):
+        out.append(driver.step([("a", [int(out[-1][-1].argmax())], 1)])[0])
+    return out
+
+
 def test_native_layout(checkpoint):
     model = _load(checkpoint, native=True)
     assert model.native_weights and model.info.extra["weights"] == "native"
@@ -96,14 +106,6 @@ def test_fp8_linears_of_one_input_multiply_in_one_gemv_and_give_the_same_logits_
                                  head_dim=128, moe_intermediate_size=128)
     prompt = [(i * 7919) % 5000 + 10 for i in range(40)]
 
-    def run(model):
-        driver = Driver(model)
-        driver.start("a")
-        out = [driver.prefill("a", prompt, chunk=40)]
-        for _ in range(3):
-            out.append(driver.step([("a", [int(out[-1][-1].argmax())], 1)])[0])
-        return torch.cat(out)
-
     fused = _load(path, native=True)
     attn, ffn = fused.weights.layers[0].attn, fused.weights.layers[0].ffn
     assert isinstance(attn.wq_a_wkv, Fp8Weight) and isinstance(ffn.shared_w13, Fp8Weight)
@@ -116,7 +118,7 @@ def test_fp8_linears_of_one_input_multiply_in_one_gemv_and_give_the_same_logits_
     for layer in apart.weights.layers:
         layer.attn.wq_a_wkv = layer.ffn.shared_w13 = None
     assert fused.info.parameter_bytes == apart.info.parameter_bytes
-    assert torch.equal(run(fused), run(apart))
+    assert torch.equal(torch.cat(_prefill_then_steps(fused, prompt)), torch.cat(_prefill_then_steps(apart, prompt)))
     narrow = _load(write_tiny_checkpoint(tmp_path / "narrow", seed=5, layers=[0]), native=True).weights.layers[0]
     assert narrow.attn.wq_a_wkv is None and narrow.ffn.shared_w13 is None
 
@@ -138,16 +140,7 @@ def test_offload_with_native_banks_equals_all_on_device(checkpoint, gather_cold)
     or first gathered into device scratch) and the all-on-device model run the same kernels, so
     every step's logits are equal bit for bit."""
     prompt = [(i * 7919) % 5000 + 10 for i in range(150)]
-
-    def run(model):
-        driver = Driver(model)
-        driver.start("a")
-        out = [driver.prefill("a", prompt, chunk=150)]
-        for _ in range(3):
-            out.append(driver.step([("a", [int(out[-1][-1].argmax())], 1)])[0])
-        return out
-
-    want = run(_load(checkpoint, native=True))
+    want = _prefill_then_steps(_load(checkpoint, native=True), prompt)
     model = _load(checkpoint, native=True)
     offload = ExpertOffload(model.weights, model.cfg, device="cpu", dtype=model.dtype,
                             options=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy", native=True,
@@ -159,7 +152,7 @@ def test_offload_with_native_banks_equals_all_on_device(checkpoint, gather_cold)
     assert offload.device_expert_bytes == offload.host_expert_bytes  # stored bytes, not decoded ones
     assert all(layer.ffn.experts.native is None for layer in model.weights.layers)  # moved to the host copy
     assert offload.zero_copy  # a CPU "device" reads the host copies directly
-    got = run(model)
+    got = _prefill_then_steps(model, prompt)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     stats = offload.expert_stats()
