@@ -1,5 +1,5 @@
 """Time a batch-1 FP8 pair (V4-Flash's wq_a + wkv, and the shared expert's w1 + w3) as two GEMV launches and as
-one (``stored.fuse_rows``), each replayed from a CUDA graph of 100 calls; weights cycled through 8 copies so
+one (``stored.fuse_rows``), each replayed from a CUDA graph of 96 calls; weights cycled through 8 copies so
 reads come from memory, not L2.  A tool for reading, not a test.
 
     PYTHONPATH=. python3 tests/gpu/fp8_pair_time.py
