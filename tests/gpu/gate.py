@@ -4,7 +4,7 @@ of the machine (docs/bench/h200.json, docs/bench/h100.json: ``gate.sh`` picks it
     python3 tests/gpu/gate.py RESULT.json [RESULT.json ...] [--baseline docs/bench/h200.json]
                               [--tolerance 0.10] [--update]
 
-Each result file is named ``<depth>.json`` (e.g. ``layers4.json``, ``full.json``, ``agent.json``); its
+Each result file is named ``<depth>.json`` (e.g. ``layers4.json``, ``full.json``, ``agent_gpu.json``); its
 rows' ``ds4d`` figures (tok/s, higher is better) are keyed ``<depth>: <row label>``.  The gated rows are
 the headline paths (``GATED``: decode b1/b8 through graphs, with and without steps queued ahead,
 prefill 2K and 32K, an offload row's decode and prefills, an agent's next step with its prefix reused
