@@ -48,8 +48,8 @@ def test_single_request_matches_reference():
 
 
 def test_a_prompt_longer_than_the_whole_pool_is_refused_at_submit():
-    """It could never be scheduled (the engine would wait for room forever); a prompt that fills the pool
-    exactly is taken and runs."""
+    """It could never be scheduled (the engine would wait for room forever); a prompt that fits the pool
+    is taken and runs."""
     engine, outputs, _ = make_engine(num_blocks=8, block_size=4, max_num_seqs=1)
     with pytest.raises(ValueError, match="33 tokens can never fit the KV pool .32 tokens"):
         engine.submit(req("long", list(range(1, 34)), 1))
