@@ -25,6 +25,11 @@ def _delta(after: dict, before: dict) -> dict:
     return {k: after[k] - before[k] for k in ("bytes_copied", "bytes_skipped", "skipped_transfers", "host_read_bytes")}
 
 
+def _gb_copied(result: dict, moved: str) -> float:
+    """GB the offload copied in one timed part of a row (0 without offload)."""
+    return result.get(moved, {}).get("bytes_copied", 0) / 1e9
+
+
 def _cpu_experts(stats: dict) -> int:
     return sum(row["cpu_experts"] for row in stats["layers"])
 
@@ -251,16 +256,15 @@ def run_offload(args) -> int:
         say(f"| {label} | {result['prefill']:,.0f} | {pre_floor:,.0f} | {moved_p} | {result['decode']:,.1f} | "
              f"{dec_floor:,.0f} | {moved_d} | {cpu:.1f} |{long_cells} {same or 'reference'} |")
         figures += [{"case": f"{key}: prefill 2048 tok, b1", "ds4d": result["prefill"], "floor": pre_floor,
-                     "gb_copied": result.get("moved_prefill", {}).get("bytes_copied", 0) / 1e9},
+                     "gb_copied": _gb_copied(result, "moved_prefill")},
                     {"case": f"{key}: decode b1 @1K", "ds4d": result["decode"], "floor": dec_floor}]
         if "long" in result:
             figures.append({"case": f"{key}: prefill {args.context} tok, b1", "ds4d": result["long"],
-                            "floor": long_floor,
-                            "gb_copied": result.get("moved_long", {}).get("bytes_copied", 0) / 1e9})
+                            "floor": long_floor, "gb_copied": _gb_copied(result, "moved_long")})
         if "long_blocks" in result:
             figures.append({"case": f"{key}: prefill {args.context} tok, b1 (one step, layer by layer)",
                             "ds4d": result["long_blocks"], "floor": block_floor,
-                            "gb_copied": result.get("moved_long_blocks", {}).get("bytes_copied", 0) / 1e9})
+                            "gb_copied": _gb_copied(result, "moved_long_blocks")})
     hit = [row["hit_rate"] for row in stats["layers"] if row["hit_rate"] is not None]
     if hit:
         say(f"# GPU hit rate per layer over the whole run: min {min(hit):.2f}, mean {sum(hit) / len(hit):.2f}, "
