@@ -221,13 +221,13 @@ def test_tiles_for_a_batch_and_grouped_by_expert(qtype):
 def test_blockwise_tiles_against_the_element_wise_ones(qtype, dtype):
     """The block-wise tiles (each trip's values decoded once for a tile of rows) and the element-wise ones give
     the product of the same decoded values, in float32 and from bfloat16 rows (the weights rounded to bfloat16
-    as the element-wise tiles round them): groups of 0, 70 (past one tile of 64), 1 and 36 rows over a width of
+    as the element-wise tiles round them): groups of 0, 150 (past a tile of 64 or 128 rows), 1 and 36 rows over a width of
     two trips (Q8_0: 288, a trip and a part), weight rows that leave a program part full, and spare tiles."""
     if dtype != torch.float32 and device() == "cpu":
         pytest.skip("Triton's interpreter multiplies bfloat16 tiles wrongly (the element-wise tiles as well)")
     cols = 288 if qtype == "Q8_0" else 512
     raw, values = bank(qtype, 4, 40, cols)
-    counts = [0, 70, 1, 36]
+    counts = [0, 150, 1, 36]
     of_row = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
     offsets = torch.cumsum(torch.tensor(counts), 0).to(torch.int32).to(device())
     x = torch.randn(sum(counts), cols, generator=torch.Generator().manual_seed(12)).to(dtype)
