@@ -37,7 +37,9 @@ def test_the_decoders_loops_convert_next_to_no_value():
 def test_the_block_wise_tiles_decode_a_value_once_for_a_tile_of_rows():
     """The prefill's expert tiles (``--tiles``): for each type, the block-wise tiles at their default launch spend
     under a quarter of the element-wise tiles' instructions per weight value and input row (their decoders are
-    the GEMV's, a trip's values decoded once for 64 rows, not 32) and spill no register."""
+    the GEMV's, a trip's values decoded once for 64 or 128 rows, not 32), and at 64 x 64 rows with 8 warps spill
+    no register.  (The defaults were chosen by their time on an H200; IQ2_XXS's 128 x 64 spills a few and is
+    still the fastest there.)"""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "gguf_sass_count.py"), "--tiles", "--json"],
@@ -48,4 +50,6 @@ def test_the_block_wise_tiles_decode_a_value_once_for_a_tile_of_rows():
         default = next(c for c in cases if c["qtype"] == qtype and c["kernel"] == "block-wise (default)")
         assert plain["mma"] > 0 and default["mma"] > 0, (plain, default)  # the loops were found
         assert default["per_row"] < plain["per_row"] / 4, (qtype, default, plain)
-        assert default["spills"] == 0, default
+        square = next(c for c in cases if c["qtype"] == qtype and c["kernel"].startswith("block-wise")
+                      and (c["block_m"], c["block_n"], c["warps"]) == (64, 64, 8))
+        assert square["spills"] == 0, square
