@@ -12,13 +12,14 @@ experts' matrices for the banks).  Prints each candidate, then a table of the be
 element-wise kernel and cuBLAS, and the best launches as ``gguf_matmul.BLOCKWISE`` takes them.
 
     python3 tests/gpu/gguf_gemv_sweep.py [LAUNCHES.json]   # also writes the best launches there
+    python3 tests/gpu/gguf_gemv_sweep.py LAUNCHES.json --types IQ2_XXS,Q2_K   # only those types' cases
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -75,10 +76,15 @@ def case_inputs(qtype: str, n: int, k: int, rows: int, experts: int):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("launches", nargs="?", help="write the best launches (JSON) here")
+    parser.add_argument("--types", help="only these types' cases, comma-separated (default: every case)")
+    args = parser.parse_args()
+    cases = [case for case in CASES if args.types is None or case[1] in args.types.split(",")]
     print(f"{torch.cuda.get_device_name()}: CUDA graphs over distinct weights, do_bench median")
     timed: dict[str, dict[str, float]] = {}  # case label -> launch (JSON) -> seconds a call
     rows_out = []
-    for label, qtype, n, k, rows, experts in CASES:
+    for label, qtype, n, k, rows, experts in cases:
         weights, x, ids, read = case_inputs(qtype, n, k, rows, experts)
         times = timed[label] = {}
         for launch in LAUNCHES:
@@ -105,14 +111,14 @@ def main() -> None:
         print(f"| {label} | {qtype} | {read / 2**20:.1f} MiB | {s * 1e6:.1f} | {read / s / 1e9:,.0f} | "
               f"{plain * 1e6:.1f} | {read / plain / 1e9:,.0f} | {cublas * 1e6:.1f} | {dense_read / cublas / 1e9:,.0f} |")
     chosen = {}
-    for qtype in sorted({case[1] for case in CASES}):  # least time per byte summed over the type's cases
+    for qtype in sorted({case[1] for case in cases}):  # least time per byte summed over the type's cases
         cases = [(label, read) for label, q, read, *_ in rows_out if q == qtype and label not in UNWEIGHED]
         score = {key: sum(timed[label].get(key, float("inf")) / read for label, read in cases)
                  for key in timed[cases[0][0]]}
         chosen[qtype] = json.loads(min(score, key=score.get))
     print(f"\nbest launches (each type's cases, time per byte summed): {json.dumps(chosen)}")
-    if len(sys.argv) > 1:
-        Path(sys.argv[1]).write_text(json.dumps(chosen))
+    if args.launches:
+        Path(args.launches).write_text(json.dumps(chosen))
 
 
 if __name__ == "__main__":

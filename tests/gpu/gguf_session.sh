@@ -10,6 +10,7 @@
 #   GATE=1 tests/gpu/gguf_session.sh                # also the regression gate's quick rows, after the tests
 #   SWEPT=1 tests/gpu/gguf_session.sh               # the benchmarks with the sweeps' best launches (their JSON)
 #   TILES_SWEEP=0 tests/gpu/gguf_session.sh         # no tiles sweep
+#   SWEEP_TYPES=IQ2_XXS,Q2_K tests/gpu/gguf_session.sh   # the GEMV sweep of those types' cases only
 #   BENCH=0 tests/gpu/gguf_session.sh               # tests and sweeps only (the sweeps alone take up to 8 minutes)
 #   LAUNCHES=a.json,b.json SWEEP=0 TILES_SWEEP=0 tests/gpu/gguf_session.sh   # benchmarks with launches from files
 set -o pipefail
@@ -24,7 +25,7 @@ if [ "${GATE:-0}" = 1 ]; then  # the regression gate's 4-layer rows (tests/gpu/g
   INSTALL=0 BENCH_S=${GATE_S:-200} bash tests/gpu/gate.sh --quick 2>&1 | tail -12
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
-  timeout ${SWEEP_S:-280} $PY tests/gpu/gguf_gemv_sweep.py "$OUT/launches.json" 2>&1 | tee "$OUT/sweep.txt" | grep -v "^  "
+  timeout ${SWEEP_S:-280} $PY tests/gpu/gguf_gemv_sweep.py "$OUT/launches.json" ${SWEEP_TYPES:+--types $SWEEP_TYPES} 2>&1 | tee "$OUT/sweep.txt" | grep -v "^  "
 fi
 if [ "${TILES_SWEEP:-1}" = 1 ]; then
   timeout ${TILES_SWEEP_S:-200} $PY tests/gpu/gguf_tiles_sweep.py "$OUT/tiles.json" 2>&1 | tee "$OUT/tiles.txt" \
