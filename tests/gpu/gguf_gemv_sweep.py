@@ -112,9 +112,9 @@ def main() -> None:
               f"{plain * 1e6:.1f} | {read / plain / 1e9:,.0f} | {cublas * 1e6:.1f} | {dense_read / cublas / 1e9:,.0f} |")
     chosen = {}
     for qtype in sorted({case[1] for case in cases}):  # least time per byte summed over the type's cases
-        cases = [(label, read) for label, q, read, *_ in rows_out if q == qtype and label not in UNWEIGHED]
-        score = {key: sum(timed[label].get(key, float("inf")) / read for label, read in cases)
-                 for key in timed[cases[0][0]]}
+        weighed = [(label, read) for label, q, read, *_ in rows_out if q == qtype and label not in UNWEIGHED]
+        score = {key: sum(timed[label].get(key, float("inf")) / read for label, read in weighed)
+                 for key in timed[weighed[0][0]]}
         chosen[qtype] = json.loads(min(score, key=score.get))
     print(f"\nbest launches (each type's cases, time per byte summed): {json.dumps(chosen)}")
     if args.launches:

@@ -56,7 +56,8 @@ TILES_SIGNATURE = {"x_ptr": "*bf16", "raw_ptr": "*u8", "out_ptr": "*fp32", "tabl
 ``grid_ptr`` and has a second one (``signs_ptr``) after it, ``block_k`` for ``supers`` and no ``stages``."""
 TILES_ALIGNED = (0, 1, 2, 3, 4, 5, 6, 9, 10, 11, 12)
 TILES_CASES = [("Q8_0", 4096), ("IQ2_XXS", 4096), ("Q2_K", 2048)]  # the experts' gate/up and down widths
-TILES_LAUNCHES = [(True, 64, 64, 8), (True, 64, 32, 4), (True, 64, 32, 8), (True, 128, 64, 8)]  # (block-wise, rows, weight rows, warps)
+TILES_LAUNCHES = [(True, 64, 64, 8), (True, 64, 32, 4), (True, 64, 32, 8), (True, 128, 64, 8)]
+"""(block-wise, rows, weight rows, warps)"""
 
 
 def _compile(fn, signature: dict, constants: dict, aligned, warps: int = 4):

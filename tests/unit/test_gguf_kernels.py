@@ -221,8 +221,9 @@ def test_tiles_for_a_batch_and_grouped_by_expert(qtype):
 def test_blockwise_tiles_against_the_element_wise_ones(qtype, dtype):
     """The block-wise tiles (each trip's values decoded once for a tile of rows) and the element-wise ones give
     the product of the same decoded values, in float32 and from bfloat16 rows (the weights rounded to bfloat16
-    as the element-wise tiles round them): groups of 0, 150 (past a tile of 64 or 128 rows), 1 and 36 rows over a width of
-    two trips (Q8_0: 288, a trip and a part), weight rows that leave a program part full, and spare tiles."""
+    as the element-wise tiles round them): groups of 0, 150 (past a tile of 64 or 128 rows), 1 and 36 rows over a
+    width of two trips (Q8_0: 288, a trip and a part), weight rows that leave a program part full, and spare
+    tiles."""
     if dtype != torch.float32 and device() == "cpu":
         pytest.skip("Triton's interpreter multiplies bfloat16 tiles wrongly (the element-wise tiles as well)")
     cols = 288 if qtype == "Q8_0" else 512
