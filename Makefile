@@ -6,6 +6,9 @@ PIP := $(PY) -m pip
 #   make serve TORCH_SPEC='torch==2.11.0'
 TORCH_SPEC ?= torch==2.13.0
 SERVE_ARGS ?=
+# processes the test suite runs in (pytest-xdist, whole test files to each, so module fixtures are built once);
+# 0 runs it in this process
+TEST_WORKERS ?= 2
 
 .PHONY: serve test install-demo install-test clean
 
@@ -32,7 +35,7 @@ serve: $(VENV)/.demo
 	$(VENV)/bin/ds4d serve $(SERVE_ARGS)
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) *.egg-info
