@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from tui.source import ReplayStatsSource
 
 DATA = Path(__file__).parent / "data"
 NEVER_S = 3600.0  # a poll interval no test waits for: replays advance only when a test steps them
+PATIENCE_S = 120.0  # how long a test waits for a timer-driven change before it fails: far past any busy machine
 
 
 def replay_app(name: str, interval_s: float = NEVER_S) -> ConsoleApp:
@@ -35,6 +37,21 @@ async def play(pilot, frames: int) -> None:
     for _ in range(frames):
         await pilot.app.step()
     await pilot.pause()
+
+
+async def wait_until(pilot, condition, step_s: float = 0.02, patience_s: float = PATIENCE_S) -> bool:
+    """Let the app run until `condition()` holds; False if it still does not after `patience_s`.
+
+    Timers and polls land when the event loop gets to them, so a test waits for what it needs to see, never for a
+    fixed time: a loaded machine only makes the wait longer.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience_s
+    while not condition():
+        if loop.time() > deadline:
+            return False
+        await pilot.pause(step_s)
+    return True
 
 
 def shown(widget: Widget) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.tui.console_helpers import DATA, play, play_all, replay_app, shown
+from tests.tui.console_helpers import DATA, play, play_all, replay_app, shown, wait_until
 from tui.app import ConsoleApp, HelpScreen
 from tui.panels import Panel
 from tui.source import HttpStatsSource, ReplayStatsSource
@@ -40,11 +40,8 @@ def test_replay_plays_at_the_interval_and_stops_at_the_end():
     async def body():
         app = replay_app("cpu_only", interval_s=0.01)
         async with app.run_test() as pilot:
-            for _ in range(200):
-                await pilot.pause(0.02)
-                if app.state.ended:
-                    break
-            assert app.state.ended and app.state.frames == 24
+            assert await wait_until(pilot, lambda: app.state.ended), app.state.frames
+            assert app.state.frames == 24
             assert "#24 (end)" in shown(app.query_one(StatusLine))
             assert app.return_code is None  # the last snapshot stays on screen
 
@@ -76,14 +73,13 @@ def test_pause_holds_the_timer_too():
     async def body():
         app = replay_app("healthy", interval_s=0.02)
         async with app.run_test() as pilot:
-            await pilot.pause(0.2)
+            assert await wait_until(pilot, lambda: app.state.frames >= 2), app.state.frames
             await pilot.press("p")
             frames = app.state.frames
-            await pilot.pause(0.3)
+            await pilot.pause(0.3)  # fifteen intervals: any tick that lands while paused must show nothing
             assert app.state.frames == frames
             await pilot.press("p")
-            await pilot.pause(0.3)
-            assert app.state.frames > frames
+            assert await wait_until(pilot, lambda: app.state.frames > frames), app.state.frames
 
     run(body())
 
@@ -138,11 +134,7 @@ def test_unreachable_daemon_is_reported_and_retried(closed_port):
     async def body():
         app = ConsoleApp(HttpStatsSource(f"http://127.0.0.1:{closed_port}"), interval_s=0.05)
         async with app.run_test(size=(80, 24)) as pilot:
-            for _ in range(100):
-                await pilot.pause(0.05)
-                if app.state.failures >= 3:
-                    break
-            assert app.state.failures >= 3
+            assert await wait_until(pilot, lambda: app.state.failures >= 3), app.state.failures
             status = shown(app.query_one(StatusLine))
             assert f"127.0.0.1:{closed_port} unreachable (connection refused)" in status
             assert "every 0.05s" in status

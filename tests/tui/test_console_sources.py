@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from tests.tui.console_helpers import DATA, shown
+from tests.tui.console_helpers import DATA, shown, wait_until
 from tui.app import ConsoleApp, build_app, build_parser, main
 from tui.source import HttpStatsSource, ReplayStatsSource, SourceError
 from tui.widgets import StatusLine
@@ -104,13 +104,10 @@ def test_console_polls_a_live_daemon_and_recovers_when_it_comes_back():
         app = ConsoleApp(HttpStatsSource(url, api_key=API_KEY), interval_s=0.05)
         try:
             async with app.run_test(size=(80, 24)) as pilot:
-                await pilot.pause(0.2)
-                assert "HTTP 503" in shown(app.query_one(StatusLine))
+                status_line = app.query_one(StatusLine)
+                assert await wait_until(pilot, lambda: "HTTP 503" in shown(status_line)), shown(status_line)
                 answers["up"] = True
-                for _ in range(50):
-                    await pilot.pause(0.05)
-                    if app.state.frames >= 2:
-                        break
+                assert await wait_until(pilot, lambda: app.state.frames >= 2), app.state.frames
                 status = shown(app.query_one(StatusLine))
                 assert app.state.error is None and "HTTP 503" not in status
                 assert "deepseek-v4-flash" in status and f"live {url}" in status
