@@ -34,23 +34,24 @@ def _cpu_experts(stats: dict) -> int:
     return sum(row["cpu_experts"] for row in stats["layers"])
 
 
-def _stream_options(cfg, fraction: float, args):
+def stream_options(cfg, fraction: float, args):
     """Offload options whose VRAM budget holds ``fraction`` of the experts (plus the staging banks)."""
     from ds4d.cuda import moe_gemv
     from ds4d.models.deepseek_v4.offload import OffloadOptions
 
-    if args.gguf:
+    gguf = getattr(args, "gguf", "")
+    if gguf:
         from ds4d.models.deepseek_v4.random_init import gguf_expert_bytes
 
-        per_expert = gguf_expert_bytes(cfg, args.gguf)
+        per_expert = gguf_expert_bytes(cfg, gguf)
     else:
         element = 17 / 32 if args.native else (2 if args.dtype == "bfloat16" else 4)
         per_expert = int(3 * cfg.moe_intermediate_size * cfg.hidden_size * element)
     stage = 8
     experts = round(fraction * cfg.num_hidden_layers * cfg.n_routed_experts)
-    scratch = moe_gemv.MAX_ROWS if args.native and not args.gguf else 0  # decode's gather scratch (an upper bound)
+    scratch = moe_gemv.MAX_ROWS if args.native and not gguf else 0  # decode's gather scratch (an upper bound)
     return OffloadOptions(vram_bytes=(2 * stage + scratch + experts) * per_expert + per_expert // 2, placement="static",
-                          stage_experts=stage, cpu_threads=args.expert_cpu_threads, native=args.native)
+                          stage_experts=stage, cpu_threads=getattr(args, "expert_cpu_threads", 0), native=args.native)
 
 
 def run_offload(args) -> int:
@@ -67,7 +68,7 @@ def run_offload(args) -> int:
     args.no_hf = True
     stream = args.stream_experts
     t0 = time.perf_counter()
-    options = _stream_options(bench_config(args), fractions[0], args) if stream else None
+    options = stream_options(bench_config(args), fractions[0], args) if stream else None
     cfg, reader, model, _, _ = build(torch, args, device, options)
     floors = Floors(cfg, reader.issued, bandwidth, matmul, native=args.native, gguf=args.gguf)
     reader.issued.clear()

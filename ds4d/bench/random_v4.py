@@ -18,6 +18,17 @@ FLASH_RATIOS = (0, 0) + (4, 128) * 20 + (4,)
 """V4-Flash's compress ratio per layer, all 43 (its config.json's list without the MTP layer's entry)."""
 
 
+def full_depth_ratios(config: dict | None = None) -> tuple[int, ...]:
+    """Every layer's compress ratio: ``config``'s own (its ``compress_ratios`` without the MTP layers' entries
+    after ``num_hidden_layers``), or V4-Flash's."""
+    if config is None:
+        return FLASH_RATIOS
+    layers, ratios = config["num_hidden_layers"], config.get("compress_ratios") or []
+    if len(ratios) < layers:
+        raise SystemExit(f"the config has {len(ratios)} compress_ratios for {layers} layers")
+    return tuple(ratios[:layers])
+
+
 def measure_ceilings(torch, device) -> tuple[float, float]:
     """(device-to-device copy bytes/s counting read + write, bf16 matmul FLOP/s) on random data."""
     if device.type != "cuda":
@@ -103,6 +114,37 @@ class Floors:
         flops_s = 2 * (self.dense_params - self.head_params + routed) * tokens / self.matmul
         all_bytes = self.dense_bytes + cfg.num_hidden_layers * cfg.n_routed_experts * self.expert_bytes / self.ep
         return tokens / max(flops_s, all_bytes / self.bandwidth)
+
+
+def issued_shapes(cfg, native: bool = False) -> dict:
+    """The tensors a random model of ``cfg`` would issue, as meta tensors (shapes and dtypes, no values): what
+    :class:`Floors` counts, for a model too large to build in this process (its ranks build it)."""
+    import torch
+
+    from ds4d.models.deepseek_v4.random_init import RandomReader
+    from ds4d.models.deepseek_v4.weights import read_weights
+
+    class ShapeReader(RandomReader):
+        """Draws nothing: every tensor a meta tensor of its shape; experts and FP8 linears as plain matrices."""
+
+        def _randn(self, shape, name):
+            return torch.empty(shape, device="meta", dtype=torch.float32)
+
+        def index(self, name):
+            table = torch.empty(self.index_shape(name), dtype=torch.long, device="meta")
+            self._issue(name, table)
+            return table
+
+        def stored_linear(self, name):
+            return None
+
+        def expert_stored(self, layer, expert, which):
+            name = f"layers.{layer}.ffn.experts.{expert}.{which}.weight"
+            return "float", self._randn(self.tensor_shape(name), name), None
+
+    reader = ShapeReader(cfg, dtype=torch.bfloat16, device="meta", native=native, keep_values=False)
+    read_weights(reader)
+    return reader.issued
 
 
 def _bytes_per_value(qtype: str) -> float:

@@ -16,3 +16,11 @@ timeout "${BENCH_S:-300}" python3 -m ds4d.cli bench parallel --gpus "$GPUS" --la
   --json "$OUT/parallel.json" 2>&1 | tee "$OUT/bench.log" | grep -v "^\[rank" | tail -30
 timeout "${BENCH_S:-300}" python3 -m ds4d.cli bench parallel --native --gpus "$GPUS" --layouts "${LAYOUTS#1,}" \
   --batches 1,64 --json "$OUT/native.json" 2>&1 | tee "$OUT/native.log" | grep -v "^\[rank" | tail -20
+# full depth (FULL=1): V4-Flash's 43 layers, native weights, split over the GPUs against one GPU holding
+# FRACTION of the experts (the rest in host RAM, which must hold them: V4-Pro's 61 layers, CONFIG=its config.json,
+# need about 0.8 TB of it for that row)
+if [ "${FULL:-0}" = 1 ]; then
+  timeout "${FULL_S:-580}" python3 -m ds4d.cli bench parallel --native --depth full --gpus "$GPUS" \
+    --expert-gpu-fraction "${FRACTION:-0.88}" ${CONFIG:+--config "$CONFIG"} --batches 1,8,64 \
+    --prefill "${PREFILL:-2048}" --json "$OUT/full.json" 2>&1 | tee "$OUT/full.log" | grep -v "^\[rank" | tail -30
+fi

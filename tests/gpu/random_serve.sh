@@ -6,6 +6,8 @@
 # two, less a one-token request's time) through /v1/completions, timed from the client; SERVE_ARGS go to
 # `ds4d serve`.  Logs under $OUT (or ./out).
 #
+#   FAMILY=deepseek_v4 LAYERS=<43 ratios> SERVE_ARGS="--gpus 0,1 --parallel-layout ep --weight-format native" \
+#     tests/gpu/random_serve.sh   # V4 split over GPUs, each rank drawing its own layers and experts
 #   GGUF=/tmp/q2.gguf LAYERS=0,0,4,128,... tests/gpu/random_serve.sh   # a DeepSeek-V4 q2 GGUF FILE instead:
 #       written first when missing (`make-tiny --gguf q2 --widths flash --device cuda`, V4-Flash widths at
 #       LAYERS), then served from the file (`ds4d serve --model FILE`)

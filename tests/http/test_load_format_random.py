@@ -16,8 +16,10 @@ import urllib.request
 
 import openai
 import pytest
+import torch
 
-from ds4d.models.deepseek_v4 import write_tiny_checkpoint
+from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
+from ds4d.models.deepseek_v4.loader import load_tokenizer
 from ds4d.models.deepseek_v41.make_tiny import write_tiny
 from tests.daemon import Daemon
 
@@ -59,7 +61,7 @@ def test_a_daemon_serves_random_weights_and_says_so(bare):
 def test_without_the_knob_the_missing_weights_stop_the_start(bare):
     _, path = bare
     result = subprocess.run([sys.executable, "-m", "ds4d.cli", "serve", "--model", str(path), "--threads", "1",
-                             "--device", "cpu", "--port", "0"], capture_output=True, text=True, timeout=300)
+                             "--device", "cpu", "--port", "0"], check=False, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "no *.safetensors files (to serve random weights of its config.json: load_format = random)" in " ".join(
         (result.stderr + result.stdout).split())
@@ -90,3 +92,68 @@ def test_a_daemon_serves_random_gguf_q2_blocks(tmp_path, offload):
             assert experts["bytes_copied"] > 0 and experts["form"] == "gguf Q8_0/Q8_0"  # tiny widths: narrower than IQ2_XXS and Q2_K blocks
     finally:
         daemon.stop()
+
+
+PROMPT = list(range(2000, 2150))  # > 128 tokens: crosses an HCA window
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def bare_v4(tmp_path_factory):
+    made = tmp_path_factory.mktemp("made-split")
+    source = write_tiny_checkpoint(made / "ckpt", layers=[0, 4, 128, 4], seed=5)
+    return config_only(source, tmp_path_factory.mktemp("bare-split") / "model")
+
+
+@pytest.fixture(scope="module")
+def one_process(bare_v4):
+    """Greedy tokens and their log-probabilities of the one-process model over the same random weights."""
+    model = load_model(bare_v4, load_format="random")
+    ids, logprobs = list(PROMPT), []
+    for _ in range(NEW_TOKENS):
+        logp = torch.log_softmax(model.logits_for(ids)[-1].float(), dim=-1)
+        ids.append(int(logp.argmax()))
+        logprobs.append(logp[ids[-1]].item())
+    return ids[len(PROMPT):], logprobs
+
+
+@pytest.mark.parametrize("gpus", ["cpu:2", "torchrun"])
+def test_a_split_daemon_draws_the_one_process_models_random_weights(bare_v4, one_process, gpus):
+    """``--load-format random --gpus ...``: each rank draws its own layers (a layer split over CPU processes) or
+    experts (a torchrun job, expert parallel) of the same random model one process draws, so the daemon's greedy
+    tokens are that model's (log-probabilities within float32 summation order)."""
+    split = (["--gpus", "cpu:2", "--parallel-layout", "pp"] if gpus == "cpu:2" else
+             ["--gpus", "torchrun", "--device", "cpu", "--parallel-layout", "auto"])
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+                if gpus == "torchrun" else None)
+    daemon = Daemon("--model", str(bare_v4), "--load-format", "random", *split, "--threads", "1",
+                    "--kv-cache-tokens", "512", "--max-num-seqs", "1", "--prefill-chunk", "64", launcher=launcher,
+                    env={"OMP_NUM_THREADS": "1"})
+    try:
+        assert "RANDOM WEIGHTS" in daemon.log and "each rank drawing its own layers and experts" in daemon.log
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        model = client.models.list().data[0].id
+        assert model == "model"  # named after the directory, as one process names it
+        reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0,
+                                          logprobs=0, extra_body={"ignore_eos": True})
+        tokens, logprobs = one_process
+        tokenizer = load_tokenizer(bare_v4)
+        assert reply.choices[0].logprobs.tokens == [tokenizer.decode([t]) for t in tokens]
+        # the daemon prefills in 64-token chunks, the reference in one pass: float32 rounding differs
+        assert reply.choices[0].logprobs.token_logprobs == pytest.approx(logprobs, abs=2e-3, rel=1e-3)
+        with urllib.request.urlopen(daemon.url + "/v1/ds4d/stats", timeout=30) as resp:
+            stats = json.load(resp)
+        assert stats["model"]["load_format"] == "random"
+        plan = stats["model"]["parallel"]
+        assert (plan["stages"], plan["ep_size"]) == ((2, 1) if gpus == "cpu:2" else (1, 2)), plan
+    finally:
+        daemon.stop()
+
+
+def test_random_q2_is_not_split(bare_v4):
+    """GGUF blocks are not split over processes: refused at start, naming what to do instead."""
+    result = subprocess.run([sys.executable, "-m", "ds4d.cli", "serve", "--model", str(bare_v4), "--gpus", "cpu:2",
+                             "--load-format", "random-q2", "--port", "0"], check=False, capture_output=True, text=True,
+                             timeout=300)
+    assert result.returncode != 0
+    assert "GGUF blocks are not split over processes yet" in result.stdout + result.stderr

@@ -130,7 +130,9 @@ def test_blockwise_gemv_with_its_trips_written_out_or_pipelined_sums_the_same(qt
         got[stages] = [gguf_matmul.gemv(x[:rows], raw, qtype).cpu() for rows in (1, 3)]
     for stages in (0, 3):
         for mine, looped in zip(got[stages], got[1]):
-            assert torch.equal(mine.view(torch.int32), looped.view(torch.int32)), stages
+            differ = (mine.view(torch.int32) != looped.view(torch.int32)).nonzero().tolist()
+            assert not differ, (f"stages {stages}, {len(mine)} input rows: {len(differ)} sums differ, first at "
+                                f"{differ[:4]}: {[(mine[i, j].item(), looped[i, j].item()) for i, j in differ[:4]]}")
 
 
 @pytest.mark.parametrize("qtype", sorted(gguf_matmul.BLOCKWISE))

@@ -40,7 +40,7 @@ from ds4d.models.deepseek_v4.knobs import (
 from ds4d.models.deepseek_v4.loader import SafetensorsCheckpoint, WeightReader, load_tokenizer
 from ds4d.models.deepseek_v4.model import DeepseekV4Model
 from ds4d.models.deepseek_v4.offload import ExpertOffload, OffloadOptions
-from ds4d.models.deepseek_v4.parallel import build_parallel_model, serve_torchrun_worker
+from ds4d.models.deepseek_v4.parallel import RandomWeights, build_parallel_model, serve_torchrun_worker
 from ds4d.models.deepseek_v4.paths import ForwardPaths
 from ds4d.models.deepseek_v4.random_init import RandomGgufReader, RandomReader
 from ds4d.models.deepseek_v4.weights import read_weights
@@ -106,8 +106,9 @@ class DeepseekV4Family:
 
     name = "deepseek_v4"
     random_formats = ("random", "random-q2")
-    """The random ``load_format`` honoured (on one process, for a checkpoint directory; random-q2: GGUF
-    blocks of the ds4 q2 recipe, ``random_init.RandomGgufReader``)."""
+    """The random ``load_format`` honoured, for a checkpoint directory: random on one process or split over
+    ``gpus`` (each rank draws its own tensors); random-q2 (one process only): GGUF
+    blocks of the ds4 q2 recipe, ``random_init.RandomGgufReader``."""
 
     def __init__(self, ctx: PluginContext, options: Mapping[str, Any] | None = None) -> None:
         self.ctx = ctx
@@ -129,9 +130,9 @@ class DeepseekV4Family:
         ``close`` stops the other processes."""
         load_format = getattr(self.ctx.config, "load_format", "auto")
         if load_format != "auto":
-            if getattr(self.ctx.config, "gpus", ""):
-                raise PluginError(f"load_format={load_format}: a model split over gpus reads its checkpoint; "
-                                  "leave gpus empty or use auto")
+            if load_format == "random-q2" and getattr(self.ctx.config, "gpus", ""):
+                raise PluginError("load_format=random-q2: GGUF blocks are not split over processes yet; leave "
+                                  "gpus empty, or use load_format=random")
             if Path(path).is_file():
                 raise PluginError(f"load_format={load_format} draws weights for a checkpoint directory's "
                                   "config.json, not for a GGUF file")
@@ -148,7 +149,7 @@ class DeepseekV4Family:
         check_split_knobs(config)
         job = torchrun_job(config)
         self.ctx.log.info("torchrun rank %d of %d: worker (rank 0 serves)", job.rank, job.world_size)
-        serve_torchrun_worker(job, path, config.parallel_layout, dtype=config.resolved_dtype(),
+        serve_torchrun_worker(job, self._split_source(path), config.parallel_layout, dtype=config.resolved_dtype(),
                               threads=config.threads or None, native=split_native(config, job.use_cuda),
                               offload=offload_options(config, self.options))
 
@@ -164,11 +165,21 @@ class DeepseekV4Family:
             where = f"{ranks} CPU processes" if isinstance(ranks, int) else f"GPUs {ranks}"
             on_cuda = not isinstance(ranks, int)
         self.ctx.log.info("loading deepseek_v4 from %s over %s (layout %s)", path, where, config.parallel_layout)
-        model = build_parallel_model(path, ranks, config.parallel_layout, dtype=config.dtype,
+        model = build_parallel_model(self._split_source(path), ranks, config.parallel_layout, dtype=config.dtype,
                                      threads=config.threads or None, native=split_native(config, on_cuda),
                                      offload=offload_options(config, self.options))
         model.microbatches = int(getattr(config, "pipeline_microbatches", 0) or 0) or model.placement.stages
         return model
+
+    def _split_source(self, path: Path) -> Path | RandomWeights:
+        """What every rank of a split model reads: the checkpoint, or with ``load_format = random`` the
+        directory's config.json to draw its own layers and experts for."""
+        if getattr(self.ctx.config, "load_format", "auto") != "random":
+            return path
+        self.ctx.log.warning("load_format = random: RANDOM WEIGHTS for %s/config.json, each rank drawing its own "
+                             "layers and experts (a benchmark mode: the output is noise)", path)
+        return RandomWeights(json.loads((Path(path) / "config.json").read_text(encoding="utf-8")),
+                             directory=str(path))
 
     def _load_here(self, path: Path) -> DeepseekV4Model:
         config = self.ctx.config

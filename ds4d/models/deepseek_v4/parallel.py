@@ -17,6 +17,7 @@ command            what every rank does
 ``export_blocks``  each stage's ep-rank 0 hands its layers' part of the KV blocks to rank 0
 ``import_blocks``  each rank writes its stage's part of the KV block payloads
 ``expert_stats``   each rank hands rank 0 its expert-offload counters (about once a second)
+``transfers``      every rank times a step's all-reduce and stage hand-ons (``ds4d.parallel.link``; benchmarks)
 ``stop``           leaves the loop; the process group is torn down
 =================  ==================================================================
 
@@ -66,6 +67,7 @@ from ds4d.parallel.launch import (
     start_workers,
     stop_workers,
 )
+from ds4d.parallel.link import Transfer, time_transfers
 from ds4d.parallel.topology import Placement, describe, parse_layout, plan_for_gpus, plan_placement
 
 log = logging.getLogger("ds4d.models")
@@ -81,13 +83,20 @@ class ParallelRankLost(RuntimeError):
 
 @dataclass(frozen=True)
 class RandomWeights:
-    """A model of random weights instead of a checkpoint (benchmarks): no file, no tokenizer.
+    """A model of random weights instead of a checkpoint (benchmarks, ``load_format = random``): no weight file.
 
     Every rank draws only its own tensors; see
-    :class:`~ds4d.models.deepseek_v4.random_init.RandomReader`."""
+    :class:`~ds4d.models.deepseek_v4.random_init.RandomReader` (the same seed and config: the same tensors as one
+    process draws).  ``directory``: where the config came from, for the model's name and tokenizer (none: no
+    tokenizer, the model named ``random-v4``)."""
 
     config: dict
     seed: int = 0
+    directory: str | None = None
+
+    @property
+    def name(self) -> str:
+        return Path(self.directory).name if self.directory else "random-v4"
 
 
 def _load_runner(
@@ -97,10 +106,11 @@ def _load_runner(
     """This rank's shard of the checkpoint (or random weights) and its step; experts on the host with offload."""
     expert_device = torch.device("cpu") if offload is not None else None
     random = isinstance(source, RandomWeights)
-    cfg = DeepseekV4Config.from_dict(source.config, name="random-v4") if random else DeepseekV4Config.from_file(source)
+    cfg = DeepseekV4Config.from_dict(source.config, name=source.name) if random else DeepseekV4Config.from_file(source)
     layout = shard_layout(cfg, groups.stage, groups.stages, groups.ep_rank, groups.ep_size)
-    if random:
-        reader = RandomReader(cfg, dtype=dtype, device=groups.device, seed=source.seed, native=native)
+    if random:  # shapes only in ``issued``: no second, decoded copy of FP8 weights while the shard is drawn
+        reader = RandomReader(cfg, dtype=dtype, device=groups.device, seed=source.seed, native=native,
+                              keep_values=False)
         weights = shard_weights(reader, cfg, layout, expert_device)
     else:
         weights = read_shard(source, cfg, layout, dtype, groups.device, native=native, expert_device=expert_device)
@@ -183,12 +193,21 @@ def run_worker(
                 runner.import_blocks(command[1], command[2][groups.stage])
             elif kind == "expert_stats":
                 gather_objects(runner.offload.expert_stats() if runner.offload is not None else None, groups)
+            elif kind == "transfers":
+                sizes = _transfer_sizes(runner.cfg, command[1], runner.dtype)
+                gather_objects(time_transfers(groups, *sizes, reps=command[2]), groups)
     except (RuntimeError, ConnectionError) as exc:  # rank 0 went away mid-broadcast
         log.warning("rank %d leaving: %s", rank, exc)
         return
     if runner is not None:
         runner.release()
     dist.destroy_process_group()
+
+
+def _transfer_sizes(cfg: DeepseekV4Config, rows: int, dtype: torch.dtype) -> tuple[Transfer, list[Transfer]]:
+    """A step's transfers at ``rows`` tokens: the routed output's all-reduce, and the hand-ons (streams, logits)."""
+    streams = Transfer(rows * cfg.hc_mult * cfg.hidden_size, dtype)
+    return Transfer(rows * cfg.hidden_size, dtype), [streams, Transfer(rows * cfg.vocab_size, torch.float32)]
 
 
 EXPERT_STATS_EVERY_S = 1.0
@@ -314,6 +333,26 @@ class ParallelDeepseekV4Model:
         self._expert_stats = merge_expert_stats(parts, [facts["layers"][0] for facts in self.rank_facts])
         self._expert_stats_at = time.monotonic()
 
+    def transfer_seconds(self, rows: int, reps: int = 20) -> dict[str, float | None]:
+        """The link's part of a step of ``rows`` tokens, timed on the ranks (``ds4d.parallel.link``): the
+        medians of ``all_reduce`` (one layer's routed output summed over a stage's expert ranks; the slowest
+        rank's), ``streams`` (a stage's streams handed to the next) and ``logits`` (the last stage's logits to
+        rank 0; the head is on the last stage), None where the layout makes no such transfer; ``step``: the seconds a step spends in them,
+        made one after another (an all-reduce a layer, a hand-on a stage boundary, the logits once).
+        Between steps, on the engine thread (or a benchmark's)."""
+        cfg = self.cfg
+        sizes = _transfer_sizes(cfg, rows, self.runner.dtype)
+        with self._ranks_alive():
+            broadcast_object(("transfers", rows, reps), self.groups)
+            parts = gather_objects(time_transfers(self.groups, *sizes, reps=reps), self.groups)
+        reduced = [part["all_reduce"] for part in parts if part["all_reduce"] is not None]
+        streams, logits = parts[0]["hops"]
+        out = {"all_reduce": max(reduced) if reduced else None, "streams": streams, "logits": logits}
+        stages = self.placement.stages
+        out["step"] = (cfg.num_hidden_layers * (out["all_reduce"] or 0.0) + (stages - 1) * (streams or 0.0)
+                       + (out["logits"] or 0.0))
+        return out
+
     def save_state(self, slot: int) -> list[list[torch.Tensor]]:
         """The slot's state, one list of tensors per stage (host copies)."""
         self._check_slot(slot)
@@ -426,8 +465,8 @@ class ParallelDeepseekV4Model:
         check_batch(batch, self.cfg, self._max_seqs, self._num_blocks)
 
 def serve_torchrun_worker(
-    job: TorchrunJob, path: str | Path, layout: str, *, dtype: str, threads: int | None = None, native: bool = False,
-    offload: OffloadOptions | None = None,
+    job: TorchrunJob, path: str | Path | RandomWeights, layout: str, *, dtype: str, threads: int | None = None,
+    native: bool = False, offload: OffloadOptions | None = None,
 ) -> None:
     """Ranks ``1 ..`` of a torchrun job: follow rank 0 (the daemon) until it stops.
 
@@ -436,8 +475,8 @@ def serve_torchrun_worker(
     (or when rank 0 is gone)."""
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)
-    run_worker(job.rank, str(path), job.placement(layout), "env://", dtype, job.use_cuda, threads, None, native,
-               offload)
+    source = path if isinstance(path, RandomWeights) else str(path)
+    run_worker(job.rank, source, job.placement(layout), "env://", dtype, job.use_cuda, threads, None, native, offload)
 
 
 def build_parallel_model(
@@ -459,7 +498,7 @@ def build_parallel_model(
     NCCL), a number of CPU processes (gloo; for tests and development), or
     the :class:`~ds4d.parallel.launch.TorchrunJob` this process is rank 0 of.
     ``layout``: ``auto`` | ``ep`` | ``pp`` | ``SxE`` (see ``ds4d.parallel.topology``).
-    ``path``: the checkpoint, or :class:`RandomWeights` (no tokenizer).
+    ``path``: the checkpoint, or :class:`RandomWeights` (the tokenizer of its ``directory``, if it names one).
     ``native``: FP8 linears and MXFP4 experts kept as stored and multiplied by
     the Triton kernels (``weight_format = native``); else decoded to ``dtype``.
     ``offload``: each rank keeps its routed experts in host RAM and the hot
@@ -505,6 +544,9 @@ def build_parallel_model(
         stop_workers(workers)
         dist.destroy_process_group()
         raise ParallelStartError(f"ranks failed to load their shards: {failures}")
-    tokenizer = None if random else load_tokenizer(path)
+    if random:
+        tokenizer = load_tokenizer(Path(path.directory)) if path.directory else None
+    else:
+        tokenizer = load_tokenizer(path)
     facts = [detail for _, detail in reports]
     return ParallelDeepseekV4Model(loaded[1].cfg, loaded[1], groups, tokenizer, placement, facts, workers)
