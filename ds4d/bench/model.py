@@ -63,6 +63,9 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", action="store_true", help="decode steps through torch.compile (inside the graphs)")
     p.add_argument("--lookahead", action="store_true",
                    help="also decode with the engine queueing each step behind the one before (decode_lookahead)")
+    p.add_argument("--decode-kernel", action="store_true",
+                   help="also decode with the attention in one Triton kernel (ForwardPaths.decode_kernel), with "
+                        "--lookahead also queued ahead")
     p.add_argument("--sampled", action="store_true",
                    help="also decode sampling instead of greedy, steps queued ahead: temperature 1 (what a request "
                         "that sets nothing gets), and temperature 1 with top-p 0.95")
@@ -186,7 +189,8 @@ PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
               "sampled-top-p": " (graphs, steps queued ahead, temperature 1, top-p 0.95)",
               "plain-hc": " (graphs, torch hyper-connections)",
               "numba-hc": " (graphs, Numba hyper-connection kernel only)", "eager": " (no graphs)",
-              "reference": " (reference path)"}
+              "reference": " (reference path)", "decode-kernel": " (graphs, attention in one kernel)",
+              "decode-kernel-lookahead": " (graphs, attention in one kernel, steps queued ahead)"}
 
 
 def full_depth_layers(family: str) -> str:
@@ -261,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
                                                    "torch-attention": " (torch attention)",
                                                    "torch-token-wise": " (token-wise work in torch)",
                                                    "all-rows": " (last feed-forward on every row)",
-                                                   "reference": " (reference path)"}[path]
+                                                   "reference": " (reference path)", "decode-kernel": " (graphs, attention in one kernel)",
+              "decode-kernel-lookahead": " (graphs, attention in one kernel, steps queued ahead)"}[path]
             got = _guarded(torch, f"ds4d {label}", lambda: _ds4d(torch, timed, ids, 1, chunk=args.prefill_chunk,
                                                                sync=sync, warm_tokens=2 * args.prefill_chunk)
                            .prefill_tok_s)
@@ -279,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
             label = f"decode b{batch} @{context // 1024}K" + PATH_NOTES[path]
             steps = n if path != "reference" else max(8, n // 4)
             got = _guarded(torch, f"ds4d {label}", lambda steps=steps, chunk=chunk, path=path: _ds4d(
-                torch, timed, ids, steps, chunk=chunk, sync=sync, lookahead=path in ("lookahead", *SAMPLED),
+                torch, timed, ids, steps, chunk=chunk, sync=sync,
+                lookahead=path in ("lookahead", "decode-kernel-lookahead", *SAMPLED),
                 sampling=SAMPLED.get(path)).decode_tok_s)
             theirs = None
             if hf is not None and not hf_done:
@@ -291,6 +297,8 @@ def run(args: argparse.Namespace) -> int:
     prefill_case(2048)
     batches = [int(b) for b in args.batches.split(",") if b]
     ahead = (["lookahead"] if args.lookahead else []) + (list(SAMPLED) if args.sampled else [])
+    if args.decode_kernel:
+        ahead += ["decode-kernel"] + (["decode-kernel-lookahead"] if args.lookahead else [])
     for batch in batches:
         decode_case(batch, 1024, (paths[:1] + ahead + paths[1:]) if batch == 1 else ["graphs", *ahead])
     if args.long:

@@ -229,9 +229,9 @@ def build(torch, args, device, offload_options=None):
     return cfg, reader, model, hf, hf_note
 
 
-BENCH_PATHS = ("graphs", "lookahead", "sampled", "sampled-top-p", "plain-hc", "numba-hc", "torch-attention",
-               "torch-token-wise", "all-rows", "eager", "reference")
-GRAPH_PATHS = BENCH_PATHS[:9]
+BENCH_PATHS = ("graphs", "lookahead", "sampled", "sampled-top-p", "decode-kernel", "decode-kernel-lookahead",
+               "plain-hc", "numba-hc", "torch-attention", "torch-token-wise", "all-rows", "eager", "reference")
+GRAPH_PATHS = BENCH_PATHS[:11]
 """The paths that decode through CUDA graphs (where the device has them)."""
 
 
@@ -240,6 +240,7 @@ def bench_paths(path: str, best):
 
     graphs: every GPU path; lookahead: the same, the engine queueing each decode step behind the one
     before (``decode_lookahead``); sampled, sampled-top-p: the same, sampling (``SAMPLED``) instead of greedy;
+    decode-kernel (-lookahead): graphs (lookahead) with a decode step's attention in one Triton kernel;
     plain-hc: without the fused hyper-connection kernels; numba-hc: the Numba kernel for decode steps
     too (not the Triton ones); torch-attention: prefill attention in torch's score blocks, not the
     Triton kernel; torch-token-wise: a prefill's token-wise work in torch, not ``prefill_triton``;
@@ -256,6 +257,7 @@ def bench_paths(path: str, best):
         fused_attention=best.fused_attention and path != "torch-attention",
         fused_prefill=best.fused_prefill and path not in ("torch-token-wise", "plain-hc"),
         last_layer_rows_only=path != "all-rows",
+        decode_kernel=path.startswith("decode-kernel"),
     )
 
 

@@ -142,3 +142,77 @@ def window_attention(q: torch.Tensor, keys: torch.Tensor, first: int, start: int
                      extra=kind, precision="ieee" if q.dtype == torch.float32 else "tf32",
                      num_warps=t["warps"], num_stages=t["stages"])
     return out
+
+
+DECODE_TUNING = {"block_heads": 16, "block_keys": 16, "block_d": 64, "d_out": 64, "warps": 4, "stages": 1}
+"""Heads per program, keys or entries per tile, columns of a score summed at a time, output columns per
+program, launch settings of :func:`decode_attention` (not yet timed on a GPU; chosen so that the kernel spills
+nothing at sm_90, ``tests/gpu/decode_attention_compile.py``: 140-148 registers a thread): a decode row's 64
+heads of 512 columns are 32 programs."""
+NO_ENTRIES, EVERY_ENTRY, PICKED_ENTRIES = 0, 1, 2
+"""What a decode row attends to besides its window: nothing (no compressor), every visible entry of its block
+table in id order (HCA, or CSA while the indexer keeps them all), or the indexer's picks."""
+
+
+def _decode_kernels():
+    if "decode" not in _state:
+        from ds4d.cuda.decode_attention_kernel import decode_attention_kernel
+
+        _state["decode"] = decode_attention_kernel
+    return _state["decode"]
+
+
+def decode_available() -> bool:
+    """Triton can build and launch :func:`decode_attention` here (a CUDA device, or the interpreter)."""
+    if "decode_available" not in _state:
+        _state["decode_available"] = triton_can_launch(_decode_kernels)
+    return bool(_state["decode_available"])
+
+
+def decode_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                     sink: torch.Tensor, scale: float, pool: torch.Tensor | None = None,
+                     table: torch.Tensor | None = None, ratio: int = 0, picks: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """A decode step's attention, one program per row and block of heads, nothing but the output written.
+
+    ``q [B, heads, d]``: one query per row, at ``positions [B]``; ``ring [S, window, d]``: the window rings,
+    row ``b`` reading ``ring[slots[b]]`` (the step's own KV already written into it), slot ``j`` holding position
+    ``p - ((p - j) mod window)`` when that is not negative; ``sink [heads]``.  With ``pool [NB, per_block, d]``
+    (a compressor's entries), ``table [B, MB]`` (each row's blocks) and ``ratio``: the row also sees entries
+    ``0 .. (p + 1) // ratio - 1`` of its blocks, all of them, or with ``picks [B, k]`` those picked (ids of
+    the row's entry slots; one past the visible ones is left out).  Keys are the values; scores and sums in
+    float32, the probabilities meeting the keys in ``q``'s dtype.  Fixed shapes and no host reads: it can be
+    captured in a CUDA graph."""
+    batch, heads, d = q.shape
+    q = q if q.stride(2) == 1 else q.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    if out.stride(2) != 1 or ring.stride(2) != 1:
+        raise ValueError("decode_attention reads and writes rows of d contiguous values")
+    if batch == 0:
+        return out
+    entries = NO_ENTRIES if pool is None else (PICKED_ENTRIES if picks is not None else EVERY_ENTRY)
+    if entries and (table is None or ratio <= 0 or pool.stride(2) != 1):
+        raise ValueError("entries need a block table, a compress ratio and rows of d contiguous values")
+    if entries:  # the kernel steps along a row of the table and of the picks one element at a time
+        table = table if table.stride(1) == 1 else table.contiguous()
+        picks = picks if picks is None or picks.stride(1) == 1 else picks.contiguous()
+    pool = ring if pool is None else pool  # unused pointers where there is nothing for them to read
+    table = slots[:, None] if table is None else table
+    picks = table if picks is None else picks
+    t = DECODE_TUNING
+    block_h = max(16, min(t["block_heads"], 1 << (heads - 1).bit_length()))
+    window = ring.shape[1]
+    per_block = pool.shape[1] if entries else 1
+    n_slots = table.shape[1] * per_block if entries else 0
+    n_picks = picks.shape[1] if entries == PICKED_ENTRIES else 0
+    d_out = min(t["d_out"], d)
+    grid = (batch, -(-heads // block_h), d // d_out)
+    _decode_kernels()[grid](
+        q, ring, slots, positions, pool, table, picks, sink, out, heads, window, max(ratio, 1), per_block, n_slots,
+        n_picks, float(scale), q.stride(0), q.stride(1), positions.stride(0), slots.stride(0), ring.stride(0),
+        ring.stride(1), pool.stride(0),
+        pool.stride(1), table.stride(0), picks.stride(0), out.stride(0), out.stride(1), d=d, block_h=block_h,
+        block_k=t["block_keys"], block_d=min(t["block_d"], d), d_out=d_out,
+        window_tiles=-(-window // t["block_keys"]), entries=entries,
+        precision="ieee" if q.dtype == torch.float32 else "tf32", num_warps=t["warps"], num_stages=t["stages"])
+    return out

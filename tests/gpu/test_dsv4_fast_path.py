@@ -56,6 +56,36 @@ def test_decode_path_matches_reference(checkpoint, device):
     assert torch.equal(got.argmax(-1), reference.argmax(-1))
 
 
+@pytest.mark.parametrize("graphs", ["off", "padded"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_attention_in_one_kernel_matches_the_torch_decode_path(checkpoint, device, graphs):
+    """``decode_kernel``: a decode step's attention in ``attention_triton.decode_attention`` (Triton's
+    interpreter on the CPU) gives the torch decode path's logits: one row from position 100 past the window's
+    wrap and the HCA layer's first entry (128), the other from position 5 (a ring not yet full, few entries),
+    the CSA layers' indexer picks (the block table holds more entries than it keeps), and padded rows
+    (``padded``: the buckets the CUDA graphs replay)."""
+    model = load_model(checkpoint, dtype=torch.float32, device=device)
+    base = ForwardPaths(fast_path=True, decode_graphs=graphs)
+    assert model.cfg.index_topk < 100 // 4 and model.cfg.sliding_window == 128
+    rng = random.Random(2)
+    ids = [rng.randrange(1000, 50000) for _ in range(160)]
+    other = [rng.randrange(1000, 50000) for _ in range(65)]
+    runs = []
+    for kernel in (False, True):
+        run = model.with_paths(base.replace(decode_kernel=kernel))
+        run.allocate_cache(16, 3)
+        got = [run.forward(ForwardBatch((SeqChunk(0, tuple(ids[:100]), 0, (3,), 1),)))]
+        run.forward(ForwardBatch((SeqChunk(1, tuple(other[:5]), 0, (9,), 1),)))
+        for pos in range(100, 160):
+            batch = (SeqChunk(0, (ids[pos],), pos, (3, 7)[: -(-(pos + 1) // 128)], 1),
+                     SeqChunk(1, (other[pos - 95],), pos - 95, (9,), 1))
+            got.append(run.forward(ForwardBatch(batch)))
+        runs.append(torch.cat(got).float().cpu())
+    torch_path, kernel = runs
+    assert (kernel - torch_path).abs().max().item() < 1e-4 * torch_path.abs().max().item()
+    assert torch.equal(kernel.argmax(-1), torch_path.argmax(-1))
+
+
 def test_grouped_experts_match_the_expert_loop(checkpoint):
     from ds4d.models.deepseek_v4.moe import moe_forward
 

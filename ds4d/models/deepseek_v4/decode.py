@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ds4d.cuda import attention_triton
 from ds4d.models.deepseek_v4.attention import project_out, project_qkv
 from ds4d.models.deepseek_v4.cache import CompressorState, LayerCache
 from ds4d.models.deepseek_v4.compressor import project
@@ -139,10 +140,18 @@ def decode_attention(
     cache: LayerCache,
     cfg: DeepseekV4Config,
     rope_compress: Rope,
+    kernel: bool = False,
 ) -> torch.Tensor:
-    """``x [B, D]`` (normed sub-layer input, one token per sequence) -> attention output ``[B, D]``."""
+    """``x [B, D]`` (normed sub-layer input, one token per sequence) -> attention output ``[B, D]``.
+    ``kernel``: the scores, softmax and weighted sum in one Triton kernel (``attention_triton.decode_attention``:
+    the rings and entry blocks read where they sit, no gathered keys, masks or scores in memory) instead of torch's
+    gathers, concatenations and batched matmuls; the writes of the step's KV, entries and the indexer's pick are
+    the same either way."""
     cos, sin = dec.rope_compress if weights.ratio else dec.rope_main
     q_residual, q, kv = project_qkv(x, weights, cos, sin, cfg)
+    if kernel:
+        return project_out(_attend_in_kernel(x, q_residual, q, kv, dec, weights, cache, cfg, rope_compress),
+                           weights, cos, sin, cfg)
     keys, mask = _window(cache.window, kv, dec)
     if weights.compressor is not None:
         eps, ratio = cfg.rms_norm_eps, weights.ratio
@@ -165,6 +174,29 @@ def decode_attention(
         mask = torch.cat([mask, extra], dim=1)
     out = _attend(q, keys, mask, weights.sink, cfg.head_dim**-0.5)
     return project_out(out, weights, cos, sin, cfg)
+
+
+def _attend_in_kernel(x: torch.Tensor, q_residual: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, dec: DecodeInputs,
+                      weights: AttentionWeights, cache: LayerCache, cfg: DeepseekV4Config,
+                      rope_compress: Rope) -> torch.Tensor:
+    """:func:`decode_attention`'s writes, then its attention in ``attention_triton.decode_attention``."""
+    ring = cache.window
+    ring[dec.slots, dec.positions % ring.shape[1]] = kv.to(ring.dtype)
+    pool = table = picks = None
+    if weights.compressor is not None:
+        eps = cfg.rms_norm_eps
+        _compress(*project(x, dec.positions, weights.compressor), dec, weights.compressor, cache.compressor,
+                  rope_compress, eps)
+        pool, table = cache.compressor.pool, dec.block_table
+        if weights.indexer is not None:
+            _compress(*project(x, dec.positions, weights.indexer.compressor), dec, weights.indexer.compressor,
+                      cache.indexer, rope_compress, eps)
+            if table.shape[1] * pool.shape[1] > cfg.index_topk:  # fewer entry slots: the indexer would keep all
+                index_keys = _gather(cache.indexer.pool, dec.block_table)
+                visible = (dec.positions + 1) // weights.ratio
+                picks, _ = _indexer_pick(x, q_residual, dec.rope_compress, index_keys, visible, weights.indexer, cfg)
+    return attention_triton.decode_attention(q, ring, dec.slots, dec.positions, weights.sink, cfg.head_dim**-0.5,
+                                             pool=pool, table=table, ratio=weights.ratio, picks=picks)
 
 
 def pack_rows(rows: Sequence[tuple[int, int, int, Sequence[int]]], count: int, width: int, scratch: int,

@@ -391,7 +391,7 @@ class DeepseekV4Model:
         paths = self.paths
         kernels = not decode and paths.fast_path and paths.fused_prefill
         if decode:
-            attend = decode_attention
+            attend = partial(decode_attention, kernel=paths.fast_path and paths.decode_kernel)
         else:
             attend = partial(attention_forward, local_window=paths.fast_path,
                              fused=paths.fast_path and paths.fused_attention, kernels=kernels)

@@ -7,8 +7,8 @@ can run (:meth:`ForwardPaths.for_device`), the CPU keeps the exact reference
 path, and a benchmark or test that wants another mix builds a model with it
 (``DeepseekV4Model.with_paths``: same weights, its own cache and graphs).
 
-The kernel paths (``hc_kernels``, ``fused_attention``, ``fused_prefill``) and
-the decode graphs apply only with ``fast_path``.
+The kernel paths (``hc_kernels``, ``fused_attention``, ``decode_kernel``, ``fused_prefill``)
+and the decode graphs apply only with ``fast_path``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ class ForwardPaths:
     fused_attention: bool = False
     """Prefill chunks longer than the sliding window attend in one Triton kernel (window keys,
     compressed entries and the sink in one online softmax) instead of torch's score blocks."""
+    decode_kernel: bool = False
+    """Decode steps attend in one Triton kernel (``attention_triton.decode_attention``: window ring and entry
+    blocks read in place) instead of torch's gathers and batched matmuls.  Off by default: not yet timed on a
+    GPU (``ds4d bench model --paths graphs,decode-kernel`` compares the two)."""
     fused_prefill: bool = False
     """The token-wise work of steps that are not pure decode (hyper-connections, norms, RoPE, SwiGLU,
     the experts' weighted sum) goes through ``ds4d.cuda.prefill_triton``, and (bf16 models) the float32

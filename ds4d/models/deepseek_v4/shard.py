@@ -415,7 +415,7 @@ class ShardRunner:
     def _layers(self, streams: torch.Tensor, token_ids: torch.Tensor, step) -> torch.Tensor:
         cfg, eps, fused = self.cfg, self.cfg.rms_norm_eps, self.paths.fused_hc
         if isinstance(step, DecodeInputs):
-            attend = decode_attention
+            attend = partial(decode_attention, kernel=self.paths.fast_path and self.paths.decode_kernel)
         else:
             attend = partial(attention_forward, local_window=self.paths.fast_path)
         decode = isinstance(step, DecodeInputs)

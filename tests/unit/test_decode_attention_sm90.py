@@ -1,0 +1,30 @@
+"""The decode attention kernel compiled for an H200 (sm_90) on this machine, by the ptxas Triton's wheel carries
+(``tests/gpu/decode_attention_compile.py``, in a process of its own: the tests run Triton's interpreter, which
+compiles nothing): every kind of entries, in bfloat16 and float32, at its default launch, spills nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")):
+    pytest.skip("this Triton carries no NVIDIA tools", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_decode_attention_kernel_compiles_for_sm90_without_spills():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "decode_attention_compile.py")], env=env,
+                         capture_output=True, text=True, check=True, timeout=600).stdout
+    cases = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert {(c["entries"], c["dtype"]) for c in cases} == {(e, t) for e in (0, 1, 2) for t in ("bf16", "fp32")}
+    for case in cases:
+        assert case["spills"] == 0 and 0 < case["registers"] <= 255, case
