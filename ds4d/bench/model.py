@@ -64,8 +64,8 @@ def add_parser(sub) -> None:
     p.add_argument("--lookahead", action="store_true",
                    help="also decode with the engine queueing each step behind the one before (decode_lookahead)")
     p.add_argument("--decode-kernel", action="store_true",
-                   help="also decode with the attention in one Triton kernel (ForwardPaths.decode_kernel), with "
-                        "--lookahead also queued ahead")
+                   help="also decode with the compressor steps and the attention in Triton kernels "
+                        "(ForwardPaths.decode_kernel), with --lookahead also queued ahead")
     p.add_argument("--sampled", action="store_true",
                    help="also decode sampling instead of greedy, steps queued ahead: temperature 1 (what a request "
                         "that sets nothing gets), and temperature 1 with top-p 0.95")
@@ -189,8 +189,8 @@ PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
               "sampled-top-p": " (graphs, steps queued ahead, temperature 1, top-p 0.95)",
               "plain-hc": " (graphs, torch hyper-connections)",
               "numba-hc": " (graphs, Numba hyper-connection kernel only)", "eager": " (no graphs)",
-              "reference": " (reference path)", "decode-kernel": " (graphs, attention in one kernel)",
-              "decode-kernel-lookahead": " (graphs, attention in one kernel, steps queued ahead)"}
+              "reference": " (reference path)", "decode-kernel": " (graphs, decode kernels)",
+              "decode-kernel-lookahead": " (graphs, decode kernels, steps queued ahead)"}
 
 
 def full_depth_layers(family: str) -> str:
@@ -265,8 +265,7 @@ def run(args: argparse.Namespace) -> int:
                                                    "torch-attention": " (torch attention)",
                                                    "torch-token-wise": " (token-wise work in torch)",
                                                    "all-rows": " (last feed-forward on every row)",
-                                                   "reference": " (reference path)", "decode-kernel": " (graphs, attention in one kernel)",
-              "decode-kernel-lookahead": " (graphs, attention in one kernel, steps queued ahead)"}[path]
+                                                   "reference": " (reference path)"}[path]
             got = _guarded(torch, f"ds4d {label}", lambda: _ds4d(torch, timed, ids, 1, chunk=args.prefill_chunk,
                                                                sync=sync, warm_tokens=2 * args.prefill_chunk)
                            .prefill_tok_s)

@@ -240,7 +240,7 @@ def bench_paths(path: str, best):
 
     graphs: every GPU path; lookahead: the same, the engine queueing each decode step behind the one
     before (``decode_lookahead``); sampled, sampled-top-p: the same, sampling (``SAMPLED``) instead of greedy;
-    decode-kernel (-lookahead): graphs (lookahead) with a decode step's attention in one Triton kernel;
+    decode-kernel (-lookahead): graphs (lookahead) with a decode step's compressors and attention in Triton kernels;
     plain-hc: without the fused hyper-connection kernels; numba-hc: the Numba kernel for decode steps
     too (not the Triton ones); torch-attention: prefill attention in torch's score blocks, not the
     Triton kernel; torch-token-wise: a prefill's token-wise work in torch, not ``prefill_triton``;

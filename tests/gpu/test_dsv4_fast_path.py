@@ -59,8 +59,8 @@ def test_decode_path_matches_reference(checkpoint, device):
 @pytest.mark.parametrize("graphs", ["off", "padded"])
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_attention_in_one_kernel_matches_the_torch_decode_path(checkpoint, device, graphs):
-    """``decode_kernel``: a decode step's attention in ``attention_triton.decode_attention`` (Triton's
-    interpreter on the CPU) gives the torch decode path's logits: one row from position 100 past the window's
+    """``decode_kernel``: a decode step's compressor steps and attention in ``decode_triton``'s kernels (Triton's
+    interpreter on the CPU) give the torch decode path's logits: one row from position 100 past the window's
     wrap and the HCA layer's first entry (128), the other from position 5 (a ring not yet full, few entries),
     the CSA layers' indexer picks (the block table holds more entries than it keeps), and padded rows
     (``padded``: the buckets the CUDA graphs replay)."""

@@ -21,7 +21,7 @@ def test_decode_rows_report_their_time_and_floor_per_layer(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     decode = [row for row in result["rows"] if row["case"].startswith("decode")]
-    kernel = " (graphs, attention in one kernel)"  # the decode attention kernel's rows (Triton's interpreter here)
+    kernel = " (graphs, decode kernels)"  # the rows of decode_triton's kernels (Triton's interpreter here)
     assert [row["case"] for row in decode] == ["decode b1 @1K", f"decode b1 @1K{kernel}", "decode b2 @1K",
                                                f"decode b2 @1K{kernel}"]
     assert all(row["ds4d"] > 0 for row in decode)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds4d.cuda import attention_triton
+from ds4d.cuda import decode_triton
 from ds4d.models.deepseek_v4.attention import project_out, project_qkv
 from ds4d.models.deepseek_v4.cache import CompressorState, LayerCache
 from ds4d.models.deepseek_v4.compressor import project
@@ -143,10 +143,10 @@ def decode_attention(
     kernel: bool = False,
 ) -> torch.Tensor:
     """``x [B, D]`` (normed sub-layer input, one token per sequence) -> attention output ``[B, D]``.
-    ``kernel``: the scores, softmax and weighted sum in one Triton kernel (``attention_triton.decode_attention``:
-    the rings and entry blocks read where they sit, no gathered keys, masks or scores in memory) instead of torch's
-    gathers, concatenations and batched matmuls; the writes of the step's KV, entries and the indexer's pick are
-    the same either way."""
+    ``kernel``: each compressor's step in one Triton kernel (``decode_triton.decode_compress``) and the scores,
+    softmax and weighted sum in another (``decode_triton.decode_attention``: the rings and entry blocks read
+    where they sit, no gathered keys, masks or scores in memory) instead of torch's indexing, gathers,
+    concatenations and batched matmuls; the step's KV write and the indexer's pick are the same either way."""
     cos, sin = dec.rope_compress if weights.ratio else dec.rope_main
     q_residual, q, kv = project_qkv(x, weights, cos, sin, cfg)
     if kernel:
@@ -179,24 +179,31 @@ def decode_attention(
 def _attend_in_kernel(x: torch.Tensor, q_residual: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, dec: DecodeInputs,
                       weights: AttentionWeights, cache: LayerCache, cfg: DeepseekV4Config,
                       rope_compress: Rope) -> torch.Tensor:
-    """:func:`decode_attention`'s writes, then its attention in ``attention_triton.decode_attention``."""
+    """:func:`decode_attention` with its compressors' steps and its attention in ``decode_triton``'s kernels."""
     ring = cache.window
     ring[dec.slots, dec.positions % ring.shape[1]] = kv.to(ring.dtype)
     pool = table = picks = None
     if weights.compressor is not None:
         eps = cfg.rms_norm_eps
-        _compress(*project(x, dec.positions, weights.compressor), dec, weights.compressor, cache.compressor,
-                  rope_compress, eps)
+        _compress_in_kernel(x, dec, weights.compressor, cache.compressor, rope_compress, eps)
         pool, table = cache.compressor.pool, dec.block_table
         if weights.indexer is not None:
-            _compress(*project(x, dec.positions, weights.indexer.compressor), dec, weights.indexer.compressor,
-                      cache.indexer, rope_compress, eps)
+            _compress_in_kernel(x, dec, weights.indexer.compressor, cache.indexer, rope_compress, eps)
             if table.shape[1] * pool.shape[1] > cfg.index_topk:  # fewer entry slots: the indexer would keep all
                 index_keys = _gather(cache.indexer.pool, dec.block_table)
                 visible = (dec.positions + 1) // weights.ratio
                 picks, _ = _indexer_pick(x, q_residual, dec.rope_compress, index_keys, visible, weights.indexer, cfg)
-    return attention_triton.decode_attention(q, ring, dec.slots, dec.positions, weights.sink, cfg.head_dim**-0.5,
+    return decode_triton.decode_attention(q, ring, dec.slots, dec.positions, weights.sink, cfg.head_dim**-0.5,
                                              pool=pool, table=table, ratio=weights.ratio, picks=picks)
+
+
+def _compress_in_kernel(x: torch.Tensor, dec: DecodeInputs, weights: CompressorWeights, state: CompressorState,
+                        rope: Rope, eps: float) -> None:
+    """:func:`_compress` of ``x``'s projections, in ``decode_triton.decode_compress``."""
+    kv, score = project(x, dec.positions, weights)
+    decode_triton.decode_compress(kv, score, state.tail_kv, state.tail_score, dec.slots, dec.positions,
+                                  dec.block_table, state.pool, weights.norm, rope.inv_freq, weights.ratio,
+                                  weights.overlap, eps)
 
 
 def pack_rows(rows: Sequence[tuple[int, int, int, Sequence[int]]], count: int, width: int, scratch: int,

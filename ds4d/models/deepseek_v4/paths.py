@@ -35,8 +35,9 @@ class ForwardPaths:
     """Prefill chunks longer than the sliding window attend in one Triton kernel (window keys,
     compressed entries and the sink in one online softmax) instead of torch's score blocks."""
     decode_kernel: bool = False
-    """Decode steps attend in one Triton kernel (``attention_triton.decode_attention``: window ring and entry
-    blocks read in place) instead of torch's gathers and batched matmuls.  Off by default: not yet timed on a
+    """Decode steps run each compressor's step and their attention in Triton kernels (``decode_triton``: one
+    launch a compressor, one for the attention over the window ring and entry blocks read in place) instead of
+    torch's indexing, gathers and batched matmuls.  Off by default: not yet timed on a
     GPU (``ds4d bench model --paths graphs,decode-kernel`` compares the two)."""
     fused_prefill: bool = False
     """The token-wise work of steps that are not pure decode (hyper-connections, norms, RoPE, SwiGLU,

@@ -1,0 +1,161 @@
+"""The Triton kernels of a DeepSeek-V4 decode step's attention layer (``ds4d.cuda.decode_triton`` holds their host
+wrappers and contracts; this module imports Triton, so it is imported only when a kernel is first launched).
+
+* :func:`decode_attention_kernel`: a row's attention over its window ring and its compressed entries, read
+  where they sit in the cache.  V4's heads are 512 wide, so a program that held a block of queries and its
+  output rows whole would hold them in every warp (a ``tl.dot`` operand is replicated across the warps that
+  share it): 255 registers a thread and spills at sm_90.  Here a program writes ``d_out`` of the 512 output
+  columns of ``block_h`` heads: it sums each score over the head width ``block_d`` columns at a time, in a
+  loop (so only one piece of the query and of the keys is in registers at once), and multiplies the
+  probabilities by its own columns of the keys only.  The programs of one row and head block compute the same
+  scores and softmax, each for its columns.
+* :func:`compress_kernel`: a compressor's decode step for one row: the token's projections into its tail ring
+  and, when the token closes a window, the window's entry pooled from the ring, normed, rotated and written
+  into the row's block.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scores(q_row, k_rows, live, scale, d: tl.constexpr, block_h: tl.constexpr, block_k: tl.constexpr,
+            block_d: tl.constexpr, precision: tl.constexpr):
+    """``[block_h, block_k]`` float32 scores of the queries at ``q_row [block_h, 1]`` (pointers to their rows)
+    against the keys at ``k_rows [block_k, 1]``, over ``d`` columns ``block_d`` at a time; -inf where not live."""
+    cols = tl.arange(0, block_d)
+    logits = tl.zeros([block_h, block_k], dtype=tl.float32)
+    for c in range(d // block_d):  # a loop, not unrolled: one piece's loads live at a time
+        q_part = tl.load(q_row + c * block_d + cols[None, :])
+        k_part = tl.load(k_rows + c * block_d + cols[None, :], mask=live[:, None], other=0.0).to(q_part.dtype)
+        logits = tl.dot(q_part, tl.trans(k_part), logits, input_precision=precision)
+    return tl.where(live[None, :], logits * scale, float("-inf"))
+
+
+@triton.jit
+def _online(logits, v_tile, m, s_sum, acc, precision: tl.constexpr):
+    """One tile's scores and value columns into the running softmax: maximum ``m``, sum, weighted output."""
+    top = tl.maximum(m, tl.max(logits, axis=1))
+    p = tl.exp(logits - top[:, None])
+    alpha = tl.exp(m - top)
+    s_sum = s_sum * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v_tile.dtype), v_tile, input_precision=precision)
+    return top, s_sum, acc
+
+
+@triton.jit
+def decode_attention_kernel(q_ptr, ring_ptr, slots_ptr, pos_ptr, pool_ptr, table_ptr, picks_ptr, sink_ptr, out_ptr,
+                            heads, window, ratio, per_block, n_slots, n_picks, scale, sqb, sqh, sps, sss, srs, srw,
+                            spb, spp, stb, spk, sob, soh, d: tl.constexpr, block_h: tl.constexpr,
+                            block_k: tl.constexpr, block_d: tl.constexpr, d_out: tl.constexpr,
+                            window_tiles: tl.constexpr, entries: tl.constexpr, precision: tl.constexpr):
+    """Row ``program_id(0)``, heads ``program_id(1) * block_h ..``, output columns ``program_id(2) * d_out ..``:
+    the sink starts the online softmax (running maximum = the sink logit, running sum = 1), then the window's
+    keys, then the entries (``entries`` 1: every visible one of the row's blocks in id order; 2: the picked
+    ones).  Heads past ``heads`` read head 0's query and are not stored."""
+    row = tl.program_id(0)
+    h = tl.program_id(1) * block_h + tl.arange(0, block_h)
+    live_h = h < heads
+    cols = tl.program_id(2) * d_out + tl.arange(0, d_out)
+    q_row = q_ptr + row * sqb + tl.where(live_h, h, 0)[:, None] * sqh
+    m = tl.load(sink_ptr + h, mask=live_h, other=0.0).to(tl.float32)  # the sink: exp(sink - m) = 1
+    s_sum = tl.full([block_h], 1.0, tl.float32)
+    acc = tl.zeros([block_h, d_out], dtype=tl.float32)
+    pos = tl.load(pos_ptr + row * sps)
+    ring = ring_ptr + tl.load(slots_ptr + row * sss) * srs
+    for tile in range(window_tiles):  # ring slot j holds position pos - ((pos - j) mod window), if not negative
+        j = tile * block_k + tl.arange(0, block_k)
+        held = pos - ((pos - j) % window + window) % window
+        live = (j < window) & (held >= 0)
+        k_rows = ring + j[:, None] * srw
+        logits = _scores(q_row, k_rows, live, scale, d, block_h, block_k, block_d, precision)
+        v_tile = tl.load(k_rows + cols[None, :], mask=live[:, None], other=0.0)
+        m, s_sum, acc = _online(logits, v_tile.to(q_ptr.dtype.element_ty), m, s_sum, acc, precision)
+    if entries != 0:
+        visible = (pos + 1) // ratio  # entries 0 .. visible - 1 are closed
+        count = tl.minimum(visible, n_slots) if entries == 1 else n_picks
+        start = 0
+        while start < count:  # a bound read at run time (a ``for`` over one fails in the interpreter)
+            i = start + tl.arange(0, block_k)
+            start += block_k
+            live = i < count
+            entry = i
+            if entries == 2:
+                entry = tl.load(picks_ptr + row * spk + i, mask=live, other=0)
+                live = live & (entry < visible)
+            block = tl.load(table_ptr + row * stb + entry // per_block, mask=live, other=0)
+            e_rows = pool_ptr + block[:, None] * spb + (entry % per_block)[:, None] * spp
+            logits = _scores(q_row, e_rows, live, scale, d, block_h, block_k, block_d, precision)
+            v_tile = tl.load(e_rows + cols[None, :], mask=live[:, None], other=0.0)
+            m, s_sum, acc = _online(logits, v_tile.to(q_ptr.dtype.element_ty), m, s_sum, acc, precision)
+    out = acc / s_sum[:, None]
+    tl.store(out_ptr + row * sob + h[:, None] * soh + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=live_h[:, None])
+
+
+@triton.jit
+def _pool_rows(tail_kv_ptr, tail_score_ptr, rows, cols, open_, top, total, entry):
+    """Slots ``rows [n, 1, 1]`` (offsets of ring rows) at columns ``cols`` into the running softmax pool: per
+    column, the largest score so far, the sum of the weights and the weighted sum of the projections.  Scores
+    of a window that does not exist (``open_`` false) count as -inf."""
+    kv = tl.load(tail_kv_ptr + rows + cols[None, :, :])
+    score = tl.where(open_, tl.load(tail_score_ptr + rows + cols[None, :, :]), float("-inf"))
+    new_top = tl.maximum(top, tl.max(score, axis=0))
+    scale = tl.exp(top - new_top)
+    weight = tl.exp(score - new_top[None, :, :])
+    return new_top, total * scale + tl.sum(weight, axis=0), entry * scale + tl.sum(kv * weight, axis=0)
+
+
+@triton.jit
+def compress_kernel(kv_ptr, score_ptr, tail_kv_ptr, tail_score_ptr, slots_ptr, pos_ptr, table_ptr, pool_ptr,
+                    norm_ptr, inv_freq_ptr, ring, per_block, table_width, eps, skb, ssb, sts, str_, sps, sss, stb,
+                    spb, spp, ratio: tl.constexpr, dim: tl.constexpr, overlap: tl.constexpr,
+                    rope_pairs: tl.constexpr, chunk: tl.constexpr):
+    """Row ``program_id(0)``: write its projections (``kv``, ``score``: ``(1 + overlap) * dim`` columns) at ring
+    slot ``pos % ring``; if ``pos`` closes window ``w = pos // ratio``, pool the window's ``ratio`` slots (their
+    last ``dim`` columns; with ``overlap`` also the window before's first ``dim`` columns, none before window
+    0) by a softmax of their scores over the slots, column by column, ``chunk`` slots at a time; RMS-norm the
+    entry, rotate its last ``2 * rope_pairs`` columns pairwise by position ``w * ratio``, and write it to entry
+    ``w`` of the row's blocks.  Float32 throughout; the pool takes the entry in its own dtype."""
+    row = tl.program_id(0)
+    width: tl.constexpr = dim * (1 + overlap)
+    slot = tl.load(slots_ptr + row * sss)
+    pos = tl.load(pos_ptr + row * sps)
+    every = tl.arange(0, width)
+    at = slot * sts + (pos % ring) * str_ + every
+    tl.store(tail_kv_ptr + at, tl.load(kv_ptr + row * skb + every))
+    tl.store(tail_score_ptr + at, tl.load(score_ptr + row * ssb + every))
+    if (pos + 1) % ratio == 0:
+        tl.debug_barrier()  # the token's own slot, just written, is read back below by other threads
+        window = pos // ratio
+        pairs = tl.arange(0, dim // 2)[:, None] * 2 + tl.arange(0, 2)[None, :]  # [dim / 2, 2]: (even, odd)
+        top = tl.full([dim // 2, 2], float("-inf"), tl.float32)
+        total = tl.zeros([dim // 2, 2], dtype=tl.float32)
+        entry = tl.zeros([dim // 2, 2], dtype=tl.float32)
+        base = slot * sts  # the row's ring, as an offset into either ring
+        for first in range(0, ratio, chunk):  # the window itself first: its scores are finite
+            offsets = first + tl.arange(0, chunk)
+            rows = (base + ((window * ratio + offsets) % ring) * str_)[:, None, None]
+            top, total, entry = _pool_rows(tail_kv_ptr, tail_score_ptr, rows, pairs + overlap * dim, True, top,
+                                           total, entry)
+        if overlap:
+            for first in range(0, ratio, chunk):
+                offsets = first + tl.arange(0, chunk)
+                rows = (base + ((((window - 1) * ratio + offsets) % ring + ring) % ring) * str_)[:, None, None]
+                top, total, entry = _pool_rows(tail_kv_ptr, tail_score_ptr, rows, pairs, window > 0, top, total,
+                                               entry)
+        entry = entry / total  # [dim / 2, 2]
+        entry = entry * tl.rsqrt(tl.sum(tl.sum(entry * entry, axis=1), axis=0) / dim + eps)
+        entry = entry * tl.load(norm_ptr + pairs).to(tl.float32)
+        even, odd = tl.split(entry)
+        pair = tl.arange(0, dim // 2)
+        rotated = pair >= dim // 2 - rope_pairs
+        freq = tl.load(inv_freq_ptr + pair - (dim // 2 - rope_pairs), mask=rotated, other=0.0)
+        angle = (window * ratio).to(tl.float32) * freq
+        cos = tl.where(rotated, tl.cos(angle), 1.0)
+        sin = tl.where(rotated, tl.sin(angle), 0.0)
+        entry = tl.join(even * cos - odd * sin, odd * cos + even * sin)
+        block = tl.load(table_ptr + row * stb + tl.minimum(window // per_block, table_width - 1))
+        tl.store(pool_ptr + block * spb + (window % per_block) * spp + pairs, entry.to(pool_ptr.dtype.element_ty))

@@ -1,0 +1,125 @@
+"""A DeepSeek-V4 decode step's attention-layer work in Triton kernels (``ds4d.cuda.decode_kernels``), for the
+batched decode path of ``ds4d.models.deepseek_v4.decode`` (``ForwardPaths.decode_kernel``).
+
+Both take the step's device tensors as they are (positions, state slots and block table may be strided
+columns of the packed rows), read no value back to the host and launch a grid fixed by the batch, so a
+decode step that uses them is captured in a CUDA graph like the torch path.  With ``TRITON_INTERPRET=1``
+they run on CPU tensors: that is how the tests compare them with the torch path.
+
+* :func:`decode_attention`: the scores, softmax (with the per-head sink) and weighted sum over a row's
+  window ring and compressed entries (every visible one, or the indexer's picks), read where they sit;
+* :func:`decode_compress`: a compressor's step: the token's projections into its tail ring, and the entry
+  of a window the token closes pooled, normed, rotated and written to the row's block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ds4d.cuda.devices import triton_can_launch
+
+DECODE_TUNING = {"block_heads": 16, "block_keys": 16, "block_d": 64, "d_out": 64, "warps": 4, "stages": 1}
+"""Heads per program, keys or entries per tile, columns of a score summed at a time, output columns per
+program, launch settings of :func:`decode_attention` (not yet timed on a GPU; chosen so that the kernel spills
+nothing at sm_90, ``tests/gpu/decode_kernels_compile.py``: 140-148 registers a thread): a decode row's 64
+heads of 512 columns are 32 programs."""
+COMPRESS_TUNING = {"chunk": 8, "warps": 4, "stages": 1}
+"""Ring slots pooled at a time and warps of :func:`decode_compress`'s one program a row."""
+NO_ENTRIES, EVERY_ENTRY, PICKED_ENTRIES = 0, 1, 2
+"""What a decode row attends to besides its window: nothing (no compressor), every visible entry of its block
+table in id order (HCA, or CSA while the indexer keeps them all), or the indexer's picks."""
+_state: dict[str, object] = {}
+
+
+def _kernels():
+    if "kernels" not in _state:
+        from ds4d.cuda import decode_kernels
+
+        _state["kernels"] = decode_kernels
+    return _state["kernels"]
+
+
+def available() -> bool:
+    """Triton can build and launch these kernels here (a CUDA device, or the interpreter)."""
+    if "available" not in _state:
+        _state["available"] = triton_can_launch(_kernels)
+    return bool(_state["available"])
+def decode_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                     sink: torch.Tensor, scale: float, pool: torch.Tensor | None = None,
+                     table: torch.Tensor | None = None, ratio: int = 0, picks: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """A decode step's attention, one program per row and block of heads, nothing but the output written.
+
+    ``q [B, heads, d]``: one query per row, at ``positions [B]``; ``ring [S, window, d]``: the window rings,
+    row ``b`` reading ``ring[slots[b]]`` (the step's own KV already written into it), slot ``j`` holding position
+    ``p - ((p - j) mod window)`` when that is not negative; ``sink [heads]``.  With ``pool [NB, per_block, d]``
+    (a compressor's entries), ``table [B, MB]`` (each row's blocks) and ``ratio``: the row also sees entries
+    ``0 .. (p + 1) // ratio - 1`` of its blocks, all of them, or with ``picks [B, k]`` those picked (ids of
+    the row's entry slots; one past the visible ones is left out).  Keys are the values; scores and sums in
+    float32, the probabilities meeting the keys in ``q``'s dtype.  Fixed shapes and no host reads: it can be
+    captured in a CUDA graph."""
+    batch, heads, d = q.shape
+    q = q if q.stride(2) == 1 else q.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    if out.stride(2) != 1 or ring.stride(2) != 1:
+        raise ValueError("decode_attention reads and writes rows of d contiguous values")
+    if batch == 0:
+        return out
+    entries = NO_ENTRIES if pool is None else (PICKED_ENTRIES if picks is not None else EVERY_ENTRY)
+    if entries and (table is None or ratio <= 0 or pool.stride(2) != 1):
+        raise ValueError("entries need a block table, a compress ratio and rows of d contiguous values")
+    if entries:  # the kernel steps along a row of the table and of the picks one element at a time
+        table = table if table.stride(1) == 1 else table.contiguous()
+        picks = picks if picks is None or picks.stride(1) == 1 else picks.contiguous()
+    pool = ring if pool is None else pool  # unused pointers where there is nothing for them to read
+    table = slots[:, None] if table is None else table
+    picks = table if picks is None else picks
+    t = DECODE_TUNING
+    block_h = max(16, min(t["block_heads"], 1 << (heads - 1).bit_length()))
+    window = ring.shape[1]
+    per_block = pool.shape[1] if entries else 1
+    n_slots = table.shape[1] * per_block if entries else 0
+    n_picks = picks.shape[1] if entries == PICKED_ENTRIES else 0
+    d_out = min(t["d_out"], d)
+    grid = (batch, -(-heads // block_h), d // d_out)
+    _kernels().decode_attention_kernel[grid](
+        q, ring, slots, positions, pool, table, picks, sink, out, heads, window, max(ratio, 1), per_block, n_slots,
+        n_picks, float(scale), q.stride(0), q.stride(1), positions.stride(0), slots.stride(0), ring.stride(0),
+        ring.stride(1), pool.stride(0),
+        pool.stride(1), table.stride(0), picks.stride(0), out.stride(0), out.stride(1), d=d, block_h=block_h,
+        block_k=t["block_keys"], block_d=min(t["block_d"], d), d_out=d_out,
+        window_tiles=-(-window // t["block_keys"]), entries=entries,
+        precision="ieee" if q.dtype == torch.float32 else "tf32", num_warps=t["warps"], num_stages=t["stages"])
+    return out
+
+
+def decode_compress(kv: torch.Tensor, score: torch.Tensor, tail_kv: torch.Tensor, tail_score: torch.Tensor,
+                    slots: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, pool: torch.Tensor,
+                    norm: torch.Tensor, inv_freq: torch.Tensor, ratio: int, overlap: bool, eps: float) -> None:
+    """One decode token a row into a compressor: ``kv``, ``score [B, (1 + overlap) * d]`` (float32, the score
+    with its slot bias) go to slot ``p % ring`` of ``tail_kv``, ``tail_score [S, ring, (1 + overlap) * d]``
+    (row ``slots[b]``); when ``p + 1`` is a multiple of ``ratio``, window ``w = p // ratio``'s entry (the
+    softmax over its slots of their scores, column by column, weighting their projections; with ``overlap``
+    the window before's first ``d`` columns join the window's last ``d``), RMS-normed by ``norm [d]`` and its
+    last ``2 * len(inv_freq)`` columns rotated pairwise by position ``w * ratio`` (``inv_freq``: the compressed
+    layers' RoPE frequencies), is written to ``pool[table[b, w // per_block], w % per_block]``.  Rows whose
+    window stays open write no entry."""
+    batch = kv.shape[0]
+    dim = pool.shape[-1]
+    width = dim * (2 if overlap else 1)
+    if kv.shape[1] != width or score.shape[1] != width or tail_kv.shape[-1] != width:
+        raise ValueError(f"decode_compress: projections of {kv.shape[1]} columns for entries of {dim}")
+    if ratio & (ratio - 1) or dim & (dim - 1) or min(kv.stride(1), score.stride(1), pool.stride(2)) != 1:
+        raise ValueError("decode_compress takes power-of-two ratios and widths, rows of contiguous columns")
+    if tail_kv.stride() != tail_score.stride() or tail_kv.stride(2) != 1:
+        raise ValueError("decode_compress reads both tail rings at the same offsets")
+    if batch == 0:
+        return
+    table = table if table.stride(1) == 1 else table.contiguous()
+    t = COMPRESS_TUNING
+    _kernels().compress_kernel[(batch,)](
+        kv, score, tail_kv, tail_score, slots, positions, table, pool, norm, inv_freq, tail_kv.shape[1],
+        pool.shape[1], table.shape[1], float(eps), kv.stride(0), score.stride(0), tail_kv.stride(0),
+        tail_kv.stride(1), positions.stride(0), slots.stride(0), table.stride(0), pool.stride(0), pool.stride(1),
+        ratio=ratio, dim=dim, overlap=bool(overlap), rope_pairs=inv_freq.shape[0], chunk=min(t["chunk"], ratio),
+        num_warps=t["warps"], num_stages=t["stages"])

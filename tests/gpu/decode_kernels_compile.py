@@ -1,0 +1,81 @@
+"""Compile the decode kernels (``ds4d.cuda.decode_kernels``) for an H200 (sm_90) on any machine, with the ptxas
+Triton's wheel carries, at the launches ``ds4d.cuda.decode_triton`` sets: the attention for each kind of entries
+(none, every visible one, the indexer's picks) at V4-Flash's head width, and the compressor step for V4-Flash's
+three compressors (CSA's 512-wide and its indexer's 128-wide with overlapping windows of 4, HCA's 512-wide
+windows of 128), in bfloat16 and float32.  One JSON line a case: its registers a thread, its local memory (spilled
+registers, call stack) and its shared memory.
+
+    PYTHONPATH=. python3 tests/gpu/decode_kernels_compile.py
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ds4d.cuda.decode_kernels import compress_kernel, decode_attention_kernel
+from ds4d.cuda.decode_triton import COMPRESS_TUNING, DECODE_TUNING
+from tests.gpu.gguf_sass_count import _sass
+
+INTS = ("heads", "window", "ratio", "per_block", "n_slots", "n_picks")
+STRIDES = ("sqb", "sqh", "sps", "sss", "srs", "srw", "spb", "spp", "stb", "spk", "sob", "soh")
+COMPRESS_STRIDES = ("skb", "ssb", "sts", "str_", "sps", "sss", "stb", "spb", "spp")
+
+
+def compiled(entries: int, dtype: str, d: int = 512, window: int = 128):
+    values = f"*{dtype}"
+    signature = {"q_ptr": values, "ring_ptr": values, "slots_ptr": "*i64", "pos_ptr": "*i64", "pool_ptr": values,
+                 "table_ptr": "*i64", "picks_ptr": "*i64", "sink_ptr": "*fp32", "out_ptr": values,
+                 **dict.fromkeys(INTS, "i32"), "scale": "fp32", **dict.fromkeys(STRIDES, "i32")}
+    t = DECODE_TUNING
+    constants = {"d": d, "block_h": t["block_heads"], "block_k": t["block_keys"], "block_d": t["block_d"],
+                 "d_out": t["d_out"],
+                 "window_tiles": -(-window // t["block_keys"]), "entries": entries,
+                 "precision": "ieee" if dtype == "fp32" else "tf32"}
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    return _compile(decode_attention_kernel, signature, constants, t["warps"], t["stages"])
+
+
+def compiled_compress(ratio: int, dim: int, overlap: bool, dtype: str):
+    """The compressor step's kernel for windows of ``ratio``, entries of ``dim``, a pool of ``dtype``."""
+    signature = {"kv_ptr": "*fp32", "score_ptr": "*fp32", "tail_kv_ptr": "*fp32", "tail_score_ptr": "*fp32",
+                 "slots_ptr": "*i64", "pos_ptr": "*i64", "table_ptr": "*i64", "pool_ptr": f"*{dtype}",
+                 "norm_ptr": "*fp32", "inv_freq_ptr": "*fp32", "ring": "i32", "per_block": "i32",
+                 "table_width": "i32", "eps": "fp32", **dict.fromkeys(COMPRESS_STRIDES, "i32")}
+    t = COMPRESS_TUNING
+    constants = {"ratio": ratio, "dim": dim, "overlap": overlap, "rope_pairs": 32, "chunk": min(t["chunk"], ratio)}
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    return _compile(compress_kernel, signature, constants, t["warps"], t["stages"])
+
+
+def _compile(fn, signature: dict, constants: dict, warps: int, stages: int):
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def facts(kernel) -> dict:
+    """Registers a thread, bytes of local memory a thread for spilled registers (``LOCAL``) and for its call
+    stack (``STACK``: libdevice's sine and cosine keep their large-argument reduction there), shared memory."""
+    _, usage = _sass(kernel)
+    found = {key: int(value) for key, value in re.findall(r"(REG|STACK|LOCAL):(\d+)", usage)}
+    return {"registers": found.get("REG", 0), "spilled_bytes": found.get("LOCAL", 0),
+            "stack_bytes": found.get("STACK", 0), "shared_bytes": kernel.metadata.shared}
+
+
+def main() -> int:
+    for dtype in ("bf16", "fp32"):
+        for entries in (0, 1, 2):
+            print(json.dumps({"kernel": "attention", "entries": entries, "dtype": dtype,
+                              **facts(compiled(entries, dtype))}), flush=True)
+        for ratio, dim, overlap in ((4, 512, True), (4, 128, True), (128, 512, False)):
+            print(json.dumps({"kernel": "compress", "ratio": ratio, "dim": dim, "dtype": dtype,
+                              **facts(compiled_compress(ratio, dim, overlap, dtype))}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
