@@ -17,7 +17,7 @@ import tempfile
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from ds4d.contracts import ForwardBatch, SeqChunk
-from ds4d.cuda import decode_kernels, decode_triton
+from ds4d.cuda import decode_kernels, decode_triton, prefill_triton
 from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
 from ds4d.models.deepseek_v4 import model as v4_model
 from ds4d.models.deepseek_v4.paths import ForwardPaths
@@ -42,31 +42,36 @@ class Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def counted(kernel, name: str, launches: collections.Counter):
+    """``kernel`` (``kernel[grid](...)``) whose launches are counted and run with the counting mode off
+    (Triton's interpreter runs torch operators of its own)."""
+
+    class Launcher:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches[name] += 1
+                with _disable_current_modes():
+                    return kernel[grid](*args, **kwargs)
+            return launch
+
+    return Launcher()
+
+
 class CountedKernels:
-    """``decode_kernels`` whose launches are counted and run with the counting mode off (Triton's interpreter
-    runs torch operators of its own)."""
+    """``decode_kernels``, each kernel :func:`counted`."""
 
     def __init__(self, launches: collections.Counter) -> None:
         self.launches = launches
 
     def __getattr__(self, name: str):
-        kernel = getattr(decode_kernels, name)
-        launches = self.launches
-
-        class Launcher:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    launches[name] += 1
-                    with _disable_current_modes():
-                        return kernel[grid](*args, **kwargs)
-                return launch
-
-        return Launcher()
+        return counted(getattr(decode_kernels, name), name, self.launches)
 
 
 def main() -> int:
     launches: collections.Counter = collections.Counter()
     decode_triton._state["kernels"] = CountedKernels(launches)
+    norm_rope = prefill_triton._kernels()  # the projections' norms and RoPE take these kernels on that path
+    prefill_triton._state["kernels"] = {name: counted(kernel, name, launches) for name, kernel in norm_rope.items()}
     counts: list[tuple[int, int]] = []
     attend = v4_model.decode_attention
 

@@ -146,12 +146,14 @@ def decode_attention(
     ``kernel``: each compressor's step in one Triton kernel (``decode_triton.decode_compress``) and the scores,
     softmax and weighted sum in another (``decode_triton.decode_attention``: the rings and entry blocks read
     where they sit, no gathered keys, masks or scores in memory) instead of torch's indexing, gathers,
-    concatenations and batched matmuls; the step's KV write and the indexer's pick are the same either way."""
+    concatenations and batched matmuls, and the queries' and KV's norms and RoPE (and the output's inverse
+    RoPE) in place in ``prefill_triton``'s kernels, as a prompt step's; the step's KV write and the indexer's
+    pick are the same either way."""
     cos, sin = dec.rope_compress if weights.ratio else dec.rope_main
-    q_residual, q, kv = project_qkv(x, weights, cos, sin, cfg)
+    q_residual, q, kv = project_qkv(x, weights, cos, sin, cfg, kernels=kernel)
     if kernel:
         return project_out(_attend_in_kernel(x, q_residual, q, kv, dec, weights, cache, cfg, rope_compress),
-                           weights, cos, sin, cfg)
+                           weights, cos, sin, cfg, kernels=True)
     keys, mask = _window(cache.window, kv, dec)
     if weights.compressor is not None:
         eps, ratio = cfg.rms_norm_eps, weights.ratio

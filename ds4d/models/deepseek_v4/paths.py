@@ -37,7 +37,8 @@ class ForwardPaths:
     decode_kernel: bool = False
     """Decode steps run each compressor's step and their attention in Triton kernels (``decode_triton``: one
     launch a compressor, one for the attention over the window ring and entry blocks read in place) instead of
-    torch's indexing, gathers and batched matmuls.  Off by default: not yet timed on a
+    torch's indexing, gathers and batched matmuls, and the projections' norms and RoPE in place as a prompt
+    step's (``prefill_triton.head_norm_rope``).  Off by default: not yet timed on a
     GPU (``ds4d bench model --paths graphs,decode-kernel`` compares the two)."""
     fused_prefill: bool = False
     """The token-wise work of steps that are not pure decode (hyper-connections, norms, RoPE, SwiGLU,
