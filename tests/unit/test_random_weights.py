@@ -107,8 +107,9 @@ def test_a_family_that_cannot_draw_random_weights_refuses_them():
 
 
 def test_random_weights_are_refused_where_they_cannot_be_drawn(official, tmp_path):
-    """V4: not for a model split over gpus, not for a GGUF file; V4.1: not when its Engram tables would
-    not fit in host memory (random tables cannot be memory-mapped)."""
+    """V4: not the GGUF blocks of random-q2 for a model split over gpus (random is: each rank draws its own
+    tensors, tests/http/test_load_format_random.py), not for a GGUF file; V4.1: not when its Engram tables
+    would not fit in host memory (random tables cannot be memory-mapped)."""
     import logging
 
     from ds4d.config import Config
@@ -117,8 +118,8 @@ def test_random_weights_are_refused_where_they_cannot_be_drawn(official, tmp_pat
     from ds4d.models.deepseek_v41.family import load_model
 
     log = logging.getLogger("test")
-    split = DeepseekV4Family(PluginContext(Config(load_format="random", gpus="cpu:2"), log))
-    with pytest.raises(PluginError, match="a model split over gpus reads its checkpoint"):
+    split = DeepseekV4Family(PluginContext(Config(load_format="random-q2", gpus="cpu:2"), log))
+    with pytest.raises(PluginError, match="GGUF blocks are not split over processes yet"):
         split.load(tmp_path)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")

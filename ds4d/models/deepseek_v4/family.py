@@ -107,8 +107,8 @@ class DeepseekV4Family:
     name = "deepseek_v4"
     random_formats = ("random", "random-q2")
     """The random ``load_format`` honoured, for a checkpoint directory: random on one process or split over
-    ``gpus`` (each rank draws its own tensors); random-q2 (one process only): GGUF
-    blocks of the ds4 q2 recipe, ``random_init.RandomGgufReader``."""
+    ``gpus`` (each rank draws its own tensors); random-q2 (one process only): GGUF blocks of the ds4 q2 recipe,
+    ``random_init.RandomGgufReader``."""
 
     def __init__(self, ctx: PluginContext, options: Mapping[str, Any] | None = None) -> None:
         self.ctx = ctx

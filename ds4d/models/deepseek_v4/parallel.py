@@ -337,7 +337,7 @@ class ParallelDeepseekV4Model:
         """The link's part of a step of ``rows`` tokens, timed on the ranks (``ds4d.parallel.link``): the
         medians of ``all_reduce`` (one layer's routed output summed over a stage's expert ranks; the slowest
         rank's), ``streams`` (a stage's streams handed to the next) and ``logits`` (the last stage's logits to
-        rank 0; the head is on the last stage), None where the layout makes no such transfer; ``step``: the seconds a step spends in them,
+        rank 0), None where the layout makes no such transfer; ``step``: the seconds a step spends in them,
         made one after another (an all-reduce a layer, a hand-on a stage boundary, the logits once).
         Between steps, on the engine thread (or a benchmark's)."""
         cfg = self.cfg
