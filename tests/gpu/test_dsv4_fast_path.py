@@ -57,14 +57,17 @@ def test_decode_path_matches_reference(checkpoint, device):
 
 
 @pytest.mark.parametrize("graphs", ["off", "padded"])
-@pytest.mark.parametrize("device", DEVICES)
-def test_decode_attention_in_one_kernel_matches_the_torch_decode_path(checkpoint, device, graphs):
+@pytest.mark.parametrize(("device", "dtype"), [(d, torch.float32) for d in DEVICES]
+                         + [("cuda", torch.bfloat16)] * ("cuda" in DEVICES))
+def test_decode_attention_in_one_kernel_matches_the_torch_decode_path(checkpoint, device, dtype, graphs):
     """``decode_kernel``: a decode step's compressor steps and attention in ``decode_triton``'s kernels (Triton's
     interpreter on the CPU) give the torch decode path's logits: one row from position 100 past the window's
     wrap and the HCA layer's first entry (128), the other from position 5 (a ring not yet full, few entries),
     the CSA layers' indexer picks (the block table holds more entries than it keeps), and padded rows
-    (``padded``: the buckets the CUDA graphs replay)."""
-    model = load_model(checkpoint, dtype=torch.float32, device=device)
+    (``padded``: the buckets the CUDA graphs replay).  In bfloat16 (CUDA) the torch path rounds its scores to
+    bfloat16 and the kernel keeps them in float32: within 5% of the largest logit, the same greedy token at 95%
+    of the steps."""
+    model = load_model(checkpoint, dtype=dtype, device=device)
     base = ForwardPaths(fast_path=True, decode_graphs=graphs)
     assert model.cfg.index_topk < 100 // 4 and model.cfg.sliding_window == 128
     rng = random.Random(2)
@@ -82,8 +85,12 @@ def test_decode_attention_in_one_kernel_matches_the_torch_decode_path(checkpoint
             got.append(run.forward(ForwardBatch(batch)))
         runs.append(torch.cat(got).float().cpu())
     torch_path, kernel = runs
-    assert (kernel - torch_path).abs().max().item() < 1e-4 * torch_path.abs().max().item()
-    assert torch.equal(kernel.argmax(-1), torch_path.argmax(-1))
+    if dtype == torch.float32:
+        assert (kernel - torch_path).abs().max().item() < 1e-4 * torch_path.abs().max().item()
+        assert torch.equal(kernel.argmax(-1), torch_path.argmax(-1))
+    else:
+        assert (kernel - torch_path).abs().max().item() < 0.05 * torch_path.abs().max().item()
+        assert (kernel.argmax(-1) == torch_path.argmax(-1)).float().mean().item() >= 0.95
 
 
 def test_grouped_experts_match_the_expert_loop(checkpoint):
