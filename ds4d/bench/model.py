@@ -70,7 +70,8 @@ def add_parser(sub) -> None:
                    help="also decode sampling instead of greedy, steps queued ahead: temperature 1 (what a request "
                         "that sets nothing gets), and temperature 1 with top-p 0.95")
     p.add_argument("--profile", action="store_true",
-                   help="only profile decode at batch 1 (1K context) per path: time and kernels per step, top kernels")
+                   help="only profile decode at batch 1 (1K context) per path (with --decode-kernel also that path): time "
+                        "and kernels per step, top kernels")
     p.add_argument("--gguf", default="", choices=["", "q2"],
                    help="the linears and routed experts in GGUF blocks of a recipe (q2: ds4's q2 files: routed "
                         "gate/up IQ2_XXS, down Q2_K, the FP8 linears Q8_0), random, kept as stored")
@@ -244,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if args.profile:
-        for path in ("graphs", "eager"):
+        for path in ("graphs", *(["decode-kernel"] if args.decode_kernel else []), "eager"):
             _profile_decode(torch, on_path(model, path, best), prompts(1, 1024)[0], path, sync)
         return 0
     check = _parity(torch, on_path(model, "eager", best), hf, prompts(1, 256)[0], device) if hf is not None \
