@@ -70,8 +70,8 @@ def add_parser(sub) -> None:
                    help="also decode sampling instead of greedy, steps queued ahead: temperature 1 (what a request "
                         "that sets nothing gets), and temperature 1 with top-p 0.95")
     p.add_argument("--profile", action="store_true",
-                   help="only profile decode at batch 1 (1K context) per path (with --decode-kernel also that path): time "
-                        "and kernels per step, top kernels")
+                   help="only profile decode at batch 1 (1K context) per path (with --decode-kernel also that "
+                        "path): time and kernels per step, top kernels")
     p.add_argument("--gguf", default="", choices=["", "q2"],
                    help="the linears and routed experts in GGUF blocks of a recipe (q2: ds4's q2 files: routed "
                         "gate/up IQ2_XXS, down Q2_K, the FP8 linears Q8_0), random, kept as stored")

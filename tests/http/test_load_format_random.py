@@ -61,7 +61,8 @@ def test_a_daemon_serves_random_weights_and_says_so(bare):
 def test_without_the_knob_the_missing_weights_stop_the_start(bare):
     _, path = bare
     result = subprocess.run([sys.executable, "-m", "ds4d.cli", "serve", "--model", str(path), "--threads", "1",
-                             "--device", "cpu", "--port", "0"], check=False, capture_output=True, text=True, timeout=300)
+                             "--device", "cpu", "--port", "0"], check=False, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode != 0
     assert "no *.safetensors files (to serve random weights of its config.json: load_format = random)" in " ".join(
         (result.stderr + result.stdout).split())
