@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from ds4d.cuda.devices import triton_can_launch
-
 DECODE_TUNING = {"block_heads": 16, "block_keys": 16, "block_d": 64, "d_out": 64, "warps": 4, "stages": 1}
 """Heads per program, keys or entries per tile, columns of a score summed at a time, output columns per
 program, launch settings of :func:`decode_attention` (not yet timed on a GPU; chosen so that the kernel spills
@@ -39,16 +37,12 @@ def _kernels():
     return _state["kernels"]
 
 
-def available() -> bool:
-    """Triton can build and launch these kernels here (a CUDA device, or the interpreter)."""
-    if "available" not in _state:
-        _state["available"] = triton_can_launch(_kernels)
-    return bool(_state["available"])
 def decode_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                      sink: torch.Tensor, scale: float, pool: torch.Tensor | None = None,
                      table: torch.Tensor | None = None, ratio: int = 0, picks: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """A decode step's attention, one program per row and block of heads, nothing but the output written.
+    """A decode step's attention, a program per row, block of heads and block of output columns, nothing but
+    the output written.
 
     ``q [B, heads, d]``: one query per row, at ``positions [B]``; ``ring [S, window, d]``: the window rings,
     row ``b`` reading ``ring[slots[b]]`` (the step's own KV already written into it), slot ``j`` holding position
@@ -85,9 +79,8 @@ def decode_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, p
     _kernels().decode_attention_kernel[grid](
         q, ring, slots, positions, pool, table, picks, sink, out, heads, window, max(ratio, 1), per_block, n_slots,
         n_picks, float(scale), q.stride(0), q.stride(1), positions.stride(0), slots.stride(0), ring.stride(0),
-        ring.stride(1), pool.stride(0),
-        pool.stride(1), table.stride(0), picks.stride(0), out.stride(0), out.stride(1), d=d, block_h=block_h,
-        block_k=t["block_keys"], block_d=min(t["block_d"], d), d_out=d_out,
+        ring.stride(1), pool.stride(0), pool.stride(1), table.stride(0), picks.stride(0), out.stride(0),
+        out.stride(1), d=d, block_h=block_h, block_k=t["block_keys"], block_d=min(t["block_d"], d), d_out=d_out,
         window_tiles=-(-window // t["block_keys"]), entries=entries,
         precision="ieee" if q.dtype == torch.float32 else "tf32", num_warps=t["warps"], num_stages=t["stages"])
     return out

@@ -178,8 +178,8 @@ def decode_attention(
     return project_out(out, weights, cos, sin, cfg)
 
 
-def _attend_in_kernel(x: torch.Tensor, q_residual: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, dec: DecodeInputs,
-                      weights: AttentionWeights, cache: LayerCache, cfg: DeepseekV4Config,
+def _attend_in_kernel(x: torch.Tensor, q_residual: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
+                      dec: DecodeInputs, weights: AttentionWeights, cache: LayerCache, cfg: DeepseekV4Config,
                       rope_compress: Rope) -> torch.Tensor:
     """:func:`decode_attention` with its compressors' steps and its attention in ``decode_triton``'s kernels."""
     ring = cache.window
@@ -196,7 +196,7 @@ def _attend_in_kernel(x: torch.Tensor, q_residual: torch.Tensor, q: torch.Tensor
                 visible = (dec.positions + 1) // weights.ratio
                 picks, _ = _indexer_pick(x, q_residual, dec.rope_compress, index_keys, visible, weights.indexer, cfg)
     return decode_triton.decode_attention(q, ring, dec.slots, dec.positions, weights.sink, cfg.head_dim**-0.5,
-                                             pool=pool, table=table, ratio=weights.ratio, picks=picks)
+                                          pool=pool, table=table, ratio=weights.ratio, picks=picks)
 
 
 def _compress_in_kernel(x: torch.Tensor, dec: DecodeInputs, weights: CompressorWeights, state: CompressorState,
