@@ -280,18 +280,14 @@ def _floor_with_link(floor, case: str, link: dict, args) -> float:
     """tok/s of ``case`` if its steps took the floor's time plus their transfers (``link``, one step's), less what
     each layer's all-reduce can hide behind: the shared expert, which runs while the sum is in flight (its bytes
     at the copy bandwidth in decode, its FLOPs at the matmul rate in prefill)."""
-    cfg = floor.cfg
-    reduce_s = link["all_reduce"] or 0.0
     if case == "prefill":
-        rows = min(args.prefill, args.prefill_chunk)
-        steps = -(-args.prefill // rows)
+        tokens, rows = args.prefill, min(args.prefill, args.prefill_chunk)
+        steps = -(-tokens // rows)
         shared_s = 2 * floor.shared_params * rows / floor.matmul
-        seconds = args.prefill / floor.prefill(args.prefill)
+        seconds = tokens / floor.prefill(tokens)
     else:
-        batch = int(case.removeprefix("decode b"))
-        steps = 1
+        tokens, steps = int(case.removeprefix("decode b")), 1
         shared_s = floor.shared_params * (1 + 4 / 128**2 if args.native else 2) / floor.bandwidth
-        seconds = batch / floor.decode(batch, args.context)
-    hidden = cfg.num_hidden_layers * min(reduce_s, shared_s)
-    tokens = args.prefill if case == "prefill" else int(case.removeprefix("decode b"))
+        seconds = tokens / floor.decode(tokens, args.context)
+    hidden = floor.cfg.num_hidden_layers * min(link["all_reduce"] or 0.0, shared_s)
     return tokens / (seconds + steps * (link["step"] - hidden))

@@ -142,4 +142,3 @@ def window_attention(q: torch.Tensor, keys: torch.Tensor, first: int, start: int
                      extra=kind, precision="ieee" if q.dtype == torch.float32 else "tf32",
                      num_warps=t["warps"], num_stages=t["stages"])
     return out
-

@@ -72,9 +72,9 @@ def time_transfers(groups: ParallelGroups, all_reduce: Transfer, hops: Sequence[
 
 def _round_trip(groups: ParallelGroups, hop: Transfer):
     """What this rank does in one round trip of ``hop`` between stages 0 and 1 (nothing on later stages)."""
-    passed = torch.zeros(hop.elements, dtype=hop.dtype, device=groups.device)
     if groups.stage > 1:
         return lambda: None
+    passed = torch.zeros(hop.elements, dtype=hop.dtype, device=groups.device)
     first = groups.stage == 0
     peer = groups.rank_of(1 if first else 0, groups.ep_rank)
 
