@@ -156,13 +156,12 @@ def decode_attention(
                            weights, cos, sin, cfg, kernels=True)
     keys, mask = _window(cache.window, kv, dec)
     if weights.compressor is not None:
-        picked = _compressors(x, q_residual, dec, weights, cache, cfg, rope_compress, kernel=False)
+        picked, valid = _compressors(x, q_residual, dec, weights, cache, cfg, rope_compress, kernel=False)
         entries = _gather(cache.compressor.pool, dec.block_table)
-        visible = (dec.positions + 1) // weights.ratio
         if picked is not None:
-            valid = picked < visible[:, None]
             entries = entries.gather(1, picked[..., None].expand(-1, -1, entries.shape[-1]))
         else:
+            visible = (dec.positions + 1) // weights.ratio
             valid = torch.arange(entries.shape[1], device=x.device)[None, :] < visible[:, None]
         extra = torch.zeros(valid.shape, dtype=torch.float32, device=x.device).masked_fill_(~valid, float("-inf"))
         keys = torch.cat([keys, entries.to(keys.dtype)], dim=1)
@@ -179,29 +178,29 @@ def _attend_in_kernel(x: torch.Tensor, q_residual: torch.Tensor, q: torch.Tensor
     ring[dec.slots, dec.positions % ring.shape[1]] = kv.to(ring.dtype)
     pool = table = picks = None
     if weights.compressor is not None:
-        picks = _compressors(x, q_residual, dec, weights, cache, cfg, rope_compress, kernel=True)
+        picks, _ = _compressors(x, q_residual, dec, weights, cache, cfg, rope_compress, kernel=True)
         pool, table = cache.compressor.pool, dec.block_table
     return decode_triton.decode_attention(q, ring, dec.slots, dec.positions, weights.sink, cfg.head_dim**-0.5,
                                           pool=pool, table=table, ratio=weights.ratio, picks=picks)
 
 
 def _compressors(x: torch.Tensor, q_residual: torch.Tensor, dec: DecodeInputs, weights: AttentionWeights,
-                 cache: LayerCache, cfg: DeepseekV4Config, rope_compress: Rope, kernel: bool) -> torch.Tensor | None:
+                 cache: LayerCache, cfg: DeepseekV4Config, rope_compress: Rope,
+                 kernel: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Feed the step's token to the layer's compressor and its indexer's (``kernel``: in ``decode_triton``'s
-    kernel); the indexer's picks ``[B, k]`` where the block table holds more entry slots than it keeps, else
-    None (every visible entry is attended)."""
+    kernel); the indexer's picks ``[B, k]`` and whether each is a visible entry where the block table holds more
+    entry slots than it keeps, else (None, None): every visible entry is attended."""
     eps = cfg.rms_norm_eps
     feed = _compress_in_kernel if kernel else _compress_in_torch
     feed(x, dec, weights.compressor, cache.compressor, rope_compress, eps)
     if weights.indexer is None:
-        return None
+        return None, None
     feed(x, dec, weights.indexer.compressor, cache.indexer, rope_compress, eps)
     if dec.block_table.shape[1] * cache.compressor.pool.shape[1] <= cfg.index_topk:
-        return None  # fewer entry slots than the indexer keeps: it would keep them all
+        return None, None  # fewer entry slots than the indexer keeps: it would keep them all
     index_keys = _gather(cache.indexer.pool, dec.block_table)
     visible = (dec.positions + 1) // weights.ratio
-    picked, _ = _indexer_pick(x, q_residual, dec.rope_compress, index_keys, visible, weights.indexer, cfg)
-    return picked
+    return _indexer_pick(x, q_residual, dec.rope_compress, index_keys, visible, weights.indexer, cfg)
 
 
 def _compress_in_torch(x: torch.Tensor, dec: DecodeInputs, weights: CompressorWeights, state: CompressorState,
