@@ -44,6 +44,10 @@ LAUNCHES = [{"block_n": b, "supers": s, "warps": 4, "stages": p}
 LAUNCHES += [{"block_n": b, "supers": s, "warps": 4, "stages": 0} for b, s in ((8, 2), (16, 1))]
 """Stages 0 (every trip written out): compiled for sm_90, the most bytes a thread has in flight grows 1.3-3x at
 these two launches (``gguf_sass_count.py --stages 0``), for some more registers."""
+LAUNCHES += [{"block_n": b, "supers": s, "warps": w, "stages": 1}
+             for b, s, w in ((1, 8, 4), (2, 4, 4), (2, 8, 4), (1, 16, 4), (2, 16, 4), (2, 16, 8), (4, 8, 8))]
+"""Few weight rows and wide trips: a 4,096-column row of the q2 experts is 16 blocks, so at 16 a trip a program
+reads its whole row at once (one trip, all its loads in flight) and more programs fit each multiprocessor."""
 L2_BYTES = 50 << 20
 
 
