@@ -130,7 +130,11 @@ def _ds4d(torch, model, prompts, max_tokens, *, chunk, sync, warm_tokens=0, look
                          lookahead=lookahead)
     warm = [p[:warm_tokens] for p in prompts] if warm_tokens else prompts
     run_batch(engine, warm, min(max_tokens, 4), sync, sampling=sampling)
-    return run_batch(engine, prompts, max_tokens, sync, sampling=sampling)
+    result = run_batch(engine, prompts, max_tokens, sync, sampling=sampling)
+    failure = getattr(model, "graph_failure", None)
+    if failure is not None:  # the steps fell back to eager: the row's label would not say what was timed
+        raise RuntimeError(f"decode graph capture failed, so the steps ran eagerly: {failure[:300]}")
+    return result
 
 
 def _hf(torch, hf, prompts, max_tokens, *, device, chunk=0):

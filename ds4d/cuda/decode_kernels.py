@@ -31,7 +31,8 @@ def _scores(q_row, k_rows, live, scale, d: tl.constexpr, block_h: tl.constexpr, 
         q_part = tl.load(q_row + c * block_d + cols[None, :])
         k_part = tl.load(k_rows + c * block_d + cols[None, :], mask=live[:, None], other=0.0).to(q_part.dtype)
         logits = tl.dot(q_part, tl.trans(k_part), logits, input_precision=precision)
-    return tl.where(live[None, :], logits * scale, float("-inf"))
+    # float32 whatever ``scale`` came as: torch.compile hands a Python float to a user kernel as float64
+    return tl.where(live[None, :], (logits * scale).to(tl.float32), float("-inf"))
 
 
 @triton.jit
@@ -147,7 +148,7 @@ def compress_kernel(kv_ptr, score_ptr, tail_kv_ptr, tail_score_ptr, slots_ptr, p
                 top, total, entry = _pool_rows(tail_kv_ptr, tail_score_ptr, rows, pairs, window > 0, top, total,
                                                entry)
         entry = entry / total  # [dim / 2, 2]
-        entry = entry * tl.rsqrt(tl.sum(tl.sum(entry * entry, axis=1), axis=0) / dim + eps)
+        entry = entry * tl.rsqrt(tl.sum(tl.sum(entry * entry, axis=1), axis=0) / dim + eps).to(tl.float32)
         entry = entry * tl.load(norm_ptr + pairs).to(tl.float32)
         even, odd = tl.split(entry)
         pair = tl.arange(0, dim // 2)
