@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import sys
 
 import torch
@@ -27,7 +28,7 @@ HEADS, D, WINDOW, BLOCK = 64, 512, 128, 128
 CASES = [(batch, position, ratio) for batch in (1, 8) for position in (1023, 32767) for ratio in (0, 128, 4)]
 LAUNCHES = [{"block_heads": 16, "block_keys": k, "block_d": 64, "d_out": o, "warps": w, "stages": 1}
             for k, o, w in itertools.product((16, 32), (64, 128), (4, 8))]
-COPIES = int(__import__("os").environ.get("COPIES", 16))
+COPIES = int(os.environ.get("COPIES", "16"))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the interpreter: float32
 
@@ -109,12 +110,12 @@ def main() -> None:
     for batch, position, ratio in CASES:
         label = f"b{batch} @{(position + 1) // 1024}K " + {0: "window", 128: "HCA", 4: "CSA"}[ratio]
         made = case_tensors(batch, position, ratio)
-        t_torch = graph_time([lambda a=a: torch_attention(*a, ratio) for a in made])
+        t_torch = graph_time([lambda a=a, r=ratio: torch_attention(*a, r) for a in made])
         times = timed[label] = {}
         for launch in LAUNCHES:
             decode_triton.DECODE_TUNING.update(launch)
-            kernel = [lambda a=a: decode_triton.decode_attention(*a[:4], a[4], D**-0.5, pool=a[5], table=a[6],
-                                                                 ratio=ratio, picks=a[7]) for a in made]
+            kernel = [lambda a=a, r=ratio: decode_triton.decode_attention(*a[:4], a[4], D**-0.5, pool=a[5], table=a[6],
+                                                                      ratio=r, picks=a[7]) for a in made]
             try:
                 got = kernel[0]().float()
                 want = torch_attention(*made[0], ratio).float()
