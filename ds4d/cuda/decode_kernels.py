@@ -1,8 +1,9 @@
 """The Triton kernels of a DeepSeek-V4 decode step's attention layer (``ds4d.cuda.decode_triton`` holds their host
 wrappers and contracts; this module imports Triton, so it is imported only when a kernel is first launched).
 
-* :func:`decode_attention_kernel`: a row's attention over its window ring and its compressed entries, read
-  where they sit in the cache.  V4's heads are 512 wide, so a program that held a block of queries and its
+* :func:`decode_attention_kernel`: a part of a row's attention over its window ring and its compressed entries,
+  read where they sit in the cache; :func:`combine_kernel` merges the parts (a decode row has few queries, so
+  its keys are split over programs for the GPU to have work enough, as flash-decoding does).  V4's heads are 512 wide, so a program that held a block of queries and its
   output rows whole would hold them in every warp (a ``tl.dot`` operand is replicated across the warps that
   share it): 255 registers a thread and spills at sm_90.  Here a program writes ``d_out`` of the 512 output
   columns of ``block_h`` heads: it sums each score over the head width ``block_d`` columns at a time, in a
@@ -47,52 +48,93 @@ def _online(logits, v_tile, m, s_sum, acc, precision: tl.constexpr):
 
 
 @triton.jit
-def decode_attention_kernel(q_ptr, ring_ptr, slots_ptr, pos_ptr, pool_ptr, table_ptr, picks_ptr, sink_ptr, out_ptr,
-                            heads, window, ratio, per_block, n_slots, n_picks, scale, sqb, sqh, sps, sss, srs, srw,
-                            spb, spp, stb, spk, sob, soh, d: tl.constexpr, block_h: tl.constexpr,
+def decode_attention_kernel(q_ptr, ring_ptr, slots_ptr, pos_ptr, pool_ptr, table_ptr, picks_ptr, o_ptr, m_ptr,
+                            l_ptr, heads, window, ratio, per_block, n_slots, n_picks, window_parts, scale, sqb, sqh,
+                            sps, sss, srs, srw, spb, spp, stb, spk, d: tl.constexpr, block_h: tl.constexpr,
                             block_k: tl.constexpr, block_d: tl.constexpr, d_out: tl.constexpr,
-                            window_tiles: tl.constexpr, entries: tl.constexpr, precision: tl.constexpr):
-    """Row ``program_id(0)``, heads ``program_id(1) * block_h ..``, output columns ``program_id(2) * d_out ..``:
-    the sink starts the online softmax (running maximum = the sink logit, running sum = 1), then the window's
-    keys, then the entries (``entries`` 1: every visible one of the row's blocks in id order; 2: the picked
-    ones).  Heads past ``heads`` read head 0's query and are not stored."""
+                            chunk: tl.constexpr, entries: tl.constexpr, precision: tl.constexpr):
+    """Row ``program_id(0)``; heads ``(program_id(1) // (d / d_out)) * block_h ..`` and output columns
+    ``(program_id(1) % (d / d_out)) * d_out ..``; part ``program_id(2)`` of the row's keys, ``chunk`` of them:
+    parts ``0 .. window_parts - 1`` are the window ring's slots, the rest the entries (``entries`` 1: every
+    visible one of the row's blocks in id order; 2: the picked ones).  Writes the part's softmax state, its
+    largest score ``m``, sum ``l`` of exp(score - m) and weighted sum ``o`` of the values' columns, to
+    ``[rows, parts, heads(, d)]`` float32 (a part with no live key: m = -1e30, l = 0, o = 0); ``combine_kernel``
+    merges the parts and the sink.  Heads past ``heads`` read head 0's query and are not stored."""
+    row = tl.program_id(0)
+    col_blocks: tl.constexpr = d // d_out
+    part = tl.program_id(2)
+    parts = tl.num_programs(2)
+    h = (tl.program_id(1) // col_blocks) * block_h + tl.arange(0, block_h)
+    live_h = h < heads
+    cols = (tl.program_id(1) % col_blocks) * d_out + tl.arange(0, d_out)
+    q_row = q_ptr + row * sqb + tl.where(live_h, h, 0)[:, None] * sqh
+    m = tl.full([block_h], -1e30, tl.float32)  # finite: a part whose keys are all masked stays at l = 0
+    s_sum = tl.zeros([block_h], dtype=tl.float32)
+    acc = tl.zeros([block_h, d_out], dtype=tl.float32)
+    pos = tl.load(pos_ptr + row * sps)
+    if part < window_parts:  # ring slot j holds position pos - ((pos - j) mod window), if not negative
+        ring = ring_ptr + tl.load(slots_ptr + row * sss) * srs
+        for tile in range(chunk // block_k):
+            j = part * chunk + tile * block_k + tl.arange(0, block_k)
+            held = pos - ((pos - j) % window + window) % window
+            live = (j < window) & (held >= 0)
+            k_rows = ring + tl.where(live, j, 0)[:, None] * srw
+            logits = _scores(q_row, k_rows, live, scale, d, block_h, block_k, block_d, precision)
+            v_tile = tl.load(k_rows + cols[None, :], mask=live[:, None], other=0.0)
+            m, s_sum, acc = _online(logits, v_tile.to(q_ptr.dtype.element_ty), m, s_sum, acc, precision)
+    if entries != 0:
+        visible = (pos + 1) // ratio  # entries 0 .. visible - 1 are closed
+        count = tl.minimum(visible, n_slots) if entries == 1 else n_picks
+        first = (part - window_parts) * chunk
+        if (part >= window_parts) & (first < count):
+            for tile in range(chunk // block_k):
+                i = first + tile * block_k + tl.arange(0, block_k)
+                live = i < count
+                entry = i
+                if entries == 2:
+                    entry = tl.load(picks_ptr + row * spk + i, mask=live, other=0)
+                    live = live & (entry < visible)
+                block = tl.load(table_ptr + row * stb + entry // per_block, mask=live, other=0)
+                e_rows = pool_ptr + block[:, None] * spb + (entry % per_block)[:, None] * spp
+                logits = _scores(q_row, e_rows, live, scale, d, block_h, block_k, block_d, precision)
+                v_tile = tl.load(e_rows + cols[None, :], mask=live[:, None], other=0.0)
+                m, s_sum, acc = _online(logits, v_tile.to(q_ptr.dtype.element_ty), m, s_sum, acc, precision)
+    state = (row * parts + part) * heads + h  # [block_h] offsets into m and l; times d into o
+    tl.store(o_ptr + state.to(tl.int64)[:, None] * d + cols[None, :], acc, mask=live_h[:, None])
+    if tl.program_id(1) % col_blocks == 0:  # every column block computed the same m and l
+        tl.store(m_ptr + state, m, mask=live_h)
+        tl.store(l_ptr + state, s_sum, mask=live_h)
+
+
+@triton.jit
+def combine_kernel(o_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, heads, parts, sob, soh, d: tl.constexpr,
+                   block_h: tl.constexpr, d_out: tl.constexpr, block_p: tl.constexpr):
+    """Row ``program_id(0)``, heads ``program_id(1) * block_h ..``, columns ``program_id(2) * d_out ..``: the
+    parts' softmax states (``block_p`` parts a load) and the sink (a key whose value is zero) merged into the
+    attention output."""
     row = tl.program_id(0)
     h = tl.program_id(1) * block_h + tl.arange(0, block_h)
     live_h = h < heads
     cols = tl.program_id(2) * d_out + tl.arange(0, d_out)
-    q_row = q_ptr + row * sqb + tl.where(live_h, h, 0)[:, None] * sqh
-    m = tl.load(sink_ptr + h, mask=live_h, other=0.0).to(tl.float32)  # the sink: exp(sink - m) = 1
-    s_sum = tl.full([block_h], 1.0, tl.float32)
+    top = tl.load(sink_ptr + h, mask=live_h, other=0.0).to(tl.float32)
+    sink = top
+    for first in range(0, parts, block_p):
+        p = first + tl.arange(0, block_p)
+        live = (p < parts)[:, None] & live_h[None, :]
+        m = tl.load(m_ptr + (row * parts + p)[:, None] * heads + h[None, :], mask=live, other=-1e30)
+        top = tl.maximum(top, tl.max(m, axis=0))
+    total = tl.exp(sink - top)
     acc = tl.zeros([block_h, d_out], dtype=tl.float32)
-    pos = tl.load(pos_ptr + row * sps)
-    ring = ring_ptr + tl.load(slots_ptr + row * sss) * srs
-    for tile in range(window_tiles):  # ring slot j holds position pos - ((pos - j) mod window), if not negative
-        j = tile * block_k + tl.arange(0, block_k)
-        held = pos - ((pos - j) % window + window) % window
-        live = (j < window) & (held >= 0)
-        k_rows = ring + j[:, None] * srw
-        logits = _scores(q_row, k_rows, live, scale, d, block_h, block_k, block_d, precision)
-        v_tile = tl.load(k_rows + cols[None, :], mask=live[:, None], other=0.0)
-        m, s_sum, acc = _online(logits, v_tile.to(q_ptr.dtype.element_ty), m, s_sum, acc, precision)
-    if entries != 0:
-        visible = (pos + 1) // ratio  # entries 0 .. visible - 1 are closed
-        count = tl.minimum(visible, n_slots) if entries == 1 else n_picks
-        start = 0
-        while start < count:  # a bound read at run time (a ``for`` over one fails in the interpreter)
-            i = start + tl.arange(0, block_k)
-            start += block_k
-            live = i < count
-            entry = i
-            if entries == 2:
-                entry = tl.load(picks_ptr + row * spk + i, mask=live, other=0)
-                live = live & (entry < visible)
-            block = tl.load(table_ptr + row * stb + entry // per_block, mask=live, other=0)
-            e_rows = pool_ptr + block[:, None] * spb + (entry % per_block)[:, None] * spp
-            logits = _scores(q_row, e_rows, live, scale, d, block_h, block_k, block_d, precision)
-            v_tile = tl.load(e_rows + cols[None, :], mask=live[:, None], other=0.0)
-            m, s_sum, acc = _online(logits, v_tile.to(q_ptr.dtype.element_ty), m, s_sum, acc, precision)
-    out = acc / s_sum[:, None]
-    tl.store(out_ptr + row * sob + h[:, None] * soh + cols[None, :], out.to(out_ptr.dtype.element_ty),
+    for first in range(0, parts, block_p):
+        p = first + tl.arange(0, block_p)
+        live = (p < parts)[:, None] & live_h[None, :]
+        state = (row * parts + p)[:, None] * heads + h[None, :]  # [block_p, block_h]
+        weight = tl.exp(tl.load(m_ptr + state, mask=live, other=-1e30) - top[None, :])
+        total += tl.sum(tl.load(l_ptr + state, mask=live, other=0.0) * weight, axis=0)
+        o = tl.load(o_ptr + state.to(tl.int64)[:, :, None] * d + cols[None, None, :], mask=live[:, :, None],
+                    other=0.0)
+        acc += tl.sum(o * weight[:, :, None], axis=0)
+    tl.store(out_ptr + row * sob + h[:, None] * soh + cols[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty),
              mask=live_h[:, None])
 
 

@@ -7,7 +7,8 @@ decode step that uses them is captured in a CUDA graph like the torch path.  Wit
 they run on CPU tensors: that is how the tests compare them with the torch path.
 
 * :func:`decode_attention`: the scores, softmax (with the per-head sink) and weighted sum over a row's
-  window ring and compressed entries (every visible one, or the indexer's picks), read where they sit;
+  window ring and compressed entries (every visible one, or the indexer's picks), read where they sit, the
+  keys split into parts over programs and the parts merged by a second kernel;
 * :func:`decode_compress`: a compressor's step: the token's projections into its tail ring, and the entry
   of a window the token closes pooled, normed, rotated and written to the row's block.
 """
@@ -16,11 +17,14 @@ from __future__ import annotations
 
 import torch
 
-DECODE_TUNING = {"block_heads": 16, "block_keys": 16, "block_d": 64, "d_out": 64, "warps": 4, "stages": 1}
+DECODE_TUNING = {"block_heads": 16, "block_keys": 32, "block_d": 64, "d_out": 64, "chunk": 64, "warps": 4,
+                 "stages": 1}
 """Heads per program, keys or entries per tile, columns of a score summed at a time, output columns per
-program, launch settings of :func:`decode_attention` (not yet timed on a GPU; chosen so that the kernel spills
-nothing at sm_90, ``tests/gpu/decode_kernels_compile.py``: 140-148 registers a thread): a decode row's 64
-heads of 512 columns are 32 programs."""
+program, keys per part (a program's share of a row's keys), launch settings of :func:`decode_attention`
+(``tests/gpu/decode_kernel_sweep.py``; the kernel spills nothing at sm_90, ``tests/gpu/decode_kernels_compile.py``):
+a decode row's 64 heads of 512 columns are 32 programs for each part of its keys."""
+COMBINE_TUNING = {"block_heads": 4, "d_out": 128, "block_parts": 8, "warps": 4}
+"""Heads and output columns per program of the merge of the parts, parts a load, warps."""
 COMPRESS_TUNING = {"chunk": 8, "warps": 4, "stages": 1}
 """Ring slots pooled at a time and warps of :func:`decode_compress`'s one program a row."""
 NO_ENTRIES, EVERY_ENTRY, PICKED_ENTRIES = 0, 1, 2
@@ -41,8 +45,9 @@ def decode_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, p
                      sink: torch.Tensor, scale: float, pool: torch.Tensor | None = None,
                      table: torch.Tensor | None = None, ratio: int = 0, picks: torch.Tensor | None = None,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """A decode step's attention, a program per row, block of heads and block of output columns, nothing but
-    the output written.
+    """A decode step's attention in two launches: a program per row, block of heads, block of output columns and
+    part of the row's keys (``DECODE_TUNING["chunk"]`` of them) writes the part's softmax state to a float32
+    scratch; a second merges the parts with the sink into the output.
 
     ``q [B, heads, d]``: one query per row, at ``positions [B]``; ``ring [S, window, d]``: the window rings,
     row ``b`` reading ``ring[slots[b]]`` (the step's own KV already written into it), slot ``j`` holding position
@@ -75,14 +80,25 @@ def decode_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, p
     n_slots = table.shape[1] * per_block if entries else 0
     n_picks = picks.shape[1] if entries == PICKED_ENTRIES else 0
     d_out = min(t["d_out"], d)
-    grid = (batch, -(-heads // block_h), d // d_out)
-    _kernels().decode_attention_kernel[grid](
-        q, ring, slots, positions, pool, table, picks, sink, out, heads, window, max(ratio, 1), per_block, n_slots,
-        n_picks, float(scale), q.stride(0), q.stride(1), positions.stride(0), slots.stride(0), ring.stride(0),
-        ring.stride(1), pool.stride(0), pool.stride(1), table.stride(0), picks.stride(0), out.stride(0),
-        out.stride(1), d=d, block_h=block_h, block_k=t["block_keys"], block_d=min(t["block_d"], d), d_out=d_out,
-        window_tiles=-(-window // t["block_keys"]), entries=entries,
+    block_k = t["block_keys"]
+    chunk = -(-t["chunk"] // block_k) * block_k
+    window_parts = -(-window // chunk)
+    parts = window_parts + -(-(n_picks if entries == PICKED_ENTRIES else n_slots) // chunk)
+    o = torch.empty(batch, parts, heads, d, dtype=torch.float32, device=q.device)
+    m = torch.empty(batch, parts, heads, dtype=torch.float32, device=q.device)
+    s = torch.empty_like(m)
+    k = _kernels()
+    k.decode_attention_kernel[(batch, -(-heads // block_h) * (d // d_out), parts)](
+        q, ring, slots, positions, pool, table, picks, o, m, s, heads, window, max(ratio, 1), per_block, n_slots,
+        n_picks, window_parts, float(scale), q.stride(0), q.stride(1), positions.stride(0), slots.stride(0),
+        ring.stride(0), ring.stride(1), pool.stride(0), pool.stride(1), table.stride(0), picks.stride(0), d=d,
+        block_h=block_h, block_k=block_k, block_d=min(t["block_d"], d), d_out=d_out, chunk=chunk, entries=entries,
         precision="ieee" if q.dtype == torch.float32 else "tf32", num_warps=t["warps"], num_stages=t["stages"])
+    c = COMBINE_TUNING
+    c_out = min(c["d_out"], d)
+    k.combine_kernel[(batch, -(-heads // c["block_heads"]), d // c_out)](
+        o, m, s, sink, out, heads, parts, out.stride(0), out.stride(1), d=d, block_h=c["block_heads"], d_out=c_out,
+        block_p=c["block_parts"], num_warps=c["warps"])
     return out
 
 

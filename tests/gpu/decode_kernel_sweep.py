@@ -26,8 +26,8 @@ from ds4d.models.deepseek_v4.decode import _attend, _gather
 
 HEADS, D, WINDOW, BLOCK = 64, 512, 128, 128
 CASES = [(batch, position, ratio) for batch in (1, 8) for position in (1023, 32767) for ratio in (0, 128, 4)]
-LAUNCHES = [{"block_heads": 16, "block_keys": k, "block_d": 64, "d_out": o, "warps": w, "stages": 1}
-            for k, o, w in itertools.product((16, 32), (64, 128), (4, 8))]
+LAUNCHES = [{"block_heads": 16, "block_keys": k, "block_d": 64, "d_out": 64, "chunk": c, "warps": w, "stages": 1}
+            for k, c, w in itertools.product((16, 32), (32, 64, 128), (4, 8)) if c >= k]
 COPIES = int(os.environ.get("COPIES", "16"))
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32  # the interpreter: float32
@@ -97,7 +97,7 @@ def check() -> None:
         want = torch_attention(*a, ratio).float()
         error = (got.float() - want).abs().max().item() / want.abs().max().item()
         print(f"@{position + 1} ratio {ratio}: largest difference {error:.1e} of the largest output")
-        assert error < 2e-2, error
+        assert error < (2e-2 if DTYPE == torch.bfloat16 else 1e-4), error
 
 
 def main() -> None:

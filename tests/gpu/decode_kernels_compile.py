@@ -17,27 +17,36 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ds4d.cuda.decode_kernels import compress_kernel, decode_attention_kernel
-from ds4d.cuda.decode_triton import COMPRESS_TUNING, DECODE_TUNING
+from ds4d.cuda.decode_kernels import combine_kernel, compress_kernel, decode_attention_kernel
+from ds4d.cuda.decode_triton import COMBINE_TUNING, COMPRESS_TUNING, DECODE_TUNING
 from tests.gpu.gguf_sass_count import _sass
 
-INTS = ("heads", "window", "ratio", "per_block", "n_slots", "n_picks")
-STRIDES = ("sqb", "sqh", "sps", "sss", "srs", "srw", "spb", "spp", "stb", "spk", "sob", "soh")
+INTS = ("heads", "window", "ratio", "per_block", "n_slots", "n_picks", "window_parts")
+STRIDES = ("sqb", "sqh", "sps", "sss", "srs", "srw", "spb", "spp", "stb", "spk")
 COMPRESS_STRIDES = ("skb", "ssb", "sts", "str_", "sps", "sss", "stb", "spb", "spp")
 
 
 def compiled(entries: int, dtype: str, d: int = 512, window: int = 128):
     values = f"*{dtype}"
     signature = {"q_ptr": values, "ring_ptr": values, "slots_ptr": "*i64", "pos_ptr": "*i64", "pool_ptr": values,
-                 "table_ptr": "*i64", "picks_ptr": "*i64", "sink_ptr": "*fp32", "out_ptr": values,
+                 "table_ptr": "*i64", "picks_ptr": "*i64", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
                  **dict.fromkeys(INTS, "i32"), "scale": "fp32", **dict.fromkeys(STRIDES, "i32")}
     t = DECODE_TUNING
     constants = {"d": d, "block_h": t["block_heads"], "block_k": t["block_keys"], "block_d": t["block_d"],
-                 "d_out": t["d_out"],
-                 "window_tiles": -(-window // t["block_keys"]), "entries": entries,
-                 "precision": "ieee" if dtype == "fp32" else "tf32"}
+                 "d_out": t["d_out"], "chunk": -(-t["chunk"] // t["block_keys"]) * t["block_keys"],
+                 "entries": entries, "precision": "ieee" if dtype == "fp32" else "tf32"}
     signature.update(dict.fromkeys(constants, "constexpr"))
     return _compile(decode_attention_kernel, signature, constants, t["warps"], t["stages"])
+
+
+def compiled_combine(dtype: str, d: int = 512):
+    """The merge of the attention's parts, into an output of ``dtype``."""
+    signature = {"o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": f"*{dtype}",
+                 "heads": "i32", "parts": "i32", "sob": "i32", "soh": "i32"}
+    c = COMBINE_TUNING
+    constants = {"d": d, "block_h": c["block_heads"], "d_out": c["d_out"], "block_p": c["block_parts"]}
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    return _compile(combine_kernel, signature, constants, c["warps"], 1)
 
 
 def compiled_compress(ratio: int, dim: int, overlap: bool, dtype: str):
@@ -71,6 +80,7 @@ def main() -> int:
         for entries in (0, 1, 2):
             print(json.dumps({"kernel": "attention", "entries": entries, "dtype": dtype,
                               **facts(compiled(entries, dtype))}), flush=True)
+        print(json.dumps({"kernel": "combine", "dtype": dtype, **facts(compiled_combine(dtype))}), flush=True)
         for ratio, dim, overlap in ((4, 512, True), (4, 128, True), (128, 512, False)):
             print(json.dumps({"kernel": "compress", "ratio": ratio, "dim": dim, "dtype": dtype,
                               **facts(compiled_compress(ratio, dim, overlap, dtype))}), flush=True)

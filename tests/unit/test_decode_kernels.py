@@ -30,7 +30,8 @@ def test_the_decode_kernels_compile_for_sm90_without_spills():
     kinds = {(c["kernel"], c.get("entries", c.get("ratio")), c.get("dim"), c["dtype"]) for c in cases}
     assert kinds == {(kernel, kind, dim, dtype) for dtype in ("bf16", "fp32")
                      for kernel, kind, dim in (("attention", 0, None), ("attention", 1, None), ("attention", 2, None),
-                                               ("compress", 4, 512), ("compress", 4, 128), ("compress", 128, 512))}
+                                               ("combine", None, None), ("compress", 4, 512), ("compress", 4, 128),
+                                               ("compress", 128, 512))}
     for case in cases:
         assert case["spilled_bytes"] == 0 and 0 < case["registers"] <= 255, case
 
