@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-DECODE_TUNING = {"block_heads": 16, "block_keys": 32, "block_d": 64, "d_out": 64, "chunk": 64, "warps": 4,
+DECODE_TUNING = {"block_heads": 16, "block_keys": 32, "block_d": 64, "d_out": 64, "chunk": 32, "warps": 4,
                  "stages": 1}
 """Heads per program, keys or entries per tile, columns of a score summed at a time, output columns per
 program, keys per part (a program's share of a row's keys), launch settings of :func:`decode_attention`
