@@ -38,8 +38,9 @@ class ForwardPaths:
     """Decode steps run each compressor's step and their attention in Triton kernels (``decode_triton``: one
     launch a compressor, one for the attention over the window ring and entry blocks read in place) instead of
     torch's indexing, gathers and batched matmuls, and the projections' norms and RoPE in place as a prompt
-    step's (``prefill_triton.head_norm_rope``).  Off by default: not yet timed on a
-    GPU (``ds4d bench model --paths graphs,decode-kernel`` compares the two)."""
+    step's (``prefill_triton.head_norm_rope``).  Off by default: on an H100 it decoded 1.03-1.05x faster at
+    batch 1 and even at batch 8 (``ds4d bench model --decode-kernel`` compares the two); not yet run on an
+    H200 or through the daemon."""
     fused_prefill: bool = False
     """The token-wise work of steps that are not pure decode (hyper-connections, norms, RoPE, SwiGLU,
     the experts' weighted sum) goes through ``ds4d.cuda.prefill_triton``, and (bf16 models) the float32
