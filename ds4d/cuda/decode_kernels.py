@@ -3,13 +3,13 @@ wrappers and contracts; this module imports Triton, so it is imported only when 
 
 * :func:`decode_attention_kernel`: a part of a row's attention over its window ring and its compressed entries,
   read where they sit in the cache; :func:`combine_kernel` merges the parts (a decode row has few queries, so
-  its keys are split over programs for the GPU to have work enough, as flash-decoding does).  V4's heads are 512 wide, so a program that held a block of queries and its
-  output rows whole would hold them in every warp (a ``tl.dot`` operand is replicated across the warps that
-  share it): 255 registers a thread and spills at sm_90.  Here a program writes ``d_out`` of the 512 output
-  columns of ``block_h`` heads: it sums each score over the head width ``block_d`` columns at a time, in a
-  loop (so only one piece of the query and of the keys is in registers at once), and multiplies the
-  probabilities by its own columns of the keys only.  The programs of one row and head block compute the same
-  scores and softmax, each for its columns.
+  its keys are split over programs for the GPU to have work enough, as flash-decoding does).  V4's heads are
+  512 wide, so a program that held a block of queries and its output rows whole would hold them in every warp
+  (a ``tl.dot`` operand is replicated across the warps that share it): 255 registers a thread and spills at
+  sm_90.  Here a program writes ``d_out`` of the 512 output columns of ``block_h`` heads: it sums each score
+  over the head width ``block_d`` columns at a time, in a loop (so only one piece of the query and of the keys
+  is in registers at once), and multiplies the probabilities by its own columns of the keys only.  The
+  programs of one row, head block and part compute the same scores and softmax, each for its columns.
 * :func:`compress_kernel`: a compressor's decode step for one row: the token's projections into its tail ring
   and, when the token closes a window, the window's entry pooled from the ring, normed, rotated and written
   into the row's block.

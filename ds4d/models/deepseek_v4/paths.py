@@ -36,7 +36,7 @@ class ForwardPaths:
     compressed entries and the sink in one online softmax) instead of torch's score blocks."""
     decode_kernel: bool = False
     """Decode steps run each compressor's step and their attention in Triton kernels (``decode_triton``: one
-    launch a compressor, one for the attention over the window ring and entry blocks read in place) instead of
+    launch a compressor, two for the attention over the window ring and entry blocks read in place) instead of
     torch's indexing, gathers and batched matmuls, and the projections' norms and RoPE in place as a prompt
     step's (``prefill_triton.head_norm_rope``).  Off by default: on an H100 it decoded 1.03-1.05x faster at
     batch 1 and even at batch 8 (``ds4d bench model --decode-kernel`` compares the two); not yet run on an
