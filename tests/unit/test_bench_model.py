@@ -63,3 +63,23 @@ def test_offload_rows_are_written_for_the_gate(tmp_path):
     assert set(figures) == {f"full: {case}" for case in rows}
     gated = [key for key, *_, verdict in gate.compare(figures, {}, 0.1) if verdict == "new"]
     assert gated == sorted(f"full: {case}" for case in rows if "512" not in case)  # the gate's long rows are 32K
+
+
+def test_a_row_whose_decode_graphs_fell_back_to_eager_is_an_error_not_a_time(tmp_path):
+    """A decode graph capture that fails leaves the model decoding eagerly (``graph_fallback``); a bench row
+    timed that way would stand under its graphs label, so ``_ds4d`` raises instead (``_guarded`` then prints
+    the row as failed, naming why)."""
+    import torch
+
+    from ds4d.bench.model import _ds4d, _guarded
+    from ds4d.models.deepseek_v4 import load_model, write_tiny_checkpoint
+
+    model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=3, layers=[0, 4]))
+    prompts = [[5, 6, 7, 8]]
+    timed = _ds4d(torch, model, prompts, 2, chunk=64, sync=lambda: None)
+    assert timed.decode_tok_s > 0
+    model._graph_failure = "RuntimeError: capture refused"  # as DeepseekV4Model records a failed capture
+    with pytest.raises(RuntimeError, match="graph capture failed.*capture refused"):
+        _ds4d(torch, model, prompts, 2, chunk=64, sync=lambda: None)
+    assert _guarded(torch, "decode b1", lambda: _ds4d(torch, model, prompts, 2, chunk=64,
+                                                       sync=lambda: None)) == "error"
