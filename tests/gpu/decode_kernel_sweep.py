@@ -19,10 +19,10 @@ import os
 import sys
 
 import torch
-import triton
 
 from ds4d.cuda import decode_triton
 from ds4d.models.deepseek_v4.decode import _attend, _gather
+from tests.gpu.gguf_gemv_sweep import graph_time
 
 HEADS, D, WINDOW, BLOCK = 64, 512, 128, 128
 CASES = [(batch, position, ratio) for batch in (1, 8) for position in (1023, 32767) for ratio in (0, 128, 4)]
@@ -75,18 +75,6 @@ def torch_attention(q, ring, slots, positions, sink, pool, table, picks, ratio):
         keys = torch.cat([keys, entries], dim=1)
         mask = torch.cat([mask, extra], dim=1)
     return _attend(q, keys, mask, sink, D**-0.5)
-
-
-def graph_time(calls) -> float:
-    """Seconds per call of a CUDA graph replaying ``calls``."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    return triton.testing.do_bench(graph.replay, warmup=5, rep=40, return_mode="median") / 1e3 / len(calls)
 
 
 def check() -> None:
