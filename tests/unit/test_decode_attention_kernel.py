@@ -1,0 +1,83 @@
+"""``decode_triton.decode_attention`` (the decode step's attention split over parts of each row's keys, the parts
+merged with the sink by a second kernel) against the attention written out in torch, in float32: Triton's
+interpreter on the CPU, the compiled kernels on a CUDA device.  The rows are chosen so that whole parts have no
+live key: a ring not yet full, a row with no closed entry, entries past the visible ones in the block table, and
+picks that name entries not yet visible."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from ds4d.cuda import decode_triton
+
+HEADS, D, WINDOW, PER_BLOCK, RATIO = 16, 64, 128, 32, 4
+POSITIONS = (2, 133, 300, 700)
+"""A ring of 3 slots and no entry; a ring just wrapped and 33 entries (a last part of one); 75 entries; 175 of
+the table's 192."""
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(q, ring, slots, positions, sink, scale, pool=None, table=None, picks=None):
+    """Each row's softmax over its live window slots, its visible (or picked and visible) entries and the sink."""
+    out = torch.empty_like(q)
+    for b, pos in enumerate(positions.tolist()):
+        j = torch.arange(WINDOW)
+        held = pos - (pos - j) % WINDOW
+        keys = [ring[slots[b]][held >= 0]]
+        if pool is not None:
+            entries = pool[table[b]].flatten(0, 1)
+            ids = torch.arange(entries.shape[0]) if picks is None else picks[b].cpu()
+            keys.append(entries[ids[ids < (pos + 1) // RATIO]])
+        keys = torch.cat(keys)
+        logits = torch.cat([q[b] @ keys.T * scale, sink[:, None]], dim=1)
+        probs = torch.softmax(logits, dim=1)[:, :-1]
+        out[b] = probs @ keys
+    return out
+
+
+@pytest.mark.parametrize("entries", ["none", "every", "picked"])
+def test_the_parts_merged_give_the_whole_softmax(entries):
+    gen = torch.Generator().manual_seed(len(entries))
+    rows = len(POSITIONS)
+    q = torch.randn(rows, HEADS, D, generator=gen)
+    ring = torch.randn(rows + 1, WINDOW, D, generator=gen)
+    slots = torch.tensor([3, 0, 4, 1])
+    positions = torch.tensor(POSITIONS)
+    sink = torch.randn(HEADS, generator=gen)
+    pool = table = picks = None
+    if entries != "none":
+        pool = torch.randn(40, PER_BLOCK, D, generator=gen)
+        table = torch.randperm(40, generator=gen)[: rows * 6].view(rows, 6)  # 192 entry slots a row
+        if entries == "picked":
+            picks = torch.stack([torch.randperm(192, generator=gen)[:48] for _ in range(rows)])
+    scale = D**-0.5
+    want = reference(q, ring, slots, positions, sink, scale, pool, table, picks)
+    on = [t.to(device()) if t is not None else None for t in (q, ring, slots, positions, sink, pool, table, picks)]
+    got = decode_triton.decode_attention(*on[:5], scale, pool=on[5], table=on[6], ratio=RATIO if pool is not None
+                                         else 0, picks=on[7]).cpu()
+    assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+
+
+def test_parts_of_other_sizes_give_the_same_output(monkeypatch):
+    """The part size is a launch setting: 32, 64 and 96 keys a part (96: parts that straddle the window's end)
+    give the same output within float32 summation order."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, HEADS, D, generator=gen)
+    ring = torch.randn(2, WINDOW, D, generator=gen)
+    pool = torch.randn(12, PER_BLOCK, D, generator=gen)
+    args = [t.to(device()) for t in (q, ring, torch.tensor([1, 0]), torch.tensor([130, 300]),
+                                     torch.randn(HEADS, generator=gen))]
+    table = torch.arange(12).view(2, 6).to(device())
+    outs = []
+    for chunk in (32, 64, 96):
+        monkeypatch.setitem(decode_triton.DECODE_TUNING, "chunk", chunk)
+        outs.append(decode_triton.decode_attention(*args, D**-0.5, pool=pool.to(device()), table=table,
+                                                   ratio=RATIO).cpu())
+    for out in outs[1:]:
+        assert (out - outs[0]).abs().max().item() < 1e-5 * outs[0].abs().max().item()
