@@ -15,12 +15,12 @@ from __future__ import annotations
 import itertools
 import sys
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ds4d.cuda import gguf_matmul
+from tests.unit.test_gguf_kernels import random_blocks
 
 CASES = [("wq_b [32768, 1024]", 32768, 1024), ("wkv [512, 4096]", 512, 4096), ("wo_b [4096, 8192]", 4096, 8192),
          ("shared w1+w3 [4096, 4096]", 4096, 4096), ("shared w2 [4096, 2048]", 4096, 2048)]
@@ -70,17 +70,9 @@ def split_gemv(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, laun
     return out
 
 
-def blocks(n: int, k: int, seed: int) -> np.ndarray:
-    """Random Q8_0 blocks with finite float16 scales."""
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // 32, 34), dtype=np.uint8)
-    raw[:, :, :2] = rng.uniform(1e-3, 2e-2, size=(n, k // 32)).astype(np.float16).view(np.uint8).reshape(n, k // 32, 2)
-    return raw.reshape(n, -1)
-
-
 def check() -> None:
     """The split GEMV against the block-wise one on the same blocks, at each launch: within float32 rounding."""
-    raw = torch.from_numpy(blocks(24, 1024, seed=1))
+    raw = torch.from_numpy(random_blocks("Q8_0", 24, 1024, seed=1))
     x = torch.randn(1, 1024)
     want = gguf_matmul.gemv(x, raw, "Q8_0")
     values, scales = split(raw, 1024)
@@ -99,7 +91,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: one-row Q8_0 GEMV, CUDA graphs over distinct weights, do_bench median")
     table = []
     for label, n, k in CASES:
-        raw = torch.from_numpy(blocks(n, k, seed=n + k)).cuda()
+        raw = torch.from_numpy(random_blocks("Q8_0", n, k, seed=n + k)).cuda()
         copies = max(2, -(-4 * L2_BYTES // raw.nbytes))
         weights = [raw] + [raw.clone() for _ in range(copies - 1)]
         splits = [split(w, k) for w in weights]
