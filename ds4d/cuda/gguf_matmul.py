@@ -254,6 +254,82 @@ def _anchor(device: torch.device) -> torch.Tensor:
     return _state[key]
 
 
+DOT = {"Q8_0": {"block_n": 4, "supers": 2, "warps": 4},
+       "Q2_K": {"block_n": 8, "supers": 1, "warps": 4},
+       "IQ2_XXS": {"block_n": 8, "supers": 1, "warps": 4}}
+"""Types with a GEMV on int8-quantised inputs (``gguf_dot``) and its launch: weight rows a program, blocks of 256
+values a trip, warps."""
+
+
+def _dot():
+    if "dot" not in _state:
+        from ds4d.cuda import gguf_dot
+
+        _state["dot"] = gguf_dot
+    return _state["dot"]
+
+
+def _sign_words(device: torch.device) -> torch.Tensor:
+    """IQ2_XXS's 128 sign patterns as ``gguf_dot`` applies them: int32 ``[128, 2]``, byte ``i % 4`` of word
+    ``i // 4`` 1 where the pattern's value ``i`` is negative (its eight signs from the ``gguf`` package's
+    ``ksigns``, the eighth set so that the count of minus signs is even)."""
+    key = ("sign words", str(device))
+    if key not in _state:
+        from gguf import quants
+
+        signs = torch.frombuffer(bytearray(quants.IQ2_XXS.ksigns), dtype=torch.uint8).to(torch.int32)
+        bits = (signs[:, None] >> torch.arange(8, dtype=torch.int32)) & 1  # [128, 8]
+        _state[key] = bits.to(torch.uint8).contiguous().view(torch.int32).to(device)
+    return _state[key]
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` (``K`` a multiple of 32) rounded to int8 in runs of 32, as ``gguf_dot`` multiplies it:
+    (int8 ``q [M, K]``, float32 scales ``d [M, K / 32]``, int32 sums of ``q`` over each 16 ``[M, K / 16]``);
+    ``x`` is about ``q * d``, each value within half its run's scale."""
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"inputs are quantised in runs of 32, not {k} columns")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    q = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    d = torch.empty(m, k // 32, dtype=torch.float32, device=x.device)
+    s = torch.empty(m, k // 16, dtype=torch.int32, device=x.device)
+    if m:
+        runs = 8
+        _dot().quantize_kernel[(m, -(-(k // 32) // runs))](x, q, d, s, k, x.stride(0), runs=runs)
+    return q, d, s
+
+
+def dot_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`gemv` with ``x`` first rounded to int8 (:func:`quantize_rows`) and the products summed four bytes
+    at a time in int32 (``gguf_dot``), for the types of :data:`DOT`: float32 ``[M, N]``, the exact product of
+    the quantised inputs with the weight's values up to float32 rounding of the groups' scaled sums."""
+    if qtype not in DOT:
+        raise ValueError(f"no int8-input GEMV for {qtype}; these have one: {', '.join(DOT)}")
+    cols = x.shape[-1]
+    flat, row_bytes, expert_bytes = _bank(raw, qtype, cols)
+    if (experts is None) != (raw.dim() == 2):
+        raise ValueError("dot_gemv takes a matrix [N, row_bytes], or a bank [E, N, row_bytes] with experts")
+    _check_word_aligned(flat, qtype)
+    n, m = raw.shape[-2], x.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32, device=raw.device)
+    if not m:
+        return out
+    q, d, s = quantize_rows(x)
+    by_expert = experts is not None
+    chosen = experts.to(device=raw.device, dtype=torch.int32) if by_expert else d
+    launch = DOT[qtype]
+    rows_per = 1 if by_expert else min(MULTI_ROWS, 1 << (m - 1).bit_length())
+    grid = _grid_words(raw.device) if qtype == "IQ2_XXS" else d
+    signs = _sign_words(raw.device) if qtype == "IQ2_XXS" else d
+    _dot().gemv_kernel[(-(-n // launch["block_n"]), -(-m // rows_per))](
+        q, d, s, flat, out, grid, signs, chosen, n, m, cols, row_bytes, expert_bytes, qtype=TYPES[qtype],
+        by_expert=by_expert, block_n=launch["block_n"], supers=launch["supers"], rows_per=rows_per,
+        native=raw.device.type == "cuda", num_warps=launch["warps"])
+    return out
+
+
 BLOCKWISE_TILES = {
     "Q8_0": {"block_m": 128, "block_n": 64, "supers": 1, "warps": 8, "stages": 1},
     "Q2_K": {"block_m": 64, "block_n": 64, "supers": 1, "warps": 8, "stages": 2},

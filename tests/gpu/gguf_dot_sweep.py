@@ -1,0 +1,75 @@
+"""The GGUF GEMV on int8-quantised inputs (``gguf_matmul.dot_gemv``) against the float one (``gemv``, its default
+launch) at the q2 recipe's decode shapes (``gguf_gemv_sweep.CASES``), in CUDA graphs over enough distinct
+weights to overflow the L2, ``do_bench`` median.  The int8 GEMV's time includes the inputs' quantisation (a
+launch of its own).  Each launch of :data:`LAUNCHES` is timed and its result checked against the float GEMV's
+(the inputs' rounding: a few 1e-3 of the largest sum); then a table of the best per case, and the launch with
+the least time per byte summed over each type's cases.
+
+    PYTHONPATH=. python3 tests/gpu/gguf_dot_sweep.py [BEST.json] [--types IQ2_XXS,Q2_K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from ds4d.cuda import gguf_matmul
+from tests.gpu.gguf_gemv_sweep import CASES, UNWEIGHED, case_inputs, graph_time
+
+LAUNCHES = [{"block_n": b, "supers": s, "warps": w}
+            for b, s, w in ((2, 1, 4), (4, 1, 4), (4, 2, 4), (8, 1, 4), (8, 2, 4), (16, 1, 4), (8, 1, 8), (16, 1, 8),
+                            (32, 1, 8))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("launches", nargs="?", help="write the best launches (JSON) here")
+    parser.add_argument("--types", help="only these types' cases, comma-separated (default: every case)")
+    args = parser.parse_args()
+    cases = [case for case in CASES if args.types is None or case[1] in args.types.split(",")]
+    print(f"{torch.cuda.get_device_name()}: CUDA graphs over distinct weights, do_bench median")
+    timed: dict[str, dict[str, float]] = {}
+    table = []
+    for label, qtype, n, k, rows, experts in cases:
+        weights, x, ids, read = case_inputs(qtype, n, k, rows, experts)
+        floats = graph_time([lambda w=w, x=x, q=qtype, e=ids: gguf_matmul.gemv(x, w, q, e) for w in weights])
+        want = gguf_matmul.gemv(x, weights[0], qtype, ids)
+        times = timed[label] = {}
+        errors = {}
+        for launch in LAUNCHES:
+            gguf_matmul.DOT[qtype] = launch
+            try:
+                got = gguf_matmul.dot_gemv(x, weights[0], qtype, ids)
+                error = ((got - want).abs().max() / want.abs().max()).item()
+                s = graph_time([lambda w=w, x=x, q=qtype, e=ids: gguf_matmul.dot_gemv(x, w, q, e) for w in weights])
+            except Exception as exc:  # noqa: BLE001 - a launch that does not compile is reported and skipped
+                print(f"  {label} {launch}: failed: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            times[json.dumps(launch)] = s
+            errors[json.dumps(launch)] = error
+            print(f"  {label} {launch}: {s * 1e6:.1f} us, {read / s / 1e9:.0f} GB/s, against the float GEMV {error:.1e}")
+        best = min(times, key=times.get)
+        q8 = graph_time([lambda x=x: gguf_matmul.quantize_rows(x)] * len(weights))
+        table.append((label, qtype, read, floats, times[best], errors[best], best, q8))
+    print("\n| case | type | bytes | float GEMV us | GB/s | int8 GEMV us | GB/s | float / int8 | difference | quantise us "
+          "| launch |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for label, qtype, read, floats, s, error, best, q8 in table:
+        print(f"| {label} | {qtype} | {read / 2**20:.1f} MiB | {floats * 1e6:.1f} | {read / floats / 1e9:,.0f} | "
+              f"{s * 1e6:.1f} | {read / s / 1e9:,.0f} | {floats / s:.2f}x | {error:.1e} | {q8 * 1e6:.1f} | {best} |")
+    chosen = {}
+    for qtype in sorted({case[1] for case in cases}):
+        weighed = [(label, read) for label, q, read, *_ in table if q == qtype and label not in UNWEIGHED]
+        score = {key: sum(timed[label].get(key, float("inf")) / read for label, read in weighed)
+                 for key in timed[weighed[0][0]]}
+        chosen[qtype] = json.loads(min(score, key=score.get))
+    print(f"\nbest launches (each type's cases, time per byte summed): {json.dumps(chosen)}")
+    if args.launches:
+        Path(args.launches).write_text(json.dumps(chosen))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""The GEMV on int8-quantised inputs (``gguf_matmul.dot_gemv``, ``ds4d.cuda.gguf_dot``).
+
+The inputs' rounding is checked on its own (each value within half its run's scale, the run sums those of the
+codes); the product against float64 sums of the numpy dequantiser's weight values times the quantised inputs,
+so that the only error allowed is float32's in adding the groups' scaled integer sums.  Blocks: random bytes
+(every code, scale and sign pattern) and the tensors llama.cpp's ``llama-quantize`` wrote.  Triton's
+interpreter runs them here (``dp4a`` by shifts and multiplies); on a CUDA machine, the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+pytest.importorskip("triton")
+
+from ds4d.cuda import gguf_matmul
+from tests.unit.test_gguf_kernels import device, fixture_tensors, numpy_values, random_blocks
+
+pytestmark = pytest.mark.skipif(not gguf_matmul.available(), reason="the Triton kernels cannot run here")
+
+DOT_TYPES = sorted(gguf_matmul.DOT)
+
+
+def test_inputs_are_rounded_to_int8_within_half_their_runs_scale():
+    torch.manual_seed(0)
+    x = torch.randn(3, 288) * torch.logspace(-3, 2, 288)
+    x[1, 32:64] = 0.0  # a run of zeros: scale 0, codes 0
+    x[2, 64] = -7.5  # a run whose largest magnitude is negative
+    q, d, s = gguf_matmul.quantize_rows(x.to(device()))
+    q, d, s = q.cpu(), d.cpu(), s.cpu()
+    assert q.dtype == torch.int8 and d.shape == (3, 9) and s.shape == (3, 18)
+    runs = x.view(3, 9, 32)
+    assert torch.equal(d, runs.abs().amax(dim=2) / 127)
+    codes = q.view(3, 9, 32).to(torch.float32)
+    assert codes.abs().max() <= 127
+    assert bool(((codes * d[:, :, None] - runs).abs() <= d[:, :, None] * (0.5 + 1e-5)).all())
+    assert torch.equal(q[1, 32:64], torch.zeros(32, dtype=torch.int8)) and d[1, 1] == 0
+    assert codes[2, 2, 0] == -127
+    assert torch.equal(s, q.view(3, 18, 16).to(torch.int32).sum(dim=2))
+
+
+def _reference(x: torch.Tensor, raw: np.ndarray, qtype: str, cols: int) -> np.ndarray:
+    """float64 sums of the dequantised weight values times ``x`` quantised as the kernel quantises it."""
+    q, d, _ = gguf_matmul.quantize_rows(x.to(device()))
+    inputs = (q.cpu().to(torch.float64).view(x.shape[0], -1, 32) * d.cpu().to(torch.float64)[:, :, None])
+    weights = numpy_values(raw, qtype).reshape(raw.shape[0], cols).astype(np.float64)
+    return inputs.view(x.shape[0], cols).numpy() @ weights.T
+
+
+def _close(got: torch.Tensor, want: np.ndarray) -> None:
+    got = got.cpu().numpy().astype(np.float64)
+    assert got.shape == want.shape
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 2e-6 * scale, np.abs(got - want).max() / scale
+
+
+@pytest.mark.parametrize("qtype", DOT_TYPES)
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_product_is_the_quantised_inputs_times_the_weight_values(qtype, rows):
+    # 768 columns: a trip of two blocks of 256 runs past the row's end once
+    for raw in [random_blocks(qtype, 24, 768, seed=7), fixture_tensors(qtype)[0]]:
+        values, nbytes = gguf_matmul.block_shape(qtype)
+        cols = raw.shape[1] // nbytes * values
+        x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows))
+        got = gguf_matmul.dot_gemv(x.to(device()), torch.from_numpy(raw).to(device()), qtype)
+        _close(got, _reference(x, raw, qtype, cols))
+
+
+@pytest.mark.parametrize("qtype", DOT_TYPES)
+def test_each_row_takes_its_experts_matrix(qtype):
+    experts, n, cols = 5, 12, 512
+    raw = random_blocks(qtype, experts * n, cols, seed=11)
+    bank = torch.from_numpy(raw).view(experts, n, -1)
+    chosen = torch.tensor([3, 0, 3, 4])
+    x = torch.randn(4, cols, generator=torch.Generator().manual_seed(2))
+    got = gguf_matmul.dot_gemv(x.to(device()), bank.to(device()), qtype, chosen.to(device()))
+    for m, e in enumerate(chosen.tolist()):
+        _close(got[m:m + 1], _reference(x[m:m + 1], bank[e].numpy(), qtype, cols))
+
+
+def test_the_float_gemv_and_the_int8_one_differ_by_the_inputs_rounding():
+    """Against float32 inputs the error is the inputs' rounding to 8 bits: small, and not zero."""
+    raw = random_blocks("IQ2_XXS", 16, 1024, seed=5)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(5))
+    exact = gguf_matmul.gemv(x.to(device()), torch.from_numpy(raw).to(device()), "IQ2_XXS").cpu()
+    got = gguf_matmul.dot_gemv(x.to(device()), torch.from_numpy(raw).to(device()), "IQ2_XXS").cpu()
+    error = (got - exact).abs().max() / exact.abs().max()
+    assert 0 < error < 2e-2
+
+
+def test_types_without_an_int8_kernel_are_refused():
+    with pytest.raises(ValueError, match="no int8-input GEMV for Q4_K"):
+        gguf_matmul.dot_gemv(torch.zeros(1, 256), torch.zeros(1, 144, dtype=torch.uint8), "Q4_K")
