@@ -222,3 +222,97 @@ def gemv_kernel(q_ptr, d_ptr, s_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expe
     out_rows = first_row + which
     tl.store(out_ptr + out_rows.to(tl.int64)[:, None] * n + rows[None, :], total,
              mask=(out_rows[:, None] < m) & (rows[None, :] < n))
+
+
+@triton.jit
+def iq2_xxs_flat_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_ptr, n, m, k: tl.constexpr,
+                        row_bytes, expert_bytes, by_expert: tl.constexpr, block_n: tl.constexpr,
+                        groups: tl.constexpr, native: tl.constexpr):
+    """IQ2_XXS times one quantised input row a program, written as one thread's work on one (weight row, group
+    of 32) pair: every tensor is 1-D, so no value crosses threads until the sum after the loop.  A trip takes
+    ``groups`` groups of each of ``block_n`` weight rows; a group is four parts of 8 values, each part's grid
+    entry and sign bytes read as one 64-bit word (``grid_ptr``, ``signs_ptr``: int64 ``[256]`` and ``[128]``),
+    its inputs as another, and two ``dp4a`` chained into the group's int32 sum."""
+    r = tl.program_id(1)
+    base = raw_ptr
+    if by_expert:
+        base = raw_ptr + tl.load(expert_ptr + r).to(tl.int64) * expert_bytes
+    e = tl.arange(0, block_n * groups)
+    weight = tl.program_id(0) * block_n + e // groups
+    g = e % groups
+    row = base + tl.where(weight < n, weight, 0).to(tl.int64) * row_bytes
+    inputs = q_ptr.to(tl.pointer_type(tl.int64)) + r.to(tl.int64) * (k // 8)
+    scales = d_ptr + r.to(tl.int64) * (k // 32)
+    acc = tl.zeros((block_n * groups,), dtype=tl.float32)
+    for trip in range(k // (32 * groups)):
+        group_index = trip * groups + g  # the group's index in the row: 8 a block
+        block = row + (group_index // 8) * 66
+        at = (block + 2 + (group_index % 8) * 8).to(tl.pointer_type(tl.uint16))
+        indices = tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 16)
+        aux = tl.load(at + 2).to(tl.int32) | (tl.load(at + 3).to(tl.int32) << 16)
+        total = tl.zeros_like(indices)
+        for part in tl.static_range(4):
+            entry = tl.load(grid_ptr + ((indices >> (8 * part)) & 255))
+            minus = tl.load(signs_ptr + ((aux >> (7 * part)) & 127))
+            x = tl.load(inputs + group_index * 4 + part)
+            for half in tl.static_range(2):
+                grid_word = (entry >> (32 * half)).to(tl.int32)
+                t = (minus >> (32 * half)).to(tl.int32)
+                total += dot4((grid_word ^ (t * 255)) + t, (x >> (32 * half)).to(tl.int32), native)
+        d = half_word(tl.load(block.to(tl.pointer_type(tl.uint16))).to(tl.int32))
+        scale = d * (0.5 + small_int_float((aux >> 28) & 15)) * 0.25
+        acc += total.to(tl.float32) * (scale * tl.load(scales + group_index))
+    sums = tl.sum(tl.reshape(acc, (block_n, groups)), axis=1)
+    rows = tl.program_id(0) * block_n + tl.arange(0, block_n)
+    tl.store(out_ptr + r.to(tl.int64) * n + rows, sums, mask=(rows < n) & (tl.zeros_like(rows) + r < m))
+
+
+@triton.jit
+def q2_k_flat_kernel(q_ptr, d_ptr, s_ptr, raw_ptr, out_ptr, expert_ptr, n, m, k: tl.constexpr, row_bytes, expert_bytes,
+                     by_expert: tl.constexpr, block_n: tl.constexpr, runs: tl.constexpr, native: tl.constexpr):
+    """Q2_K times one quantised input row a program, one thread's work on one (weight row, run) pair, as
+    :func:`iq2_xxs_flat_kernel`: a run (half ``h``, sub-block ``e`` of a block) is 16 code bytes, four words,
+    whose 2-bit fields ``s`` are four groups of 16 values, ``h * 128 + 32 s + 16 e`` on, each with its scale
+    byte ``8 h + 2 s + e``; a trip takes ``runs`` runs of each of ``block_n`` weight rows."""
+    r = tl.program_id(1)
+    base = raw_ptr
+    if by_expert:
+        base = raw_ptr + tl.load(expert_ptr + r).to(tl.int64) * expert_bytes
+    e = tl.arange(0, block_n * runs)
+    weight = tl.program_id(0) * block_n + e // runs
+    u = e % runs
+    row = base + tl.where(weight < n, weight, 0).to(tl.int64) * row_bytes
+    inputs = q_ptr.to(tl.pointer_type(tl.int64)) + r.to(tl.int64) * (k // 8)
+    scales = d_ptr + r.to(tl.int64) * (k // 32)
+    sums = s_ptr + r.to(tl.int64) * (k // 16)
+    acc = tl.zeros((block_n * runs,), dtype=tl.float32)
+    for trip in range(k // (64 * runs)):
+        run = trip * runs + u  # the run's index in the row: 4 a block
+        block = row + (run // 4) * 84
+        h = (run >> 1) & 1
+        sub = run & 1
+        dm = tl.load((block + 80).to(tl.pointer_type(tl.uint32)))
+        d = half_word(dm)
+        dmin = half_word(dm >> 16)
+        codes = (block + 16 + 32 * h + 16 * sub).to(tl.pointer_type(tl.int32))
+        first = (run // 4) * 256 + 128 * h + 16 * sub  # column of field s = 0
+        c0 = tl.load(codes)
+        c1 = tl.load(codes + 1)
+        c2 = tl.load(codes + 2)
+        c3 = tl.load(codes + 3)
+        for s in tl.static_range(4):
+            col = first + 32 * s
+            x01 = tl.load(inputs + col // 8)
+            x23 = tl.load(inputs + col // 8 + 1)
+            total = dot4((c0 >> (2 * s)) & 0x03030303, x01.to(tl.int32), native)
+            total += dot4((c1 >> (2 * s)) & 0x03030303, (x01 >> 32).to(tl.int32), native)
+            total += dot4((c2 >> (2 * s)) & 0x03030303, x23.to(tl.int32), native)
+            total += dot4((c3 >> (2 * s)) & 0x03030303, (x23 >> 32).to(tl.int32), native)
+            sc = tl.load(block + 8 * h + 2 * s + sub).to(tl.int32)
+            dx = tl.load(scales + col // 32)
+            xs = tl.load(sums + col // 16)
+            acc += (total.to(tl.float32) * ((d * small_int_float(sc & 15)) * dx)
+                    - (dmin * small_int_float(sc >> 4)) * (dx * xs.to(tl.float32)))
+    out = tl.sum(tl.reshape(acc, (block_n, runs)), axis=1)
+    rows = tl.program_id(0) * block_n + tl.arange(0, block_n)
+    tl.store(out_ptr + r.to(tl.int64) * n + rows, out, mask=(rows < n) & (tl.zeros_like(rows) + r < m))

@@ -254,11 +254,16 @@ def _anchor(device: torch.device) -> torch.Tensor:
     return _state[key]
 
 
-DOT = {"Q8_0": {"block_n": 4, "supers": 2, "warps": 4},
-       "Q2_K": {"block_n": 8, "supers": 1, "warps": 4},
-       "IQ2_XXS": {"block_n": 8, "supers": 1, "warps": 4}}
+DOT = {"Q8_0": {"block_n": 8, "supers": 2, "warps": 4},
+       "Q2_K": {"block_n": 4, "supers": 1, "warps": 4},
+       "IQ2_XXS": {"block_n": 16, "supers": 1, "warps": 4}}
 """Types with a GEMV on int8-quantised inputs (``gguf_dot``) and its launch: weight rows a program, blocks of 256
 values a trip, warps."""
+
+DOT_FLAT = {"IQ2_XXS": {"block_n": 8, "groups": 16, "warps": 4}, "Q2_K": {"block_n": 8, "groups": 16, "warps": 4}}
+"""Types whose one-row int8-input GEMV is one of ``gguf_dot``'s flat kernels (a thread's work on one weight row's
+group of 32 values, IQ2_XXS, or run of 64, Q2_K), and its launch: weight rows a program, groups or runs of each a
+trip, warps."""
 
 
 def _dot():
@@ -318,6 +323,22 @@ def dot_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tens
         return out
     q, d, s = quantize_rows(x)
     by_expert = experts is not None
+    native = raw.device.type == "cuda"
+    if qtype in DOT_FLAT and (by_expert or m == 1):
+        launch = DOT_FLAT[qtype]
+        chosen = experts.to(device=raw.device, dtype=torch.int32) if by_expert else d
+        common = {"by_expert": by_expert, "block_n": launch["block_n"], "native": native, "num_warps": launch["warps"]}
+        grid = (-(-n // launch["block_n"]), m)
+        if qtype == "IQ2_XXS":
+            groups = next(g for g in (launch["groups"], 8) if (cols // 32) % g == 0)
+            _dot().iq2_xxs_flat_kernel[grid](
+                q, d, flat, out, _grid_words(raw.device).view(torch.int64), _sign_words(raw.device).view(torch.int64),
+                chosen, n, m, cols, row_bytes, expert_bytes, groups=groups, **common)
+        else:
+            runs = next(g for g in (launch["groups"], 4) if (cols // 64) % g == 0)
+            _dot().q2_k_flat_kernel[grid](q, d, s, flat, out, chosen, n, m, cols, row_bytes, expert_bytes, runs=runs,
+                                          **common)
+        return out
     chosen = experts.to(device=raw.device, dtype=torch.int32) if by_expert else d
     launch = DOT[qtype]
     rows_per = 1 if by_expert else min(MULTI_ROWS, 1 << (m - 1).bit_length())
@@ -326,7 +347,7 @@ def dot_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tens
     _dot().gemv_kernel[(-(-n // launch["block_n"]), -(-m // rows_per))](
         q, d, s, flat, out, grid, signs, chosen, n, m, cols, row_bytes, expert_bytes, qtype=TYPES[qtype],
         by_expert=by_expert, block_n=launch["block_n"], supers=launch["supers"], rows_per=rows_per,
-        native=raw.device.type == "cuda", num_warps=launch["warps"])
+        native=native, num_warps=launch["warps"])
     return out
 
 

@@ -33,7 +33,7 @@ def test_inputs_are_rounded_to_int8_within_half_their_runs_scale():
     q, d, s = q.cpu(), d.cpu(), s.cpu()
     assert q.dtype == torch.int8 and d.shape == (3, 9) and s.shape == (3, 18)
     runs = x.view(3, 9, 32)
-    assert torch.equal(d, runs.abs().amax(dim=2) / 127)
+    assert torch.allclose(d, runs.abs().amax(dim=2) / 127, rtol=1e-6, atol=0)  # a GPU divides within 2 ulp
     codes = q.view(3, 9, 32).to(torch.float32)
     assert codes.abs().max() <= 127
     assert bool(((codes * d[:, :, None] - runs).abs() <= d[:, :, None] * (0.5 + 1e-5)).all())
