@@ -45,6 +45,11 @@ as 1 bit for bit failed once for IQ2_XXS and passed on a rerun, cause not found 
 MULTI_ROWS = 8
 """Input rows a block-wise GEMV program takes at most (each weight tile decoded once for all of them)."""
 
+INT8_INPUTS: set[str] = set()
+"""Types of :data:`DOT` whose :func:`gemv` rounds its inputs to int8 and sums byte products
+(:func:`dot_gemv`) instead of multiplying float32 values; empty by default (``bench model --gguf-int8`` sets it):
+its results differ from the float GEMV's by the inputs' rounding, and it has not been timed in the model."""
+
 _state: dict[str, object] = {}
 
 
@@ -182,6 +187,8 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor |
     ``K`` values in ``qtype`` blocks), summed in float32; with ``experts [M]`` (int), ``raw`` is a bank
     ``[E, N, row_bytes]`` and row ``m`` takes expert ``experts[m]``'s matrix.  The types of
     :data:`BLOCKWISE` take a kernel of their own (``gguf_blockwise``) unless ``blockwise`` is False."""
+    if blockwise and qtype in INT8_INPUTS:
+        return dot_gemv(x, raw, qtype, experts)
     cols = x.shape[-1]
     flat, row_bytes, expert_bytes = _bank(raw, qtype, cols)
     if (experts is None) != (raw.dim() == 2):
