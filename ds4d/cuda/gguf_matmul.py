@@ -46,8 +46,8 @@ MULTI_ROWS = 8
 """Input rows a block-wise GEMV program takes at most (each weight tile decoded once for all of them)."""
 
 INT8_INPUTS: set[str] = set()
-"""Types of :data:`DOT` whose :func:`gemv` rounds its inputs to int8 and sums byte products
-(:func:`dot_gemv`) instead of multiplying float32 values; empty by default (``bench model --gguf-int8`` sets it):
+"""Types of :data:`DOT` whose :func:`gemv` of one row, or of rows by expert, rounds its inputs to int8 and sums
+byte products (:func:`dot_gemv`) instead of multiplying float32 values; empty by default (``bench model --gguf-int8`` sets it):
 its results differ from the float GEMV's by the inputs' rounding, and it has not been timed in the model."""
 
 _state: dict[str, object] = {}
@@ -187,7 +187,7 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor |
     ``K`` values in ``qtype`` blocks), summed in float32; with ``experts [M]`` (int), ``raw`` is a bank
     ``[E, N, row_bytes]`` and row ``m`` takes expert ``experts[m]``'s matrix.  The types of
     :data:`BLOCKWISE` take a kernel of their own (``gguf_blockwise``) unless ``blockwise`` is False."""
-    if blockwise and qtype in INT8_INPUTS:
+    if blockwise and qtype in INT8_INPUTS and (experts is not None or x.shape[0] == 1):
         return dot_gemv(x, raw, qtype, experts)
     cols = x.shape[-1]
     flat, row_bytes, expert_bytes = _bank(raw, qtype, cols)
@@ -261,16 +261,11 @@ def _anchor(device: torch.device) -> torch.Tensor:
     return _state[key]
 
 
-DOT = {"Q8_0": {"block_n": 8, "supers": 2, "warps": 4},
-       "Q2_K": {"block_n": 4, "supers": 1, "warps": 4},
-       "IQ2_XXS": {"block_n": 16, "supers": 1, "warps": 4}}
-"""Types with a GEMV on int8-quantised inputs (``gguf_dot``) and its launch: weight rows a program, blocks of 256
-values a trip, warps."""
-
-DOT_FLAT = {"IQ2_XXS": {"block_n": 8, "groups": 16, "warps": 4}, "Q2_K": {"block_n": 8, "groups": 16, "warps": 4}}
-"""Types whose one-row int8-input GEMV is one of ``gguf_dot``'s flat kernels (a thread's work on one weight row's
-group of 32 values, IQ2_XXS, or run of 64, Q2_K), and its launch: weight rows a program, groups or runs of each a
-trip, warps."""
+DOT = {"Q8_0": {"block_n": 8, "groups": 16, "warps": 4},
+       "Q2_K": {"block_n": 8, "groups": 16, "warps": 4},
+       "IQ2_XXS": {"block_n": 8, "groups": 16, "warps": 4}}
+"""Types with a GEMV on int8-quantised inputs (``gguf_dot``) and its launch: weight rows a program, groups of each a
+trip (Q8_0, IQ2_XXS: 32 values; Q2_K: 64), warps."""
 
 
 def _dot():
@@ -316,7 +311,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def dot_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`gemv` with ``x`` first rounded to int8 (:func:`quantize_rows`) and the products summed four bytes
     at a time in int32 (``gguf_dot``), for the types of :data:`DOT`: float32 ``[M, N]``, the exact product of
-    the quantised inputs with the weight's values up to float32 rounding of the groups' scaled sums."""
+    the quantised inputs with the weight's values up to float32 rounding of the groups' scaled sums.  A program
+    takes one input row, so rows of one matrix each read it (the float GEMV decodes it once for up to
+    :data:`MULTI_ROWS`)."""
     if qtype not in DOT:
         raise ValueError(f"no int8-input GEMV for {qtype}; these have one: {', '.join(DOT)}")
     cols = x.shape[-1]
@@ -330,31 +327,21 @@ def dot_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tens
         return out
     q, d, s = quantize_rows(x)
     by_expert = experts is not None
-    native = raw.device.type == "cuda"
-    if qtype in DOT_FLAT and (by_expert or m == 1):
-        launch = DOT_FLAT[qtype]
-        chosen = experts.to(device=raw.device, dtype=torch.int32) if by_expert else d
-        common = {"by_expert": by_expert, "block_n": launch["block_n"], "native": native, "num_warps": launch["warps"]}
-        grid = (-(-n // launch["block_n"]), m)
-        if qtype == "IQ2_XXS":
-            groups = next(g for g in (launch["groups"], 8) if (cols // 32) % g == 0)
-            _dot().iq2_xxs_flat_kernel[grid](
-                q, d, flat, out, _grid_words(raw.device).view(torch.int64), _sign_words(raw.device).view(torch.int64),
-                chosen, n, m, cols, row_bytes, expert_bytes, groups=groups, **common)
-        else:
-            runs = next(g for g in (launch["groups"], 4) if (cols // 64) % g == 0)
-            _dot().q2_k_flat_kernel[grid](q, d, s, flat, out, chosen, n, m, cols, row_bytes, expert_bytes, runs=runs,
-                                          **common)
-        return out
     chosen = experts.to(device=raw.device, dtype=torch.int32) if by_expert else d
     launch = DOT[qtype]
-    rows_per = 1 if by_expert else min(MULTI_ROWS, 1 << (m - 1).bit_length())
-    grid = _grid_words(raw.device) if qtype == "IQ2_XXS" else d
-    signs = _sign_words(raw.device) if qtype == "IQ2_XXS" else d
-    _dot().gemv_kernel[(-(-n // launch["block_n"]), -(-m // rows_per))](
-        q, d, s, flat, out, grid, signs, chosen, n, m, cols, row_bytes, expert_bytes, qtype=TYPES[qtype],
-        by_expert=by_expert, block_n=launch["block_n"], supers=launch["supers"], rows_per=rows_per,
-        native=native, num_warps=launch["warps"])
+    per_group = 64 if qtype == "Q2_K" else 32
+    groups = next(g for g in (launch["groups"], 8, 4, 2, 1) if (cols // per_group) % g == 0)
+    common = {"by_expert": by_expert, "block_n": launch["block_n"], "groups": groups,
+              "native": raw.device.type == "cuda", "num_warps": launch["warps"]}
+    grid = (-(-n // launch["block_n"]), m)
+    if qtype == "IQ2_XXS":
+        _dot().iq2_xxs_kernel[grid](q, d, flat, out, _grid_words(raw.device).view(torch.int64),
+                                    _sign_words(raw.device).view(torch.int64), chosen, n, m, cols, row_bytes,
+                                    expert_bytes, **common)
+    elif qtype == "Q2_K":
+        _dot().q2_k_kernel[grid](q, d, s, flat, out, chosen, n, m, cols, row_bytes, expert_bytes, **common)
+    else:
+        _dot().q8_0_kernel[grid](q, d, flat, out, chosen, n, m, cols, row_bytes, expert_bytes, **common)
     return out
 
 

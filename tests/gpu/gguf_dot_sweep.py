@@ -2,8 +2,7 @@
 launch) at the q2 recipe's decode shapes (``gguf_gemv_sweep.CASES``), in CUDA graphs over enough distinct
 weights to overflow the L2, ``do_bench`` median.  The int8 GEMV's time includes the inputs' quantisation (a
 launch of its own).  Each launch of :data:`LAUNCHES` is timed and its result checked against the float GEMV's
-(the inputs' rounding: a few 1e-3 of the largest sum; the flat kernels of ``DOT_FLAT`` at :data:`FLAT_LAUNCHES` for their
-one-row cases); then a table of the best per case, and the launch with
+(the inputs' rounding: a few 1e-3 of the largest sum); then a table of the best per case, and the launch with
 the least time per byte summed over each type's cases.
 
     PYTHONPATH=. python3 tests/gpu/gguf_dot_sweep.py [BEST.json] [--types IQ2_XXS,Q2_K]
@@ -20,13 +19,10 @@ import torch
 from ds4d.cuda import gguf_matmul
 from tests.gpu.gguf_gemv_sweep import CASES, UNWEIGHED, case_inputs, graph_time
 
-LAUNCHES = [{"block_n": b, "supers": s, "warps": w}
-            for b, s, w in ((2, 1, 4), (4, 1, 4), (4, 2, 4), (8, 1, 4), (8, 2, 4), (16, 1, 4), (8, 1, 8), (16, 1, 8),
-                            (32, 1, 8))]
-"""``gguf_matmul.DOT``'s launches (the kernel on tiles of joined words)."""
-FLAT_LAUNCHES = [{"block_n": b, "groups": g, "warps": w}
-                 for b, g, w in ((8, 16, 4), (16, 8, 4), (4, 32, 4), (8, 8, 2), (32, 8, 8), (16, 16, 8), (64, 4, 8))]
-"""``gguf_matmul.DOT_FLAT``'s launches (one weight row's group a thread), for the one-row cases of its types."""
+LAUNCHES = [{"block_n": b, "groups": g, "warps": w}
+            for b, g, w in ((8, 16, 4), (16, 8, 4), (4, 32, 4), (8, 8, 2), (32, 8, 8), (16, 16, 8), (64, 4, 8),
+                            (32, 4, 4))]
+"""``gguf_matmul.DOT``'s launches: weight rows a program, groups of each a trip, warps."""
 
 
 def main() -> None:
@@ -44,9 +40,8 @@ def main() -> None:
         want = gguf_matmul.gemv(x, weights[0], qtype, ids)
         times = timed[label] = {}
         errors = {}
-        flat = qtype in gguf_matmul.DOT_FLAT and (experts or rows == 1)
-        for launch in FLAT_LAUNCHES if flat else LAUNCHES:
-            (gguf_matmul.DOT_FLAT if flat else gguf_matmul.DOT)[qtype] = launch
+        for launch in LAUNCHES:
+            gguf_matmul.DOT[qtype] = launch
             try:
                 got = gguf_matmul.dot_gemv(x, weights[0], qtype, ids)
                 error = ((got - want).abs().max() / want.abs().max()).item()

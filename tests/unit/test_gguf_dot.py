@@ -96,12 +96,13 @@ def test_types_without_an_int8_kernel_are_refused():
         gguf_matmul.dot_gemv(torch.zeros(1, 256), torch.zeros(1, 144, dtype=torch.uint8), "Q4_K")
 
 
-def test_int8_inputs_sends_a_types_gemv_to_the_int8_kernel(monkeypatch):
+def test_int8_inputs_sends_a_types_one_row_gemv_to_the_int8_kernel(monkeypatch):
     raw = torch.from_numpy(random_blocks("Q2_K", 8, 512, seed=9)).to(device())
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(9)).to(device())
     floats = gguf_matmul.gemv(x, raw, "Q2_K")
     monkeypatch.setattr(gguf_matmul, "INT8_INPUTS", {"Q2_K"})
-    got = gguf_matmul.gemv(x, raw, "Q2_K")
-    assert torch.equal(got, gguf_matmul.dot_gemv(x, raw, "Q2_K")) and not torch.equal(got, floats)
+    got = gguf_matmul.gemv(x[:1], raw, "Q2_K")
+    assert torch.equal(got, gguf_matmul.dot_gemv(x[:1], raw, "Q2_K")) and not torch.equal(got, floats[:1])
+    assert torch.equal(gguf_matmul.gemv(x, raw, "Q2_K"), floats)  # rows of one matrix: decoded once, in float32
     element_wise = gguf_matmul.gemv(x, raw, "Q2_K", blockwise=False)  # the element-wise kernel stays float
     assert torch.allclose(element_wise, floats, rtol=1e-5, atol=1e-5 * floats.abs().max().item())
