@@ -10,6 +10,7 @@ what to look at before spending device time; the sweep (``gguf_gemv_sweep.py``) 
     python3 tests/gpu/gguf_sass_count.py [--x bf16|fp32] [--stages N] [--json]   # --json: one line a case
                                                                                # --stages 0: trips written out
     python3 tests/gpu/gguf_sass_count.py --tiles [--json]   # the prefill's expert tiles, old and block-wise
+    python3 tests/gpu/gguf_sass_count.py --dot               # the GEMVs on int8 inputs (gguf_dot), by launch
 
 Triton's interpreter (``TRITON_INTERPRET=1``) must be off: it compiles nothing.
 """
@@ -28,7 +29,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ds4d.cuda import gguf_blockwise, gguf_kernels, gguf_matmul
+from ds4d.cuda import gguf_blockwise, gguf_dot, gguf_kernels, gguf_matmul
 from ds4d.cuda.gguf_matmul import TYPES
 
 SIGNATURE = {"x_ptr": "*bf16", "raw_ptr": "*u8", "out_ptr": "*fp32", "table_ptr": "*i32", "expert_ptr": "*i32",
@@ -163,6 +164,31 @@ def loop_counts(qtype: str, k: int, by_expert: bool, block_n: int, supers: int, 
             "in_flight": bytes_in_flight(kernel)}
 
 
+DOT_COMMON = {"n": "i32", "m": "i32", "k": "constexpr", "row_bytes": "i32", "expert_bytes": "i64",
+              "by_expert": "constexpr", "block_n": "constexpr", "groups": "constexpr", "native": "constexpr"}
+DOT_KERNELS = {  # type: (kernel, its pointers, input width, by expert, values a group)
+    "Q8_0": ("q8_0_kernel", ("q_ptr:*i8", "d_ptr:*fp32", "raw_ptr:*u8", "out_ptr:*fp32", "expert_ptr:*i32"), 8192,
+             False, 32),
+    "IQ2_XXS": ("iq2_xxs_kernel", ("q_ptr:*i8", "d_ptr:*fp32", "raw_ptr:*u8", "out_ptr:*fp32", "grid_ptr:*i64",
+                                   "signs_ptr:*i64", "expert_ptr:*i32"), 4096, True, 32),
+    "Q2_K": ("q2_k_kernel", ("q_ptr:*i8", "d_ptr:*fp32", "s_ptr:*i32", "raw_ptr:*u8", "out_ptr:*fp32",
+                             "expert_ptr:*i32"), 2048, True, 64)}
+DOT_LAUNCHES = [(8, 16, 4), (16, 8, 4), (32, 8, 8)]  # (weight rows a program, groups of each a trip, warps)
+
+
+def dot_counts(qtype: str, block_n: int, groups: int, warps: int) -> dict[str, float]:
+    """``gguf_dot``'s GEMV of ``qtype`` at the q2 recipe's width (its loop): instructions, global loads and
+    ``dp4a`` per weight value a thread takes, registers a thread, spilled loads and stores."""
+    name, pointers, k, by_expert, per_group = DOT_KERNELS[qtype]
+    signature = dict(pointer.split(":") for pointer in pointers) | DOT_COMMON
+    aligned = tuple(i for i, arg in enumerate(signature) if arg.endswith(("_ptr", "_bytes")))
+    constants = {"k": k, "by_expert": by_expert, "block_n": block_n, "groups": groups, "native": True}
+    ops, registers, _ = loop_and_registers(_compile(getattr(gguf_dot, name), signature, constants, aligned, warps))
+    values = block_n * groups * per_group / (32 * warps)
+    return {"instructions": sum(ops.values()) / values, "loads": ops["LDG"] / values, "dp4a": ops["IDP"] / values,
+            "registers": registers, "spills": ops["LDL"] + ops["STL"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--x", default="bf16", choices=["bf16", "fp32"], help="the input rows' dtype")
@@ -171,7 +197,18 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="a JSON line a case, not a table")
     parser.add_argument("--tiles", action="store_true",
                         help="the prefill's expert tiles (block-wise against element-wise), not the GEMV")
+    parser.add_argument("--dot", action="store_true", help="the GEMVs on int8 inputs (gguf_dot), not the float one")
     args = parser.parse_args()
+    if args.dot:
+        print("| type | weight rows x groups, warps | instructions a value | loads a value | dp4a a value | registers "
+              "| spills |")
+        print("|---|---|---|---|---|---|---|")
+        for qtype in DOT_KERNELS:
+            for block_n, groups, warps in DOT_LAUNCHES:
+                c = dot_counts(qtype, block_n, groups, warps)
+                print(f"| {qtype} | {block_n} x {groups}, {warps} | {c['instructions']:.2f} | {c['loads']:.2f} | "
+                      f"{c['dp4a']:.3f} | {c['registers']} | {c['spills']} |")
+        return
     if args.tiles:
         if not args.json:
             print("| type | kernel | rows x weight rows, warps | instructions a value | loads a value | instructions a "
