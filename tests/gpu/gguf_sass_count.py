@@ -10,7 +10,8 @@ what to look at before spending device time; the sweep (``gguf_gemv_sweep.py``) 
     python3 tests/gpu/gguf_sass_count.py [--x bf16|fp32] [--stages N] [--json]   # --json: one line a case
                                                                                # --stages 0: trips written out
     python3 tests/gpu/gguf_sass_count.py --tiles [--json]   # the prefill's expert tiles, old and block-wise
-    python3 tests/gpu/gguf_sass_count.py --dot               # the GEMVs on int8 inputs (gguf_dot), by launch
+    python3 tests/gpu/gguf_sass_count.py --dot [--json]      # the GEMVs on int8 inputs (gguf_dot), by launch
+                                                            # (--json: the default launches, the float GEMV's too)
 
 Triton's interpreter (``TRITON_INTERPRET=1``) must be off: it compiles nothing.
 """
@@ -199,6 +200,14 @@ def main() -> None:
                         help="the prefill's expert tiles (block-wise against element-wise), not the GEMV")
     parser.add_argument("--dot", action="store_true", help="the GEMVs on int8 inputs (gguf_dot), not the float one")
     args = parser.parse_args()
+    if args.dot and args.json:  # each type at its default launch, and the float GEMV at its default launch
+        for qtype, (_, _, k, by_expert, _) in DOT_KERNELS.items():
+            launch = gguf_matmul.DOT[qtype]
+            floats = gguf_matmul.BLOCKWISE[qtype]
+            float_counts = loop_counts(qtype, k, by_expert, floats["block_n"], floats["supers"], 1, floats["stages"])
+            print(json.dumps(dict(dot_counts(qtype, launch["block_n"], launch["groups"], launch["warps"]), qtype=qtype,
+                                  float_instructions=float_counts["instructions"])))
+        return
     if args.dot:
         print("| type | weight rows x groups, warps | instructions a value | loads a value | dp4a a value | registers "
               "| spills |")

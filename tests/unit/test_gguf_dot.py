@@ -9,6 +9,12 @@ interpreter runs them here (``dp4a`` by shifts and multiplies); on a CUDA machin
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -106,3 +112,23 @@ def test_int8_inputs_sends_a_types_one_row_gemv_to_the_int8_kernel(monkeypatch):
     assert torch.equal(gguf_matmul.gemv(x, raw, "Q2_K"), floats)  # rows of one matrix: decoded once, in float32
     element_wise = gguf_matmul.gemv(x, raw, "Q2_K", blockwise=False)  # the element-wise kernel stays float
     assert torch.allclose(element_wise, floats, rtol=1e-5, atol=1e-5 * floats.abs().max().item())
+
+
+def test_the_int8_kernels_compile_for_sm90_to_a_dp4a_every_four_values_and_fewer_instructions():
+    """Compiled for an H200 on this machine (``gguf_sass_count.py --dot --json``, a process of its own: the tests
+    run Triton's interpreter, which compiles nothing): each kernel's loop at its default launch issues one ``dp4a``
+    per four weight values (the inline PTX survived), spills nothing, and issues fewer instructions a value than
+    the float GEMV's loop at its default launch."""
+    tools = Path(sys.modules["triton"].__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not tools.exists():
+        pytest.skip("this Triton carries no NVIDIA tools")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, str(root / "tests" / "gpu" / "gguf_sass_count.py"), "--dot", "--json"],
+                         env=env, capture_output=True, text=True, check=True, timeout=600).stdout
+    cases = {case["qtype"]: case for case in map(json.loads, out.splitlines())}
+    assert set(cases) == set(DOT_TYPES)
+    for case in cases.values():
+        assert case["dp4a"] == 0.25 and case["spills"] == 0, case
+        assert case["instructions"] < 0.6 * case["float_instructions"], case
