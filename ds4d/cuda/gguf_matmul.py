@@ -46,7 +46,7 @@ MULTI_ROWS = 8
 """Input rows a block-wise GEMV program takes at most (each weight tile decoded once for all of them)."""
 
 INT8_INPUTS: set[str] = set()
-"""Types of :data:`DOT` whose :func:`gemv` of one row, or of rows by expert, rounds its inputs to int8 and sums
+"""Types of :data:`DOT` whose :func:`gemv` of one row, or of rows by expert (and :func:`gemv_at`), rounds its inputs to int8 and sums
 byte products (:func:`dot_gemv`) instead of multiplying float32 values; empty by default (``bench model --gguf-int8`` sets it):
 its results differ from the float GEMV's by the inputs' rounding, and it has not been timed in the model."""
 
@@ -249,6 +249,8 @@ def gemv_at(x: torch.Tensor, addresses: torch.Tensor, qtype: str, n: int, *, ali
     offsets = (addresses.to(device=x.device, dtype=torch.int64) - anchor.data_ptr()).contiguous()
     if aligned:
         offsets = offsets // unit
+    if qtype in INT8_INPUTS:
+        return _launch_dot(x, anchor, qtype, n, row_bytes, unit, offsets)
     return _launch_gemv(x, anchor, qtype, n, row_bytes, unit, offsets)
 
 
@@ -316,27 +318,34 @@ def dot_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tens
     :data:`MULTI_ROWS`)."""
     if qtype not in DOT:
         raise ValueError(f"no int8-input GEMV for {qtype}; these have one: {', '.join(DOT)}")
-    cols = x.shape[-1]
-    flat, row_bytes, expert_bytes = _bank(raw, qtype, cols)
+    flat, row_bytes, expert_bytes = _bank(raw, qtype, x.shape[-1])
     if (experts is None) != (raw.dim() == 2):
         raise ValueError("dot_gemv takes a matrix [N, row_bytes], or a bank [E, N, row_bytes] with experts")
     _check_word_aligned(flat, qtype)
-    n, m = raw.shape[-2], x.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32, device=raw.device)
+    chosen = experts.to(device=raw.device, dtype=torch.int32) if experts is not None else None
+    return _launch_dot(x, flat, qtype, raw.shape[-2], row_bytes, expert_bytes, chosen)
+
+
+def _launch_dot(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_bytes: int, expert_bytes: int,
+                chosen: torch.Tensor | None) -> torch.Tensor:
+    """``gguf_dot``'s GEMV over weight rows at ``flat``; ``chosen`` (None: one matrix): per row of ``x``, the index
+    of its matrix, ``expert_bytes`` apart from ``flat``."""
+    cols, m = x.shape[-1], x.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32, device=flat.device)
     if not m:
         return out
     q, d, s = quantize_rows(x)
-    by_expert = experts is not None
-    chosen = experts.to(device=raw.device, dtype=torch.int32) if by_expert else d
+    by_expert = chosen is not None
     launch = DOT[qtype]
     per_group = 64 if qtype == "Q2_K" else 32
     groups = next(g for g in (launch["groups"], 8, 4, 2, 1) if (cols // per_group) % g == 0)
     common = {"by_expert": by_expert, "block_n": launch["block_n"], "groups": groups,
-              "native": raw.device.type == "cuda", "num_warps": launch["warps"]}
+              "native": flat.device.type == "cuda", "num_warps": launch["warps"]}
     grid = (-(-n // launch["block_n"]), m)
+    chosen = chosen if by_expert else d
     if qtype == "IQ2_XXS":
-        _dot().iq2_xxs_kernel[grid](q, d, flat, out, _grid_words(raw.device).view(torch.int64),
-                                    _sign_words(raw.device).view(torch.int64), chosen, n, m, cols, row_bytes,
+        _dot().iq2_xxs_kernel[grid](q, d, flat, out, _grid_words(flat.device).view(torch.int64),
+                                    _sign_words(flat.device).view(torch.int64), chosen, n, m, cols, row_bytes,
                                     expert_bytes, **common)
     elif qtype == "Q2_K":
         _dot().q2_k_kernel[grid](q, d, s, flat, out, chosen, n, m, cols, row_bytes, expert_bytes, **common)

@@ -87,6 +87,22 @@ def test_each_row_takes_its_experts_matrix(qtype):
         _close(got[m:m + 1], _reference(x[m:m + 1], bank[e].numpy(), qtype, cols))
 
 
+@pytest.mark.parametrize("qtype", DOT_TYPES)
+def test_matrices_found_by_address_give_the_banks_products(qtype, monkeypatch):
+    """``gemv_at`` (offloaded experts read in place) with the type in ``INT8_INPUTS``: matrices in separate tensors
+    give what the same matrices stacked as a bank give by index, bit for bit with the addresses promised aligned."""
+    raw = random_blocks(qtype, 3 * 12, 512, seed=13).reshape(3, 12, -1)
+    apart = [torch.from_numpy(raw[e].copy()).to(device()) for e in range(3)]
+    experts = torch.tensor([2, 0, 2, 1])
+    addresses = torch.tensor([apart[e].data_ptr() for e in experts.tolist()], dtype=torch.int64).to(device())
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(13)).to(device())
+    want = gguf_matmul.dot_gemv(x, torch.from_numpy(raw).to(device()), qtype, experts.to(device()))
+    monkeypatch.setattr(gguf_matmul, "INT8_INPUTS", {qtype})
+    assert torch.equal(gguf_matmul.gemv_at(x, addresses, qtype, 12, aligned=True), want)
+    loose = gguf_matmul.gemv_at(x, addresses, qtype, 12)
+    assert torch.allclose(loose, want, rtol=0, atol=2e-6 * want.abs().max().item())
+
+
 def test_the_float_gemv_and_the_int8_one_differ_by_the_inputs_rounding():
     """Against float32 inputs the error is the inputs' rounding to 8 bits: small, and not zero."""
     raw = random_blocks("IQ2_XXS", 16, 1024, seed=5)
