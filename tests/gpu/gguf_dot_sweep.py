@@ -5,7 +5,7 @@ launch of its own).  Each launch of :data:`LAUNCHES` is timed and its result che
 (the inputs' rounding: a few 1e-3 of the largest sum); then a table of the best per case, and the launch with
 the least time per byte summed over each type's cases.
 
-    PYTHONPATH=. python3 tests/gpu/gguf_dot_sweep.py [BEST.json] [--types IQ2_XXS,Q2_K]
+    PYTHONPATH=. python3 tests/gpu/gguf_dot_sweep.py [BEST.json] [--types IQ2_XXS,Q2_K] [--launches N]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("launches", nargs="?", help="write the best launches (JSON) here")
     parser.add_argument("--types", help="only these types' cases, comma-separated (default: every case)")
+    parser.add_argument("--launches", type=int, default=len(LAUNCHES), help="only the first N launches")
     args = parser.parse_args()
     cases = [case for case in CASES if args.types is None or case[1] in args.types.split(",")]
     print(f"{torch.cuda.get_device_name()}: CUDA graphs over distinct weights, do_bench median")
@@ -40,7 +41,7 @@ def main() -> None:
         want = gguf_matmul.gemv(x, weights[0], qtype, ids)
         times = timed[label] = {}
         errors = {}
-        for launch in LAUNCHES:
+        for launch in LAUNCHES[:args.launches]:
             gguf_matmul.DOT[qtype] = launch
             try:
                 got = gguf_matmul.dot_gemv(x, weights[0], qtype, ids)
