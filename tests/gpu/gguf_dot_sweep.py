@@ -29,7 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("launches", nargs="?", help="write the best launches (JSON) here")
     parser.add_argument("--types", help="only these types' cases, comma-separated (default: every case)")
-    parser.add_argument("--launches", type=int, default=len(LAUNCHES), help="only the first N launches")
+    parser.add_argument("--launches", dest="count", type=int, default=len(LAUNCHES), help="only the first N launches")
     args = parser.parse_args()
     cases = [case for case in CASES if args.types is None or case[1] in args.types.split(",")]
     print(f"{torch.cuda.get_device_name()}: CUDA graphs over distinct weights, do_bench median")
@@ -41,7 +41,7 @@ def main() -> None:
         want = gguf_matmul.gemv(x, weights[0], qtype, ids)
         times = timed[label] = {}
         errors = {}
-        for launch in LAUNCHES[:args.launches]:
+        for launch in LAUNCHES[:args.count]:
             gguf_matmul.DOT[qtype] = launch
             try:
                 got = gguf_matmul.dot_gemv(x, weights[0], qtype, ids)
