@@ -263,11 +263,14 @@ def _anchor(device: torch.device) -> torch.Tensor:
     return _state[key]
 
 
-DOT = {"Q8_0": {"block_n": 8, "groups": 16, "warps": 4},
-       "Q2_K": {"block_n": 8, "groups": 16, "warps": 4},
-       "IQ2_XXS": {"block_n": 8, "groups": 16, "warps": 4}}
+DOT = {"Q8_0": {"block_n": 4, "groups": 32, "warps": 4},
+       "Q2_K": {"block_n": 16, "groups": 8, "warps": 4},
+       "IQ2_XXS": {"block_n": 4, "groups": 32, "warps": 4}}
 """Types with a GEMV on int8-quantised inputs (``gguf_dot``) and its launch: weight rows a program, groups of each a
-trip (Q8_0, IQ2_XXS: 32 values; Q2_K: 64), warps."""
+trip (Q8_0, IQ2_XXS: 32 values; Q2_K: 64), warps.  The best of three launches (8 x 16, 16 x 8, 4 x 32, 4 warps) in
+``tests/gpu/gguf_dot_sweep.py --launches 3`` on an H100 (docs/BENCHMARKS.md): against 8 x 16, Q8_0's ``wkv``
+[512, 4096] 5.2 us (8.7), ``wo_b`` 20.0 (20.8), ``wq_b`` 19.7 (18.1); IQ2_XXS gate/up 42.4 (44.0); Q2_K down 18.6
+(24.6)."""
 
 
 def _dot():
