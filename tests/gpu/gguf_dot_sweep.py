@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import torch
 
 from ds4d.cuda import gguf_matmul
-from tests.gpu.gguf_gemv_sweep import CASES, UNWEIGHED, case_inputs, graph_time
+from tests.gpu.gguf_gemv_sweep import CASES, best_launches, case_inputs, graph_time, report_launches
 
 LAUNCHES = [{"block_n": b, "groups": g, "warps": w}
             for b, g, w in ((8, 16, 4), (16, 8, 4), (4, 32, 4), (8, 8, 2), (32, 8, 8), (16, 16, 8), (64, 4, 8),
@@ -62,15 +61,7 @@ def main() -> None:
     for label, qtype, read, floats, s, error, best, q8 in table:
         print(f"| {label} | {qtype} | {read / 2**20:.1f} MiB | {floats * 1e6:.1f} | {read / floats / 1e9:,.0f} | "
               f"{s * 1e6:.1f} | {read / s / 1e9:,.0f} | {floats / s:.2f}x | {error:.1e} | {q8 * 1e6:.1f} | {best} |")
-    chosen = {}
-    for qtype in sorted({case[1] for case in cases}):
-        weighed = [(label, read) for label, q, read, *_ in table if q == qtype and label not in UNWEIGHED]
-        score = {key: sum(timed[label].get(key, float("inf")) / read for label, read in weighed)
-                 for key in timed[weighed[0][0]]}
-        chosen[qtype] = json.loads(min(score, key=score.get))
-    print(f"\nbest launches (each type's cases, time per byte summed): {json.dumps(chosen)}")
-    if args.launches:
-        Path(args.launches).write_text(json.dumps(chosen))
+    report_launches(best_launches(timed, table), args.launches)
 
 
 if __name__ == "__main__":

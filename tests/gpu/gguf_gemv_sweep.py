@@ -79,6 +79,25 @@ def case_inputs(qtype: str, n: int, k: int, rows: int, experts: int):
     return weights, x, ids, read
 
 
+def best_launches(timed: dict[str, dict[str, float]], rows: list[tuple]) -> dict[str, dict]:
+    """Each type's launch with the least time per byte summed over its cases (not those of :data:`UNWEIGHED`):
+    ``timed``: case label -> launch (JSON) -> seconds a call; ``rows``: ``(label, type, bytes read, ...)`` a case."""
+    chosen = {}
+    for qtype in sorted({row[1] for row in rows}):
+        weighed = [(label, read) for label, q, read, *_ in rows if q == qtype and label not in UNWEIGHED]
+        score = {key: sum(timed[label].get(key, float("inf")) / read for label, read in weighed)
+                 for key in timed[weighed[0][0]]}
+        chosen[qtype] = json.loads(min(score, key=score.get))
+    return chosen
+
+
+def report_launches(chosen: dict[str, dict], path: str | None) -> None:
+    """Print the chosen launches, and write them (JSON) to ``path`` where given."""
+    print(f"\nbest launches (each type's cases, time per byte summed): {json.dumps(chosen)}")
+    if path:
+        Path(path).write_text(json.dumps(chosen))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("launches", nargs="?", help="write the best launches (JSON) here")
@@ -114,15 +133,7 @@ def main() -> None:
     for label, qtype, read, s, plain, dense_read, cublas in rows_out:
         print(f"| {label} | {qtype} | {read / 2**20:.1f} MiB | {s * 1e6:.1f} | {read / s / 1e9:,.0f} | "
               f"{plain * 1e6:.1f} | {read / plain / 1e9:,.0f} | {cublas * 1e6:.1f} | {dense_read / cublas / 1e9:,.0f} |")
-    chosen = {}
-    for qtype in sorted({case[1] for case in cases}):  # least time per byte summed over the type's cases
-        weighed = [(label, read) for label, q, read, *_ in rows_out if q == qtype and label not in UNWEIGHED]
-        score = {key: sum(timed[label].get(key, float("inf")) / read for label, read in weighed)
-                 for key in timed[weighed[0][0]]}
-        chosen[qtype] = json.loads(min(score, key=score.get))
-    print(f"\nbest launches (each type's cases, time per byte summed): {json.dumps(chosen)}")
-    if args.launches:
-        Path(args.launches).write_text(json.dumps(chosen))
+    report_launches(best_launches(timed, rows_out), args.launches)
 
 
 if __name__ == "__main__":
