@@ -1,8 +1,8 @@
 """Triton kernels that multiply GGUF blocks (the ds4 q2 recipe's Q8_0, Q2_K, IQ2_XXS) by inputs quantised to
 int8, four byte products at a time (``dp4a``), as llama.cpp's CUDA GEMVs do.
 
-``gguf_blockwise``'s GEMV turns every weight value into a float32 and multiplies it by a float32 input: about
-seven instructions a value, and a decode step's GEMV is bound by them, not by the bytes it reads.  Here the
+``gguf_blockwise``'s GEMV turns every weight value into a float32 and multiplies it by a float32 input: 7 to
+12 instructions a value, and a decode step's GEMV is bound by them, not by the bytes it reads.  Here the
 inputs are first rounded to int8 in runs of 32, each run with a float32 scale (:func:`quantize_kernel`:
 ``q = floor(x * 127 / amax + 0.5)``, ``d = amax / 127``, and the sums of ``q`` over each 16), and a weight's
 values are never floats: a block's codes become words of four signed bytes (IQ2_XXS's grid bytes with their
@@ -15,8 +15,9 @@ float32 inputs it differs by the inputs' rounding to 8 bits (a relative error of
 input per value), as llama.cpp's GPU GEMVs do.
 
 Each GEMV kernel is written as one thread's work on one (weight row, group of values) pair: every tensor is 1-D,
-so nothing crosses threads until the row's sum after the loop (compiled for sm_90: 3-3.5 instructions a weight
-value, 32-48 registers, against the float GEMV's 7.1).  A program takes ``block_n`` weight rows, ``groups`` groups
+so nothing crosses threads until the row's sum after the loop (compiled for sm_90 at the default launches:
+1.8-3.3 instructions a weight value and 32-40 registers, against the float GEMV's 7.0-12.4 instructions;
+``tests/gpu/gguf_sass_count.py --dot``).  A program takes ``block_n`` weight rows, ``groups`` groups
 of each a trip, and one input row (``program_id(1)``); with ``by_expert`` that row's matrix is
 ``expert_ptr[row]``'s of a bank, ``expert_bytes`` apart.
 

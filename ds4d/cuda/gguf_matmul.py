@@ -13,6 +13,8 @@ have decoders in ``gguf_kernels`` (:data:`TYPES`):
   element decoded in registers and the products summed in float32; with ``experts`` each row
   takes its own expert's matrix from a bank ``[E, N, row_bytes]`` (a decode step's (row, expert)
   pairs);
+* :func:`dot_gemv`: the GEMV of the q2 recipe's types on inputs rounded to int8, four byte products
+  at a time (``gguf_dot``; :data:`INT8_INPUTS` sends :func:`gemv`'s calls there);
 * :func:`tiles`: the same product on tensor cores for a batch of rows (the weight decoded into the
   rows' dtype a tile at a time), and with ``offsets`` for rows sorted by expert (a prefill's
   pairs), tiles of one expert's rows each (the ds4 q2 recipe's types by ``gguf_blockwise``).
@@ -46,9 +48,10 @@ MULTI_ROWS = 8
 """Input rows a block-wise GEMV program takes at most (each weight tile decoded once for all of them)."""
 
 INT8_INPUTS: set[str] = set()
-"""Types of :data:`DOT` whose :func:`gemv` of one row, or of rows by expert (and :func:`gemv_at`), rounds its inputs to int8 and sums
-byte products (:func:`dot_gemv`) instead of multiplying float32 values; empty by default (``bench model --gguf-int8`` sets it):
-its results differ from the float GEMV's by the inputs' rounding, and it has not been timed in the model."""
+"""Types of :data:`DOT` whose :func:`gemv` of one row or of rows by expert, and :func:`gemv_at`, round their
+inputs to int8 and sum byte products (:func:`dot_gemv`) instead of multiplying float32 values.  Empty by default
+(``bench model --gguf-int8`` fills it): the results differ from the float GEMV's by the inputs' rounding, more
+than the GPU tests' float32 bounds allow; timed in the model on an H100 only (docs/BENCHMARKS.md)."""
 
 _state: dict[str, object] = {}
 

@@ -51,12 +51,13 @@ def main() -> None:
                 continue
             times[json.dumps(launch)] = s
             errors[json.dumps(launch)] = error
-            print(f"  {label} {launch}: {s * 1e6:.1f} us, {read / s / 1e9:.0f} GB/s, against the float GEMV {error:.1e}")
+            print(f"  {label} {launch}: {s * 1e6:.1f} us, {read / s / 1e9:.0f} GB/s, "
+                  f"against the float GEMV {error:.1e}")
         best = min(times, key=times.get)
         q8 = graph_time([lambda x=x: gguf_matmul.quantize_rows(x)] * len(weights))
         table.append((label, qtype, read, floats, times[best], errors[best], best, q8))
-    print("\n| case | type | bytes | float GEMV us | GB/s | int8 GEMV us | GB/s | float / int8 | difference | quantise us "
-          "| launch |")
+    print("\n| case | type | bytes | float GEMV us | GB/s | int8 GEMV us | GB/s | float / int8 | difference "
+          "| quantise us | launch |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, qtype, read, floats, s, error, best, q8 in table:
         print(f"| {label} | {qtype} | {read / 2**20:.1f} MiB | {floats * 1e6:.1f} | {read / floats / 1e9:,.0f} | "
