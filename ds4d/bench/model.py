@@ -75,9 +75,9 @@ def add_parser(sub) -> None:
     p.add_argument("--gguf", default="", choices=["", "q2"],
                    help="the linears and routed experts in GGUF blocks of a recipe (q2: ds4's q2 files: routed "
                         "gate/up IQ2_XXS, down Q2_K, the FP8 linears Q8_0), random, kept as stored")
-    p.add_argument("--gguf-int8", default="",
-                   help="with --gguf: these types' GEMVs (comma-separated; IQ2_XXS, Q2_K, Q8_0) on inputs rounded to "
-                        "int8, byte products summed by dp4a (gguf_matmul.INT8_INPUTS)")
+    p.add_argument("--gguf-int8", default="on", choices=["on", "off"],
+                   help="with --gguf: the decode GEMVs of Q8_0, Q2_K and IQ2_XXS blocks on inputs rounded to int8, "
+                        "byte products summed by dp4a (on, as the daemon's gguf_int8_inputs), or float32 products")
     p.add_argument("--native", action="store_true",
                    help="FP8 linears and MXFP4 experts as the release stores them (weight_format native)")
     p.add_argument("--kernels", action="store_true",
@@ -239,11 +239,8 @@ def run(args: argparse.Namespace) -> int:
             kernel_rows = run_kernels(torch, device, say)
             if args.json:
                 Path(args.json).with_suffix(".kernels.json").write_text(json.dumps(kernel_rows, indent=1))
-    if args.gguf_int8:
-        from ds4d.cuda import gguf_matmul
-
-        gguf_matmul.INT8_INPUTS.update(name for name in args.gguf_int8.split(",") if name)
-        say(f"GGUF GEMVs on int8 inputs: {sorted(gguf_matmul.INT8_INPUTS)}")
+    if args.gguf:
+        say(f"GGUF decode GEMVs on int8 inputs: {args.gguf_int8}")
     t0 = time.perf_counter()
     cfg, reader, model, hf, hf_note = build(torch, args, device)
     floors = Floors(cfg, reader.issued, bandwidth, matmul, native=args.native, gguf=args.gguf)

@@ -202,7 +202,8 @@ def build(torch, args, device, offload_options=None):
         from ds4d.models.deepseek_v4.random_init import RandomGgufReader
 
         args.no_hf = True
-        reader = RandomGgufReader(cfg, dtype=dtype, device=device, recipe=args.gguf, seed=args.seed)
+        reader = RandomGgufReader(cfg, dtype=dtype, device=device, recipe=args.gguf, seed=args.seed,
+                                  int8_inputs=getattr(args, "gguf_int8", "off") == "on")
     else:
         reader = RandomReader(cfg, dtype=dtype, device=device, seed=args.seed, native=args.native,
                               keep_values=offload_options is None)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ds4d.cuda.gguf_kernels import Q2_K, Q8_0
+from ds4d.cuda.gguf_kernels import Q2_K, Q8_0, stored_as
 
 
 @triton.jit
@@ -202,7 +202,7 @@ def gemv_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, expert_ptr, n, m, k: tl.cons
     else:
         total = tl.sum(acc, axis=2)
     which = first + tl.arange(0, rows_per)
-    tl.store(out_ptr + which.to(tl.int64)[:, None] * som + rows[None, :], total,
+    tl.store(out_ptr + which.to(tl.int64)[:, None] * som + rows[None, :], stored_as(total, out_ptr),
              mask=(which[:, None] < m) & (rows[None, :] < n))
 
 
@@ -236,7 +236,7 @@ def tiles_kernel(x_ptr, raw_ptr, out_ptr, table_ptr, tile_expert_ptr, tile_start
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sxm + cols[None, :],
                     mask=live_rows[:, None] & (cols < k)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=precision)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * som + weights[None, :], acc,
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * som + weights[None, :], stored_as(acc, out_ptr),
              mask=live_rows[:, None] & (weights[None, :] < n))
 
 

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ds4d.cuda.gguf_blockwise import half_word, small_int_float
+from ds4d.cuda.gguf_kernels import stored_as
 
 
 @triton.jit
@@ -79,10 +80,11 @@ def _program(raw_ptr, expert_ptr, n, row_bytes, expert_bytes, by_expert: tl.cons
 
 @triton.jit
 def _store(acc, out_ptr, r, n, m, block_n: tl.constexpr, groups: tl.constexpr):
-    """Each weight row's groups summed, stored in row ``r`` of ``out [m, n]``."""
+    """Each weight row's groups summed, stored in row ``r`` of ``out [m, n]`` (rounded to its dtype)."""
     sums = tl.sum(tl.reshape(acc, (block_n, groups)), axis=1)
     rows = tl.program_id(0) * block_n + tl.arange(0, block_n)
-    tl.store(out_ptr + r.to(tl.int64) * n + rows, sums, mask=(rows < n) & (tl.zeros_like(rows) + r < m))
+    tl.store(out_ptr + r.to(tl.int64) * n + rows, stored_as(sums, out_ptr),
+             mask=(rows < n) & (tl.zeros_like(rows) + r < m))
 
 
 @triton.jit

@@ -28,6 +28,19 @@ MXFP4: tl.constexpr = tl.constexpr(10)
 
 
 @triton.jit
+def stored_as(value, out_ptr):
+    """float32 ``value`` in ``out_ptr``'s element type, rounded to nearest, ties to even, as torch's ``.to``
+    rounds it.  bfloat16 is rounded by its bits (Triton's interpreter truncates a float32 it converts to
+    bfloat16; a NaN stays a NaN)."""
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        bits = value.to(tl.uint32, bitcast=True)
+        up = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, up).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return value.to(out_ptr.dtype.element_ty)
+
+
+@triton.jit
 def half_at(ptr):
     """The little-endian float16 at the byte pointers ``ptr``, as float32."""
     lo = tl.load(ptr).to(tl.uint16)
@@ -277,7 +290,7 @@ def gemv_kernel(x_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_ptr, n, k: 
         w = decode(row, cols[None, :], grid_ptr, signs_ptr, qtype)
         x = tl.load(x_ptr + m.to(tl.int64) * sxm + cols).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
-    tl.store(out_ptr + m.to(tl.int64) * som + rows, acc, mask=rows < n)
+    tl.store(out_ptr + m.to(tl.int64) * som + rows, stored_as(acc, out_ptr), mask=rows < n)
 
 
 @triton.jit
@@ -302,5 +315,5 @@ def tiles_kernel(x_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, tile_expert_ptr, 
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * sxm + inputs[None, :], mask=live_rows[:, None], other=0.0)
         w = decode(base, inputs[:, None], grid_ptr, signs_ptr, qtype)
         acc += tl.dot(x, w.to(x.dtype), input_precision=precision)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * som + cols[None, :], acc,
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * som + cols[None, :], stored_as(acc, out_ptr),
              mask=live_rows[:, None] & live_cols[None, :])

@@ -14,7 +14,7 @@ have decoders in ``gguf_kernels`` (:data:`TYPES`):
   takes its own expert's matrix from a bank ``[E, N, row_bytes]`` (a decode step's (row, expert)
   pairs);
 * :func:`dot_gemv`: the GEMV of the q2 recipe's types on inputs rounded to int8, four byte products
-  at a time (``gguf_dot``; :data:`INT8_INPUTS` sends :func:`gemv`'s calls there);
+  at a time (``gguf_dot``; :func:`gemv`'s ``int8_inputs`` sends its one-row and by-expert calls there);
 * :func:`tiles`: the same product on tensor cores for a batch of rows (the weight decoded into the
   rows' dtype a tile at a time), and with ``offsets`` for rows sorted by expert (a prefill's
   pairs), tiles of one expert's rows each (the ds4 q2 recipe's types by ``gguf_blockwise``).
@@ -46,12 +46,6 @@ as 1 bit for bit failed once for IQ2_XXS and passed on a rerun, cause not found 
 
 MULTI_ROWS = 8
 """Input rows a block-wise GEMV program takes at most (each weight tile decoded once for all of them)."""
-
-INT8_INPUTS: set[str] = set()
-"""Types of :data:`DOT` whose :func:`gemv` of one row or of rows by expert, and :func:`gemv_at`, round their
-inputs to int8 and sum byte products (:func:`dot_gemv`) instead of multiplying float32 values.  Empty by default
-(``bench model --gguf-int8`` fills it): the results differ from the float GEMV's by the inputs' rounding, more
-than the GPU tests' float32 bounds allow; timed in the model on an H100 only (docs/BENCHMARKS.md)."""
 
 _state: dict[str, object] = {}
 
@@ -185,13 +179,17 @@ def _bank(raw: torch.Tensor, qtype: str, cols: int) -> tuple[torch.Tensor, int, 
 
 
 def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor | None = None, *,
-         blockwise: bool = True) -> torch.Tensor:
-    """float32 ``[M, N]``: each row of ``x [M, K]`` times every weight row of ``raw`` (``N`` rows of
-    ``K`` values in ``qtype`` blocks), summed in float32; with ``experts [M]`` (int), ``raw`` is a bank
-    ``[E, N, row_bytes]`` and row ``m`` takes expert ``experts[m]``'s matrix.  The types of
-    :data:`BLOCKWISE` take a kernel of their own (``gguf_blockwise``) unless ``blockwise`` is False."""
-    if blockwise and qtype in INT8_INPUTS and (experts is not None or x.shape[0] == 1):
-        return dot_gemv(x, raw, qtype, experts)
+         blockwise: bool = True, out_dtype: torch.dtype = torch.float32, int8_inputs: bool = False) -> torch.Tensor:
+    """``[M, N]`` in ``out_dtype``: each row of ``x [M, K]`` times every weight row of ``raw`` (``N`` rows of
+    ``K`` values in ``qtype`` blocks), summed in float32 and rounded once to ``out_dtype`` as the kernel stores
+    it (as ``.to(out_dtype)`` of the float32 result, without its launch); with ``experts [M]`` (int), ``raw`` is
+    a bank ``[E, N, row_bytes]`` and row ``m`` takes expert ``experts[m]``'s matrix.  The types of
+    :data:`BLOCKWISE` take a kernel of their own (``gguf_blockwise``) unless ``blockwise`` is False.
+    ``int8_inputs``: a type of :data:`DOT` multiplies one row, or rows by expert, on its inputs rounded to int8
+    (:func:`dot_gemv`: llama.cpp's numerics; the result differs from the float GEMV's by that rounding); rows of
+    one matrix stay on the float GEMV, which decodes a tile once for up to :data:`MULTI_ROWS` of them."""
+    if blockwise and int8_inputs and qtype in DOT and (experts is not None or x.shape[0] == 1):
+        return dot_gemv(x, raw, qtype, experts, out_dtype=out_dtype)
     cols = x.shape[-1]
     flat, row_bytes, expert_bytes = _bank(raw, qtype, cols)
     if (experts is None) != (raw.dim() == 2):
@@ -200,16 +198,17 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor |
         x = x.contiguous()
     n = raw.shape[-2]
     chosen = experts.to(device=raw.device, dtype=torch.int32) if experts is not None else None
-    return _launch_gemv(x, flat, qtype, n, row_bytes, expert_bytes, chosen, blockwise=blockwise)
+    return _launch_gemv(x, flat, qtype, n, row_bytes, expert_bytes, chosen, blockwise=blockwise, out_dtype=out_dtype)
 
 
 def _launch_gemv(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_bytes: int, expert_bytes: int,
-                 chosen: torch.Tensor | None, *, blockwise: bool = True) -> torch.Tensor:
+                 chosen: torch.Tensor | None, *, blockwise: bool = True,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The GEMV kernels over weight rows at ``flat``; ``chosen`` (None: one matrix): per row of ``x``, the
     index of its matrix, ``expert_bytes`` apart from ``flat``."""
     cols, m = x.shape[-1], x.shape[0]
     grid_table, signs = _tables(flat.device, qtype)
-    out = torch.empty(m, n, dtype=torch.float32, device=flat.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=flat.device)
     by_expert = chosen is not None
     chosen = chosen if by_expert else signs
     if blockwise and qtype in BLOCKWISE:
@@ -231,7 +230,8 @@ def _launch_gemv(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_by
     return out
 
 
-def gemv_at(x: torch.Tensor, addresses: torch.Tensor, qtype: str, n: int, *, aligned: bool = False) -> torch.Tensor:
+def gemv_at(x: torch.Tensor, addresses: torch.Tensor, qtype: str, n: int, *, aligned: bool = False,
+            out_dtype: torch.dtype = torch.float32, int8_inputs: bool = False) -> torch.Tensor:
     """:func:`gemv` with row ``m``'s matrix found by address: ``addresses[m]`` (int64) is where its ``n``
     rows of ``x.shape[1]`` values in ``qtype`` blocks start, rows contiguous, wherever they sit (device
     memory, or host memory the device can read).  The by-expert kernels of :func:`gemv` over a bank of
@@ -240,21 +240,21 @@ def gemv_at(x: torch.Tensor, addresses: torch.Tensor, qtype: str, n: int, *, ali
     apart, so the compiler knows what it knows of a bank's aligned experts and builds the same kernel:
     the result is :func:`gemv`'s with ``experts`` bit for bit where the bank's matrices are a multiple of
     16 bytes.  Unaligned, the experts are one byte apart, and the sums may round differently (every
-    address must still be a multiple of the type's :data:`WORD_BYTES`).  No host read:
-    capturable in a CUDA graph."""
+    address must still be a multiple of the type's :data:`WORD_BYTES`).  ``int8_inputs`` as in :func:`gemv`.
+    No host read: capturable in a CUDA graph."""
     row_bytes = row_bytes_of(qtype, x.shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
     if not x.shape[0]:
-        return torch.empty(0, n, dtype=torch.float32, device=x.device)
+        return torch.empty(0, n, dtype=out_dtype, device=x.device)
     anchor = _anchor(x.device)
     unit = 16 if aligned else 1
     offsets = (addresses.to(device=x.device, dtype=torch.int64) - anchor.data_ptr()).contiguous()
     if aligned:
         offsets = offsets // unit
-    if qtype in INT8_INPUTS:
-        return _launch_dot(x, anchor, qtype, n, row_bytes, unit, offsets)
-    return _launch_gemv(x, anchor, qtype, n, row_bytes, unit, offsets)
+    if int8_inputs and qtype in DOT:
+        return _launch_dot(x, anchor, qtype, n, row_bytes, unit, offsets, out_dtype)
+    return _launch_gemv(x, anchor, qtype, n, row_bytes, unit, offsets, out_dtype=out_dtype)
 
 
 def _anchor(device: torch.device) -> torch.Tensor:
@@ -316,7 +316,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return q, d, s
 
 
-def dot_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor | None = None) -> torch.Tensor:
+def dot_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor | None = None, *,
+             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """:func:`gemv` with ``x`` first rounded to int8 (:func:`quantize_rows`) and the products summed four bytes
     at a time in int32 (``gguf_dot``), for the types of :data:`DOT`: float32 ``[M, N]``, the exact product of
     the quantised inputs with the weight's values up to float32 rounding of the groups' scaled sums.  A program
@@ -329,15 +330,15 @@ def dot_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tens
         raise ValueError("dot_gemv takes a matrix [N, row_bytes], or a bank [E, N, row_bytes] with experts")
     _check_word_aligned(flat, qtype)
     chosen = experts.to(device=raw.device, dtype=torch.int32) if experts is not None else None
-    return _launch_dot(x, flat, qtype, raw.shape[-2], row_bytes, expert_bytes, chosen)
+    return _launch_dot(x, flat, qtype, raw.shape[-2], row_bytes, expert_bytes, chosen, out_dtype)
 
 
 def _launch_dot(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_bytes: int, expert_bytes: int,
-                chosen: torch.Tensor | None) -> torch.Tensor:
+                chosen: torch.Tensor | None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``gguf_dot``'s GEMV over weight rows at ``flat``; ``chosen`` (None: one matrix): per row of ``x``, the index
     of its matrix, ``expert_bytes`` apart from ``flat``."""
     cols, m = x.shape[-1], x.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32, device=flat.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=flat.device)
     if not m:
         return out
     q, d, s = quantize_rows(x)
@@ -373,8 +374,8 @@ for Q2_K down and 0.57x for Q8_0 gate/up; 2,048-token steps 1.06x, 0.70x and 1.0
 
 
 def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor | None = None, *,
-          blockwise: bool = True) -> torch.Tensor:
-    """float32 ``[M, N]``: ``x [M, K]`` (float32, bfloat16 or float16) times the weight rows of ``raw``
+          blockwise: bool = True, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[M, N]`` in ``out_dtype`` (float32 sums rounded once as they are stored): ``x [M, K]`` (float32, bfloat16 or float16) times the weight rows of ``raw``
     on tensor cores, each weight tile decoded into ``x``'s dtype; with ``offsets [E]`` (group ends),
     ``x``'s rows are sorted by expert and ``raw`` is a bank ``[E, N, row_bytes]``.  The types of
     :data:`BLOCKWISE` take ``gguf_blockwise``'s tiles (a trip's values decoded once for a tile of rows)
@@ -388,7 +389,7 @@ def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor 
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, n = x.shape[0], raw.shape[-2]
-    out = torch.empty(m, n, dtype=torch.float32, device=raw.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=raw.device)
     if not m:
         return out
     if offsets is None:
@@ -418,14 +419,14 @@ GEMV_ROWS = 8
 
 
 def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, *, gemv_rows: int = GEMV_ROWS,
-           decoded_rows: int | None = None) -> torch.Tensor:
+           decoded_rows: int | None = None, int8_inputs: bool = False) -> torch.Tensor:
     """``x [M, K] @ W^T`` in ``x``'s dtype for a weight ``raw`` of ``qtype`` blocks: a GEMV per row up to
     ``gemv_rows`` rows (float32 sums), else the weight decoded into ``x``'s dtype and one dense
     product (prefill: bound by compute, the decoding a small share of it); ``decoded_rows``: decode at
     most this many weight rows at a time (a large matrix, such as an output head, is never whole in
-    ``x``'s dtype)."""
+    ``x``'s dtype); ``int8_inputs`` as in :func:`gemv`."""
     if x.shape[0] <= gemv_rows:
-        return gemv(x, raw, qtype).to(x.dtype)
+        return gemv(x, raw, qtype, out_dtype=x.dtype, int8_inputs=int8_inputs)
     cols, n = x.shape[-1], raw.shape[0]
     step = n if decoded_rows is None else max(1, decoded_rows)
     if step >= n:
@@ -437,10 +438,10 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, *, gemv_rows: int = G
 
 
 def expert_rows(x: torch.Tensor, raw: torch.Tensor, qtype: str, expert_of_row: torch.Tensor,
-                offsets: torch.Tensor | None) -> torch.Tensor:
+                offsets: torch.Tensor | None, *, int8_inputs: bool = False) -> torch.Tensor:
     """Rows of ``x [M, K]`` times their expert's matrix of the bank ``raw [E, N, row_bytes]``, in ``x``'s
     dtype: a GEMV per row by ``expert_of_row`` when ``offsets`` is None, else tensor-core tiles over the
-    rows sorted by expert (group ends ``offsets``)."""
+    rows sorted by expert (group ends ``offsets``); ``int8_inputs`` as in :func:`gemv`."""
     if offsets is None:
-        return gemv(x, raw, qtype, expert_of_row).to(x.dtype)
-    return tiles(x, raw, qtype, offsets).to(x.dtype)
+        return gemv(x, raw, qtype, expert_of_row, out_dtype=x.dtype, int8_inputs=int8_inputs)
+    return tiles(x, raw, qtype, offsets, out_dtype=x.dtype)

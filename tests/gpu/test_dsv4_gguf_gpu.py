@@ -2,8 +2,9 @@
 compiled kernels of ``gguf_matmul`` inside the model, decode steps in CUDA graphs) against the same file
 decoded to float (``dense``), in float32 on the same GPU: llama.cpp's tiny Q8_0/MXFP4, Q2_K, IQ2_XXS and
 Q6_K files (tests/fixtures/gguf_v4).  Decoding is exact, so logits agree within float32 summation order
-(1e-4 of the largest) and greedy tokens are the same; bfloat16 native decodes with the float32 model's
-tokens wherever its top-2 margin is clear.
+(1e-4 of the largest) and greedy tokens are the same; with ``int8_inputs`` the decode GEMVs' inputs are rounded
+to int8 (llama.cpp's numerics), within 3e-2; bfloat16 native decodes with the float32 model's tokens wherever its
+top-2 margin is clear.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ PROMPT = [(i * 7919) % 500 + 3 for i in range(150)]
 FILES = ["converted.gguf", "quant-Q2_K.gguf", "quant-IQ2_XXS.gguf", "quant-Q6_K.gguf"]
 
 
-def _run(model, steps: int = 8) -> tuple[torch.Tensor, list[int]]:
+def _run(model, steps: int = 8, fed: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    """The prompt's logits and ``steps`` decode steps', each step fed the greedy token before it (or ``fed``'s)."""
     driver = Driver(model)
     driver.start("a")
     logits = [driver.prefill("a", PROMPT, chunk=150).float()]
     ids = [int(logits[0][-1].argmax())]
-    for _ in range(steps):
-        logits.append(driver.step([("a", ids[-1:], 1)])[0].float())
+    for step in range(steps):
+        logits.append(driver.step([("a", [fed[step] if fed else ids[-1]], 1)])[0].float())
         ids.append(int(logits[-1][-1].argmax()))
     return torch.cat(logits), ids
 
@@ -45,6 +47,27 @@ def test_native_blocks_give_the_decoded_models_logits_on_cuda(name):
     (got, got_ids), (want, want_ids) = _run(native), _run(dense)
     assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
     assert got_ids == want_ids
+
+
+@pytest.mark.parametrize("name", ["converted.gguf", "quant-Q2_K.gguf", "quant-IQ2_XXS.gguf"])
+def test_int8_inputs_stay_near_the_decoded_models_logits_on_cuda(name):
+    """``int8_inputs`` (the daemon's ``gguf_int8_inputs``): a decode step's Q8_0, Q2_K and IQ2_XXS GEMVs on inputs
+    rounded to int8 (``dp4a`` compiled for the device).  Fed the decoded float32 model's tokens, the prompt's logits
+    are the float GEMVs' (a prompt step takes no GEMV: within 1e-4) and each decode step's within 3e-2 of the
+    largest logit (Triton's interpreter gave 1.0e-2 to 1.2e-2 on these files, ``gguf_int8_model_check.py``; llama.cpp's
+    own logits differ from the float model's by 1-2%), with its greedy token wherever the top-2 margin is clear."""
+    native = load_gguf_model(FIXTURES / name, dtype=torch.float32, device="cuda", weight_format="native",
+                             int8_inputs=True)
+    assert native.weights.layers[1].attn.wq_a.int8_inputs
+    want, want_ids = _run(load_gguf_model(FIXTURES / name, dtype=torch.float32, device="cuda", weight_format="dense"))
+    got, _ = _run(native, fed=want_ids[:-1])
+    n, largest = len(PROMPT), want.abs().max().item()
+    assert (got[:n] - want[:n]).abs().max().item() < 1e-4 * largest
+    difference = (got[n:] - want[n:]).abs().max().item()
+    assert 0 < difference < 3e-2 * largest
+    top2 = want[n:].topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.05 * largest
+    assert clear.any() and torch.equal(got[n:].argmax(-1)[clear], want[n:].argmax(-1)[clear])
 
 
 @pytest.mark.parametrize("name", FILES)

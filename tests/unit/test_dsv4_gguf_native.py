@@ -42,11 +42,12 @@ pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
 PROMPT = [(i * 7919) % 500 + 3 for i in range(150)]
 
 
-def _load(name: str, native: bool) -> DeepseekV4Model:
+def _load(name: str, native: bool, int8_inputs: bool = False) -> DeepseekV4Model:
     files = GGUFSet(FIXTURES / name)
     try:
         cfg = read_config(files)
-        weights = read_weights(GGUFWeightReader(files, cfg, dtype=torch.float32, native=native))
+        weights = read_weights(GGUFWeightReader(files, cfg, dtype=torch.float32, native=native,
+                                                int8_inputs=int8_inputs))
     finally:
         files.close()
     return DeepseekV4Model(cfg, weights, tokenizer=None, dtype=torch.float32,
@@ -109,6 +110,19 @@ def test_linears_of_one_input_multiply_in_one_gemv_and_give_the_same_logits_bit_
     assert fused.info.parameter_bytes == apart.info.parameter_bytes
     (got, got_ids), (want, want_ids) = _run(fused), _run(apart)
     assert torch.equal(got, want) and got_ids == want_ids
+
+
+def test_int8_inputs_reach_every_kept_linear_and_expert_bank_but_the_head():
+    """``int8_inputs`` (the daemon's ``gguf_int8_inputs``): every linear and routed bank kept in blocks takes its
+    decode GEMVs on int8 inputs, fused pairs too; the output head stays float.  Off, none does."""
+    for int8 in (True, False):
+        model = _load("quant-IQ2_XXS.gguf", native=True, int8_inputs=int8)
+        kept = [w for layer in model.weights.layers for record in (layer.attn, layer.ffn)
+                for w in vars(record).values() if isinstance(w, GgufWeight)]
+        banks = [m for layer in model.weights.layers for m in layer.ffn.experts.native if isinstance(m, GgufMatrices)]
+        assert len(kept) > 4 * len(model.weights.layers) and banks
+        assert all(w.int8_inputs == int8 for w in kept + banks)
+        assert isinstance(model.weights.head, GgufWeight) and not model.weights.head.int8_inputs
 
 
 def test_the_summary_names_what_stays_in_blocks():

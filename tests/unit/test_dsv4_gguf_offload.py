@@ -49,11 +49,12 @@ SECOND = [(i * 104729) % 500 + 3 for i in range(40)]
 PATHS = ForwardPaths(fast_path=True, decode_graphs="off")
 
 
-def _load(name: str, offload: OffloadOptions | None = None) -> DeepseekV4Model:
+def _load(name: str, offload: OffloadOptions | None = None, int8_inputs: bool = False) -> DeepseekV4Model:
     files = GGUFSet(FIXTURES / name)
     try:
         cfg = read_config(files)
-        weights, experts = read_gguf_weights(GGUFWeightReader(files, cfg, dtype=torch.float32, native=True), offload)
+        reader = GGUFWeightReader(files, cfg, dtype=torch.float32, native=True, int8_inputs=int8_inputs)
+        weights, experts = read_gguf_weights(reader, offload)
     finally:
         files.close()
     return DeepseekV4Model(cfg, weights, tokenizer=None, dtype=torch.float32, paths=PATHS, expert_offload=experts)
@@ -256,3 +257,18 @@ def test_a_file_decoded_on_the_cpu_offloads_its_float_experts():
     model = load_gguf_model(FIXTURES / "quant-Q2_K.gguf", paths=PATHS, offload=_options(decode_cold="copy"))
     assert model.expert_offload.form.kind == "float"
     _assert_equal(_run(model), want)
+
+
+def test_int8_inputs_follow_offloaded_experts_into_every_bank_and_address_table():
+    """``int8_inputs`` (the daemon's ``gguf_int8_inputs``) is the bank's, so the offloaded experts keep it: the
+    layer's form, its hot device bank, the staging banks the cold ones are copied into and the address tables
+    decode steps read them through all take their GEMVs on int8 inputs; without it none does."""
+    for int8 in (True, False):
+        probe = _load(KEPT, _options())
+        budget = probe.expert_offload.device_expert_bytes * 3 + probe.expert_offload.staging_bytes
+        offload = _load(KEPT, _options(budget, placement="static"), int8_inputs=int8).expert_offload
+        assert offload.form.gguf_int8 == int8 and offload.zero_copy
+        matrices = [m for bank in offload.banks for m in (bank.gate_up, bank.down)]
+        matrices += [m for bank in offload.staged.stages_of(offload.form) for m in (bank.gate_up, bank.down)]
+        matrices += [m for table in offload.zero_copy_experts.addressed if table for m in table]
+        assert matrices and all(m.int8_inputs == int8 for m in matrices)

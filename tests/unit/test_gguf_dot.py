@@ -88,8 +88,8 @@ def test_each_row_takes_its_experts_matrix(qtype):
 
 
 @pytest.mark.parametrize("qtype", DOT_TYPES)
-def test_matrices_found_by_address_give_the_banks_products(qtype, monkeypatch):
-    """``gemv_at`` (offloaded experts read in place) with the type in ``INT8_INPUTS``: matrices in separate tensors
+def test_matrices_found_by_address_give_the_banks_products(qtype):
+    """``gemv_at`` (offloaded experts read in place) with ``int8_inputs``: matrices in separate tensors
     give what the same matrices stacked as a bank give by index, bit for bit with the addresses promised aligned."""
     raw = random_blocks(qtype, 3 * 12, 512, seed=13).reshape(3, 12, -1)
     apart = [torch.from_numpy(raw[e].copy()).to(device()) for e in range(3)]
@@ -97,9 +97,8 @@ def test_matrices_found_by_address_give_the_banks_products(qtype, monkeypatch):
     addresses = torch.tensor([apart[e].data_ptr() for e in experts.tolist()], dtype=torch.int64).to(device())
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(13)).to(device())
     want = gguf_matmul.dot_gemv(x, torch.from_numpy(raw).to(device()), qtype, experts.to(device()))
-    monkeypatch.setattr(gguf_matmul, "INT8_INPUTS", {qtype})
-    assert torch.equal(gguf_matmul.gemv_at(x, addresses, qtype, 12, aligned=True), want)
-    loose = gguf_matmul.gemv_at(x, addresses, qtype, 12)
+    assert torch.equal(gguf_matmul.gemv_at(x, addresses, qtype, 12, aligned=True, int8_inputs=True), want)
+    loose = gguf_matmul.gemv_at(x, addresses, qtype, 12, int8_inputs=True)
     assert torch.allclose(loose, want, rtol=0, atol=2e-6 * want.abs().max().item())
 
 
@@ -118,15 +117,16 @@ def test_types_without_an_int8_kernel_are_refused():
         gguf_matmul.dot_gemv(torch.zeros(1, 256), torch.zeros(1, 144, dtype=torch.uint8), "Q4_K")
 
 
-def test_int8_inputs_sends_a_types_one_row_gemv_to_the_int8_kernel(monkeypatch):
+def test_int8_inputs_sends_a_types_one_row_gemv_to_the_int8_kernel():
     raw = torch.from_numpy(random_blocks("Q2_K", 8, 512, seed=9)).to(device())
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(9)).to(device())
     floats = gguf_matmul.gemv(x, raw, "Q2_K")
-    monkeypatch.setattr(gguf_matmul, "INT8_INPUTS", {"Q2_K"})
-    got = gguf_matmul.gemv(x[:1], raw, "Q2_K")
+    got = gguf_matmul.gemv(x[:1], raw, "Q2_K", int8_inputs=True)
     assert torch.equal(got, gguf_matmul.dot_gemv(x[:1], raw, "Q2_K")) and not torch.equal(got, floats[:1])
-    assert torch.equal(gguf_matmul.gemv(x, raw, "Q2_K"), floats)  # rows of one matrix: decoded once, in float32
-    element_wise = gguf_matmul.gemv(x, raw, "Q2_K", blockwise=False)  # the element-wise kernel stays float
+    # rows of one matrix: decoded once, in float32
+    assert torch.equal(gguf_matmul.gemv(x, raw, "Q2_K", int8_inputs=True), floats)
+    # the element-wise kernel stays float
+    element_wise = gguf_matmul.gemv(x, raw, "Q2_K", blockwise=False, int8_inputs=True)
     assert torch.allclose(element_wise, floats, rtol=1e-5, atol=1e-5 * floats.abs().max().item())
 
 

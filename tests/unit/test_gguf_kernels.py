@@ -275,3 +275,28 @@ def test_blockwise_kernels_refuse_blocks_off_a_word(qtype):
     rows = torch.from_numpy(random_blocks(qtype, 3, values, seed=10)).to(device())
     assert torch.equal(gguf_matmul.dequantize(rows[1:], qtype, values),  # a slice of whole rows is on a word
                        gguf_matmul.dequantize(rows, qtype, values)[1:])
+
+
+@pytest.mark.parametrize("qtype", sorted(gguf_matmul.BLOCKWISE))
+def test_products_stored_in_another_dtype_are_the_float32_ones_rounded(qtype):
+    """``out_dtype``: each kernel rounds its float32 sums once as it stores them, giving what ``.to(out_dtype)``
+    of its float32 result gives, bit for bit (the model's linears ask for their activations' dtype, so no cast
+    runs after them): the block-wise and element-wise GEMVs, by expert, on int8 inputs, and both tiles."""
+    raw, _ = bank(qtype, 3, 24, 512)
+    bank_t, matrix = torch.from_numpy(raw).to(device()), torch.from_numpy(raw[1]).to(device())
+    gen = torch.Generator().manual_seed(13)
+    x = (torch.randn(5, 512, generator=gen) * 3).to(device())
+    experts = torch.tensor([2, 0, 2, 1, 1]).to(device())
+    offsets = torch.tensor([2, 2, 5], dtype=torch.int32).to(device())
+    products = {
+        "block-wise GEMV": lambda **o: gguf_matmul.gemv(x[:3], matrix, qtype, **o),
+        "element-wise GEMV": lambda **o: gguf_matmul.gemv(x[:1], matrix, qtype, blockwise=False, **o),
+        "GEMV by expert": lambda **o: gguf_matmul.gemv(x, bank_t, qtype, experts, **o),
+        "int8 inputs": lambda **o: gguf_matmul.dot_gemv(x, bank_t, qtype, experts, **o),
+        "tiles": lambda **o: gguf_matmul.tiles(x, bank_t, qtype, offsets, **o),
+        "element-wise tiles": lambda **o: gguf_matmul.tiles(x, bank_t, qtype, offsets, blockwise=False, **o),
+    }
+    for name, product in products.items():
+        wide, got = product(), product(out_dtype=torch.bfloat16)
+        assert got.dtype == torch.bfloat16, name
+        assert torch.equal(got.cpu().view(torch.int16), wide.to(torch.bfloat16).cpu().view(torch.int16)), name

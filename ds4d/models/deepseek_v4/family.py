@@ -52,18 +52,20 @@ from ds4d.registry import PluginError
 def load_model(
     path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", offload: OffloadOptions | None = None,
     weight_format: str = "auto", paths: ForwardPaths | None = None, load_format: str = "auto",
+    gguf_int8: bool = False,
 ) -> DeepseekV4Model:
     """Load a checkpoint; with ``offload``, routed experts go to host RAM and the device keeps the hot ones.
     ``paths``: how the forward runs (default: every path the device can run); ``load_format`` random:
     weights drawn at random for the directory's config.json (``random_init.py``), as they would be read;
-    random-q2: the linears and routed experts in random GGUF blocks of the ds4 q2 recipe."""
+    random-q2: the linears and routed experts in random GGUF blocks of the ds4 q2 recipe.  ``gguf_int8``: GGUF
+    blocks kept as stored take their decode GEMVs on inputs rounded to int8 (``stored.GgufWeight.int8_inputs``)."""
     path = Path(path)
     if path.is_file():  # a GGUF file of llama.cpp's converter
         if load_format != "auto":
             raise ValueError(f"load_format {load_format} draws weights for a checkpoint directory's config.json, "
                              "not a GGUF file")
         return load_gguf_model(path, dtype=dtype, device=device, offload=offload, weight_format=weight_format,
-                               paths=paths)
+                               paths=paths, int8_inputs=gguf_int8)
     cfg = DeepseekV4Config.from_file(path)
     native = native_weights(weight_format, dtype, device)
     if offload is not None and native:
@@ -74,7 +76,7 @@ def load_model(
     expert_device = "cpu" if experts is not None else None
     sink = experts.adopt if experts is not None else None
     if load_format == "random-q2":
-        reader = RandomGgufReader(cfg, dtype=dtype, device=device, recipe="q2")
+        reader = RandomGgufReader(cfg, dtype=dtype, device=device, recipe="q2", int8_inputs=gguf_int8)
         weights = read_weights(reader, expert_device=expert_device, expert_sink=sink)
     elif load_format == "random":
         reader = RandomReader(cfg, dtype=dtype, device=device, native=native, keep_values=False)
@@ -195,7 +197,7 @@ class DeepseekV4Family:
         paths = paths.replace(prefill_block=prefill_block(config, offload is not None))
         model = load_model(path, dtype=dtype, device=device, offload=offload,
                            weight_format=str(getattr(config, "weight_format", "auto")), paths=paths,
-                           load_format=load_format)
+                           load_format=load_format, gguf_int8=bool(getattr(config, "gguf_int8_inputs", False)))
         self.ctx.log.info(
             "loaded %s: %d layers, ratios %s, %.1f MiB of parameters (%s weights)",
             model.info.name,

@@ -184,7 +184,7 @@ class GGUFWeightReader:
     dequantised tensors out), like ``loader.WeightReader`` does for safetensors."""
 
     def __init__(self, files: GGUFSet, cfg: DeepseekV4Config, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", native: bool = False) -> None:
+                 device: str | torch.device = "cpu", native: bool = False, int8_inputs: bool = False) -> None:
         self.files = files
         self.cfg = cfg
         self.dtype = dtype
@@ -192,6 +192,8 @@ class GGUFWeightReader:
         self.native = native
         """Keep the linears and routed experts whose type a kernel reads (``gguf_matmul.TYPES``) in their
         blocks (``stored.GgufWeight``, ``GgufMatrices``); every other tensor is decoded."""
+        self.int8_inputs = int8_inputs
+        """The kept blocks' decode GEMVs round their inputs to int8 (``stored.GgufWeight.int8_inputs``)."""
         self.block = (128, 128)  # unused: nothing is FP8 here
         self._stacked: tuple[str, torch.Tensor] | None = None
 
@@ -227,7 +229,7 @@ class GGUFWeightReader:
         if qtype is None:
             return None
         raw = self.files.raw(gguf_tensor).to(self.device)
-        return GgufWeight(raw, qtype, self.files.shape(gguf_tensor)[-1], self.dtype)
+        return GgufWeight(raw, qtype, self.files.shape(gguf_tensor)[-1], self.dtype, self.int8_inputs)
 
     def _kept_experts(self, layer: int) -> tuple[dict[str, str], dict[str, str | None]]:
         """(GGUF name, type kept in blocks or None) of ``layer``'s routed matrices w1, w2, w3: with native
@@ -248,7 +250,7 @@ class GGUFWeightReader:
         device = device or self.device
         matrices = {which: self.files.raw(name).to(device) if kept[which]
                     else self.files.tensor(name).to(device=device, dtype=self.dtype) for which, name in names.items()}
-        return gguf_bank(matrices, kept, self.dtype, self.block)
+        return gguf_bank(matrices, kept, self.dtype, self.block, int8_inputs=self.int8_inputs)
 
     def expert_bytes(self, layer: int) -> int:
         """One routed expert of ``layer`` as :meth:`stored_bank` (or, without native weights, the decoding)
@@ -413,15 +415,16 @@ def read_gguf_weights(reader: GGUFWeightReader, offload: OffloadOptions | None =
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
                     offload: OffloadOptions | None = None, weight_format: str = "auto",
-                    paths: Any = None) -> DeepseekV4Model:
+                    paths: Any = None, int8_inputs: bool = False) -> DeepseekV4Model:
     """Load a DeepSeek-V4 GGUF file (or split set): with native weights (:func:`gguf_native`) the linears
-    and routed experts of a type the kernels read stay in their blocks, everything else is decoded."""
+    and routed experts of a type the kernels read stay in their blocks, everything else is decoded;
+    ``int8_inputs``: the kept blocks' decode GEMVs round their inputs to int8 (``stored.GgufWeight``)."""
     path = Path(path)
     native = gguf_native(weight_format, device)
     files = GGUFSet(path)
     try:
         cfg = read_config(files)
-        reader = GGUFWeightReader(files, cfg, dtype=dtype, device=device, native=native)
+        reader = GGUFWeightReader(files, cfg, dtype=dtype, device=device, native=native, int8_inputs=int8_inputs)
         reader.check_complete()
         weights, experts = read_gguf_weights(reader, offload)
         if native:

@@ -97,13 +97,14 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor
                                           weight.inputs // 2, weight.inputs // 32, aligned=weight.aligned)
     if isinstance(weight, GgufAddresses):  # the same, GGUF blocks
         return gguf_matmul.gemv_at(x, weight.table[expert_of_row], weight.qtype, weight.rows,
-                                   aligned=weight.aligned).to(x.dtype)
+                                   aligned=weight.aligned, out_dtype=x.dtype, int8_inputs=weight.int8_inputs)
     if isinstance(weight, GgufMatrices) and not gguf_matmul.available():  # no kernel here: the decoded bank
         weight = gguf_values(weight.raw, weight.qtype, weight.cols).to(x.dtype)
     per_row = _per_row_kernel(x, weight, step_rows)
     if isinstance(weight, GgufMatrices):
         return gguf_matmul.expert_rows(x, weight.raw, weight.qtype, expert_of_row,
-                                       None if per_row or offsets is None else offsets)
+                                       None if per_row or offsets is None else offsets,
+                                       int8_inputs=weight.int8_inputs)
     if isinstance(weight, Mxfp4Matrices):
         if per_row:
             return quant_matmul.mxfp4_rows(x, weight.packed, weight.scales, expert_of_row)

@@ -68,7 +68,7 @@ from ds4d.cuda.host_memory import (
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.moe import _swiglu, route, tally_routing
 from ds4d.models.deepseek_v4.offload_compute import StagedCompute
-from ds4d.models.deepseek_v4.offload_parts import DeviceBank, ExpertForm, gguf_form, stored_parts
+from ds4d.models.deepseek_v4.offload_parts import DeviceBank, ExpertForm, gguf_form, gguf_int8, stored_parts
 from ds4d.models.deepseek_v4.offload_residency import ExpertResidency
 from ds4d.models.deepseek_v4.offload_stats import LayerStats, OffloadSizes, expert_report, memory_plan
 from ds4d.models.deepseek_v4.offload_zero_copy import ZeroCopyExperts
@@ -186,7 +186,8 @@ class ExpertOffload:
         host_bytes = sum(t[0].numel() * t.element_size() for t in stored.values())
         form = ExpertForm(bank.kind, bank.block, native, self.dtype, self.device, self.experts,
                           cfg.moe_intermediate_size, cfg.hidden_size, host_bytes, self.options.pair_weighted,
-                          gguf_form(bank) if bank.kind == "gguf" else (None, None))
+                          gguf_form(bank) if bank.kind == "gguf" else (None, None),
+                          bank.kind == "gguf" and gguf_int8(bank))
         return form, stored
 
     def _setup(self, form: ExpertForm, stored: dict[str, torch.Tensor]) -> None:

@@ -53,6 +53,8 @@ class ExpertForm:
     gguf: tuple[str | None, str | None] = (None, None)
     """``gguf`` experts: the GGUF types of (w1 over w3, w2) as the kernels read them; None for a matrix
     held as decoded values in ``dtype`` (a type no kernel reads)."""
+    gguf_int8: bool = False
+    """``gguf`` experts: their decode GEMVs round the inputs to int8 (``stored.GgufMatrices.int8_inputs``)."""
 
     @property
     def label(self) -> str:
@@ -128,6 +130,11 @@ def gguf_form(bank: ExpertBank) -> tuple[str | None, str | None]:
     return tuple(m.qtype if isinstance(m, GgufMatrices) else None for m in bank.native)
 
 
+def gguf_int8(bank: ExpertBank) -> bool:
+    """A ``gguf`` bank's blocks take their decode GEMVs on int8 inputs."""
+    return any(isinstance(m, GgufMatrices) and m.int8_inputs for m in bank.native)
+
+
 def held(matrices: torch.Tensor | GgufMatrices) -> torch.Tensor:
     """The tensor that holds a bank's matrices: GGUF blocks' bytes, or the values themselves."""
     return matrices.raw if isinstance(matrices, GgufMatrices) else matrices
@@ -182,8 +189,8 @@ def gguf_matrices(form: ExpertForm, gate_up: torch.Tensor, down: torch.Tensor) -
     """A ``gguf`` form's (w1 over w3, w2) over the tensors that hold them (``[..., 2I, row]``, ``[..., D, row]``):
     :class:`GgufMatrices` for a type the kernels read, the tensor itself for decoded values."""
     gate_type, down_type = form.gguf
-    return (GgufMatrices(gate_up, gate_type, form.hidden) if gate_type else gate_up,
-            GgufMatrices(down, down_type, form.intermediate) if down_type else down)
+    return (GgufMatrices(gate_up, gate_type, form.hidden, form.gguf_int8) if gate_type else gate_up,
+            GgufMatrices(down, down_type, form.intermediate, form.gguf_int8) if down_type else down)
 
 
 def _gguf_empty(form: ExpertForm, n: int, rows: int, cols: int, qtype: str | None) -> torch.Tensor:

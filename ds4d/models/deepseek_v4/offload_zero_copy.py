@@ -92,8 +92,9 @@ class ZeroCopyExperts:
         inter, hidden = self.intermediate, self.hidden
         if self.form.kind == "gguf":
             gate_up, down = self.form.gguf
-            return (GgufAddresses(table[0], gate_up, 2 * inter, hidden, aligned=True),
-                    GgufAddresses(table[1], down, hidden, inter, aligned=True))
+            int8 = self.form.gguf_int8
+            return (GgufAddresses(table[0], gate_up, 2 * inter, hidden, aligned=True, int8_inputs=int8),
+                    GgufAddresses(table[1], down, hidden, inter, aligned=True, int8_inputs=int8))
         # aligned: checked for the tables (``write_table``); host slots and scratch rows start at
         # multiples of 256 bytes (``SlotArena``)
         return (Mxfp4Addresses(table[0], table[1], 2 * inter, hidden, aligned=True),

@@ -233,9 +233,11 @@ class RandomGgufReader(RandomReader):
     :attr:`issued` keeps the quantised ones' shapes only."""
 
     def __init__(self, cfg: DeepseekV4Config, *, dtype: torch.dtype, device: str | torch.device, recipe: str,
-                 seed: int = 0) -> None:
+                 seed: int = 0, int8_inputs: bool = False) -> None:
         super().__init__(cfg, dtype=dtype, device=device, seed=seed, native=True, keep_values=False)
         self.recipe = GGUF_RECIPES[recipe]
+        self.int8_inputs = int8_inputs
+        """The blocks' decode GEMVs round their inputs to int8 (``stored.GgufWeight.int8_inputs``)."""
 
     def stored_linear(self, name: str, *, describe: bool = False) -> GgufWeight | None:
         """The linear ``name`` in random blocks of the recipe, or None (not stored in FP8 by the release, or
@@ -247,10 +249,10 @@ class RandomGgufReader(RandomReader):
         if qtype is None:
             return None
         if describe:
-            return GgufWeight(_meta_blocks(shape[0], shape[1], qtype), qtype, shape[1], self.dtype)
+            return GgufWeight(_meta_blocks(shape[0], shape[1], qtype), qtype, shape[1], self.dtype, self.int8_inputs)
         self._issue(name, torch.empty(shape, device="meta"))
         raw = random_gguf_blocks(shape[0], shape[1], qtype, self._generator(name), self.device)
-        return GgufWeight(raw, qtype, shape[1], self.dtype)
+        return GgufWeight(raw, qtype, shape[1], self.dtype, self.int8_inputs)
 
     def expert_blocks(self, layer: int, device: torch.device, *, describe: bool = False,
                       ) -> tuple[dict[str, torch.Tensor], dict[str, str]] | None:
@@ -278,4 +280,4 @@ class RandomGgufReader(RandomReader):
         blocks = self.expert_blocks(layer, device or self.device)
         if blocks is None:
             return None  # RandomReader's experts, MXFP4
-        return gguf_bank(*blocks, self.dtype, self.block)
+        return gguf_bank(*blocks, self.dtype, self.block, int8_inputs=self.int8_inputs)

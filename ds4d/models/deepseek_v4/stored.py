@@ -62,12 +62,14 @@ class Fp8Weight:
 @dataclass
 class GgufWeight:
     """A linear's ``[out, in]`` weight in GGUF blocks of ``qtype`` as the file stores them: ``raw`` uint8
-    ``[out, in / block_values * block_bytes]`` (``ds4d.cuda.gguf_matmul``)."""
+    ``[out, in / block_values * block_bytes]`` (``ds4d.cuda.gguf_matmul``); ``int8_inputs``: its one-row GEMV
+    rounds the inputs to int8 (``gguf_matmul.gemv``; a type without such a kernel ignores it)."""
 
     raw: torch.Tensor
     qtype: str
     cols: int
     dtype: torch.dtype  # the activations' dtype (and the result's)
+    int8_inputs: bool = False
 
     @property
     def shape(self) -> torch.Size:
@@ -81,7 +83,8 @@ class GgufWeight:
         """``x [..., in] @ W^T`` (``launch``: ``gguf_matmul.linear``'s ``gemv_rows`` and ``decoded_rows``)."""
         if gguf_matmul.available() and x.device == self.raw.device:
             flat = x.reshape(-1, x.shape[-1])
-            return gguf_matmul.linear(flat, self.raw, self.qtype, **launch).view(*x.shape[:-1], -1)
+            return gguf_matmul.linear(flat, self.raw, self.qtype, int8_inputs=self.int8_inputs,
+                                      **launch).view(*x.shape[:-1], -1)
         return torch.nn.functional.linear(x, self.dense())
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
@@ -101,13 +104,13 @@ def fuse_rows(first: Linear, second: Linear) -> GgufWeight | Fp8Weight | None:
         return _fuse_fp8(first, second)
     if not (isinstance(first, GgufWeight) and isinstance(second, GgufWeight)):
         return None
-    if (first.qtype, first.cols, first.dtype, first.raw.device) != (second.qtype, second.cols, second.dtype,
-                                                                     second.raw.device):
+    if (first.qtype, first.cols, first.dtype, first.raw.device, first.int8_inputs) != (
+            second.qtype, second.cols, second.dtype, second.raw.device, second.int8_inputs):
         return None
     rows = first.raw.shape[0]
     both = torch.cat([first.raw, second.raw])
     first.raw, second.raw = both[:rows], both[rows:]
-    return GgufWeight(both, first.qtype, first.cols, first.dtype)
+    return GgufWeight(both, first.qtype, first.cols, first.dtype, first.int8_inputs)
 
 
 def _fuse_fp8(first: Fp8Weight, second: Fp8Weight) -> Fp8Weight | None:
@@ -126,24 +129,28 @@ def _fuse_fp8(first: Fp8Weight, second: Fp8Weight) -> Fp8Weight | None:
 
 @dataclass
 class GgufMatrices:
-    """One matrix per expert in GGUF blocks of ``qtype``: uint8 ``[E, out, row_bytes]`` (``cols`` inputs)."""
+    """One matrix per expert in GGUF blocks of ``qtype``: uint8 ``[E, out, row_bytes]`` (``cols`` inputs);
+    ``int8_inputs`` as :class:`GgufWeight`'s (a decode step's rows by expert)."""
 
     raw: torch.Tensor
     qtype: str
     cols: int
+    int8_inputs: bool = False
 
 
 @dataclass
 class GgufAddresses:
     """Expert matrices in GGUF blocks of ``qtype`` found by address: int64 ``[E]`` of where each expert's
     ``rows`` rows of ``cols`` values start (rows contiguous), wherever they sit (``offload_zero_copy.py``);
-    ``aligned``: every address is a multiple of 16 (``gguf_matmul.gemv_at``)."""
+    ``aligned``: every address is a multiple of 16 (``gguf_matmul.gemv_at``); ``int8_inputs`` as
+    :class:`GgufWeight`'s."""
 
     table: torch.Tensor
     qtype: str
     rows: int
     cols: int
     aligned: bool = False
+    int8_inputs: bool = False
 
 
 def gguf_values(raw: torch.Tensor, qtype: str, cols: int, *, kernel: bool = True) -> torch.Tensor:

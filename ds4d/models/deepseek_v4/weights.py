@@ -323,16 +323,19 @@ def _experts(
 
 
 def gguf_bank(matrices: dict[str, torch.Tensor], types: dict[str, str | None], dtype: torch.dtype,
-              block: tuple[int, int]) -> ExpertBank:
+              block: tuple[int, int], *, int8_inputs: bool = False) -> ExpertBank:
     """A ``gguf`` bank from each routed matrix stacked over experts (w1, w2, w3: ``[E, out, ...]``): its GGUF
     blocks where ``types`` names a type, else its decoded values; gate and up (one type, or both None) are
-    stacked as one matrix, w1 over w3, and the per-matrix tensors become views of it."""
+    stacked as one matrix, w1 over w3, and the per-matrix tensors become views of it.  ``int8_inputs``: the
+    blocks' decode GEMVs round their inputs to int8 (``stored.GgufMatrices``)."""
     inter, hidden = matrices["w1"].shape[1], matrices["w2"].shape[1]
     gate_up = torch.cat([matrices["w1"], matrices["w3"]], 1)
     weights = {"w1": gate_up[:, :inter], "w2": matrices["w2"], "w3": gate_up[:, inter:]}
     cols = {"w1": hidden, "w2": inter, "w3": hidden}
-    blocks = {which: GgufMatrices(weights[which], qtype, cols[which]) for which, qtype in types.items() if qtype}
-    native = (GgufMatrices(gate_up, types["w1"], hidden) if types["w1"] else gate_up, blocks.get("w2", weights["w2"]))
+    blocks = {which: GgufMatrices(weights[which], qtype, cols[which], int8_inputs)
+              for which, qtype in types.items() if qtype}
+    native = (GgufMatrices(gate_up, types["w1"], hidden, int8_inputs) if types["w1"] else gate_up,
+              blocks.get("w2", weights["w2"]))
     return ExpertBank(kind="gguf", weights=weights, scales={}, dtype=dtype, block=block,
                       gate_up=None if types["w1"] else gate_up, native=native, gguf=blocks)
 
