@@ -19,7 +19,8 @@ so nothing crosses threads until the row's sum after the loop (compiled for sm_9
 1.8-3.3 instructions a weight value and 32-40 registers, against the float GEMV's 7.0-12.4 instructions;
 ``tests/gpu/gguf_sass_count.py --dot``).  A program takes ``block_n`` weight rows, ``groups`` groups
 of each a trip, and one input row (``program_id(1)``); with ``by_expert`` that row's matrix is
-``expert_ptr[row]``'s of a bank, ``expert_bytes`` apart.
+``expert_ptr[row]``'s of a bank, ``expert_bytes`` apart.  :func:`q8_0_rows_kernel` takes up to eight input rows of
+one matrix a program (a batch's linears), each weight word read once for all of them.
 
 ``native`` (a GPU): ``dp4a`` by inline PTX; else (Triton's interpreter) the same sum by shifts and multiplies,
 which gives the same int32 bit for bit, since both are exact.
@@ -187,3 +188,41 @@ def q2_k_kernel(q_ptr, d_ptr, s_ptr, raw_ptr, out_ptr, expert_ptr, n, m, k: tl.c
             acc += (total.to(tl.float32) * ((d * small_int_float(sc & 15)) * dx)
                     - (dmin * small_int_float(sc >> 4)) * (dx * xs.to(tl.float32)))
     _store(acc, out_ptr, r, n, m, block_n, groups)
+
+
+@triton.jit
+def q8_0_rows_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, n, m, k: tl.constexpr, row_bytes, block_n: tl.constexpr,
+                     groups: tl.constexpr, rows_per: tl.constexpr, native: tl.constexpr):
+    """:func:`q8_0_kernel` for up to ``rows_per`` input rows of one matrix (a batch's linear): a thread reads each
+    weight word of its (weight row, group) once and adds its products with every row's inputs, so the rows share
+    the weight's loads (``[rows_per, block_n * groups]`` tensors, each thread holding its element's column: the
+    rows never cross threads until the sums)."""
+    first = tl.program_id(1) * rows_per
+    which = first + tl.arange(0, rows_per)
+    live = which < m
+    e = tl.arange(0, block_n * groups)
+    weight = tl.program_id(0) * block_n + e // groups
+    row = raw_ptr + tl.where(weight < n, weight, 0).to(tl.int64) * row_bytes
+    g = e % groups
+    safe = tl.where(live, which, 0).to(tl.int64)[:, None]
+    inputs = q_ptr.to(tl.pointer_type(tl.int64)) + safe * (k // 8)
+    scales = d_ptr + safe * (k // 32)
+    acc = tl.zeros((rows_per, block_n * groups), dtype=tl.float32)
+    for trip in range(k // (32 * groups)):
+        b = trip * groups + g
+        block = row + b * 34
+        halves = (block + 2).to(tl.pointer_type(tl.uint16))
+        total = tl.zeros((rows_per, block_n * groups), dtype=tl.int32)
+        for part in tl.static_range(4):
+            x = tl.load(inputs + (b * 4 + part)[None, :])
+            for half in tl.static_range(2):
+                at = halves + 4 * part + 2 * half
+                word = tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 16)
+                word = tl.broadcast_to(word[None, :], (rows_per, block_n * groups))
+                total = dot4(word, (x >> (32 * half)).to(tl.int32), total, native)
+        d = half_word(tl.load(block.to(tl.pointer_type(tl.uint16))).to(tl.int32))
+        acc += total.to(tl.float32) * (d[None, :] * tl.load(scales + b[None, :]))
+    sums = tl.sum(tl.reshape(acc, (rows_per, block_n, groups)), axis=2)
+    rows = tl.program_id(0) * block_n + tl.arange(0, block_n)
+    tl.store(out_ptr + which.to(tl.int64)[:, None] * n + rows[None, :], stored_as(sums, out_ptr),
+             mask=live[:, None] & (rows < n)[None, :])

@@ -185,10 +185,11 @@ def gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor |
     it (as ``.to(out_dtype)`` of the float32 result, without its launch); with ``experts [M]`` (int), ``raw`` is
     a bank ``[E, N, row_bytes]`` and row ``m`` takes expert ``experts[m]``'s matrix.  The types of
     :data:`BLOCKWISE` take a kernel of their own (``gguf_blockwise``) unless ``blockwise`` is False.
-    ``int8_inputs``: a type of :data:`DOT` multiplies one row, or rows by expert, on its inputs rounded to int8
-    (:func:`dot_gemv`: llama.cpp's numerics; the result differs from the float GEMV's by that rounding); rows of
-    one matrix stay on the float GEMV, which decodes a tile once for up to :data:`MULTI_ROWS` of them."""
-    if blockwise and int8_inputs and qtype in DOT and (experts is not None or x.shape[0] == 1):
+    ``int8_inputs``: a type of :data:`DOT` multiplies one row, rows by expert, and (types of :data:`DOT_ROWS`)
+    several rows of one matrix on its inputs rounded to int8 (:func:`dot_gemv`: llama.cpp's numerics; the result
+    differs from the float GEMV's by that rounding); other types' rows of one matrix stay on the float GEMV, which
+    decodes a tile once for up to :data:`MULTI_ROWS` of them."""
+    if blockwise and int8_inputs and qtype in DOT and (experts is not None or x.shape[0] == 1 or qtype in DOT_ROWS):
         return dot_gemv(x, raw, qtype, experts, out_dtype=out_dtype)
     cols = x.shape[-1]
     flat, row_bytes, expert_bytes = _bank(raw, qtype, cols)
@@ -276,6 +277,13 @@ trip (Q8_0, IQ2_XXS: 32 values; Q2_K: 64), warps.  The best of three launches (8
 (24.6)."""
 
 
+DOT_ROWS = {"Q8_0": {"block_n": 4, "groups": 32, "warps": 4}}
+"""Types whose int8-input GEMV also takes up to :data:`MULTI_ROWS` input rows of one matrix a program (each weight
+word read once for all of them: ``gguf_dot.q8_0_rows_kernel``), and its launch as :data:`DOT`'s.  Compiled for
+sm_90 (``tests/gpu/gguf_sass_count.py --dot``) eight rows take 6.9 instructions a weight value against the float
+GEMV's 56.4 at eight rows; not yet timed on a GPU."""
+
+
 def _dot():
     if "dot" not in _state:
         from ds4d.cuda import gguf_dot
@@ -322,7 +330,7 @@ def dot_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tens
     at a time in int32 (``gguf_dot``), for the types of :data:`DOT`: float32 ``[M, N]``, the exact product of
     the quantised inputs with the weight's values up to float32 rounding of the groups' scaled sums.  A program
     takes one input row, so rows of one matrix each read it (the float GEMV decodes it once for up to
-    :data:`MULTI_ROWS`)."""
+    :data:`MULTI_ROWS`), except for the types of :data:`DOT_ROWS`, whose programs take up to that many rows."""
     if qtype not in DOT:
         raise ValueError(f"no int8-input GEMV for {qtype}; these have one: {', '.join(DOT)}")
     flat, row_bytes, expert_bytes = _bank(raw, qtype, x.shape[-1])
@@ -343,8 +351,16 @@ def _launch_dot(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_byt
         return out
     q, d, s = quantize_rows(x)
     by_expert = chosen is not None
-    launch = DOT[qtype]
     per_group = 64 if qtype == "Q2_K" else 32
+    if not by_expert and m > 1 and qtype in DOT_ROWS:
+        launch = DOT_ROWS[qtype]
+        groups = next(g for g in (launch["groups"], 8, 4, 2, 1) if (cols // per_group) % g == 0)
+        rows_per = min(MULTI_ROWS, 1 << (m - 1).bit_length())
+        _dot().q8_0_rows_kernel[(-(-n // launch["block_n"]), -(-m // rows_per))](
+            q, d, flat, out, n, m, cols, row_bytes, block_n=launch["block_n"], groups=groups, rows_per=rows_per,
+            native=flat.device.type == "cuda", num_warps=launch["warps"])
+        return out
+    launch = DOT[qtype]
     groups = next(g for g in (launch["groups"], 8, 4, 2, 1) if (cols // per_group) % g == 0)
     common = {"by_expert": by_expert, "block_n": launch["block_n"], "groups": groups,
               "native": flat.device.type == "cuda", "num_warps": launch["warps"]}

@@ -5,7 +5,10 @@ launch of its own).  Each launch of :data:`LAUNCHES` is timed and its result che
 (the inputs' rounding: a few 1e-3 of the largest sum); then a table of the best per case, and the launch with
 the least time per byte summed over each type's cases.
 
-    PYTHONPATH=. python3 tests/gpu/gguf_dot_sweep.py [BEST.json] [--types IQ2_XXS,Q2_K] [--launches N]
+    PYTHONPATH=. python3 tests/gpu/gguf_dot_sweep.py [BEST.json] [--types IQ2_XXS,Q2_K] [--launches N] [--rows]
+
+``--rows``: instead, Q8_0 linears at 2, 4 and 8 input rows of one matrix (a batch's decode step), the launches
+of ``gguf_matmul.DOT_ROWS`` (each weight word read once for a program's rows).
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ LAUNCHES = [{"block_n": b, "groups": g, "warps": w}
             for b, g, w in ((8, 16, 4), (16, 8, 4), (4, 32, 4), (8, 8, 2), (32, 8, 8), (16, 16, 8), (64, 4, 8),
                             (32, 4, 4))]
 """``gguf_matmul.DOT``'s launches: weight rows a program, groups of each a trip, warps."""
+ROWS_CASES = [(f"{name} [{n}, {k}], {rows} rows", "Q8_0", n, k, rows, 0)
+              for name, n, k in (("wq_b", 32768, 1024), ("wo_b", 4096, 8192)) for rows in (2, 4, 8)]
+"""``--rows``: the q2 recipe's largest Q8_0 linears at a batch's rows."""
 
 
 def main() -> None:
@@ -29,8 +35,11 @@ def main() -> None:
     parser.add_argument("launches", nargs="?", help="write the best launches (JSON) here")
     parser.add_argument("--types", help="only these types' cases, comma-separated (default: every case)")
     parser.add_argument("--launches", dest="count", type=int, default=len(LAUNCHES), help="only the first N launches")
+    parser.add_argument("--rows", action="store_true", help="Q8_0 at several rows of one matrix (DOT_ROWS)")
     args = parser.parse_args()
-    cases = [case for case in CASES if args.types is None or case[1] in args.types.split(",")]
+    cases = ROWS_CASES if args.rows else CASES
+    cases = [case for case in cases if args.types is None or case[1] in args.types.split(",")]
+    launches = gguf_matmul.DOT_ROWS if args.rows else gguf_matmul.DOT
     print(f"{torch.cuda.get_device_name()}: CUDA graphs over distinct weights, do_bench median")
     timed: dict[str, dict[str, float]] = {}
     table = []
@@ -41,7 +50,7 @@ def main() -> None:
         times = timed[label] = {}
         errors = {}
         for launch in LAUNCHES[:args.count]:
-            gguf_matmul.DOT[qtype] = launch
+            launches[qtype] = launch
             try:
                 got = gguf_matmul.dot_gemv(x, weights[0], qtype, ids)
                 error = ((got - want).abs().max() / want.abs().max()).item()

@@ -102,6 +102,22 @@ def test_matrices_found_by_address_give_the_banks_products(qtype):
     assert torch.allclose(loose, want, rtol=0, atol=2e-6 * want.abs().max().item())
 
 
+def test_q8_0_rows_of_one_matrix_share_a_program_and_give_each_rows_product():
+    """``DOT_ROWS``: up to eight input rows of one Q8_0 matrix in a program (each weight word read once for all of
+    them): nine rows (a program of eight and one of one row, seven rows dead) give the quantised inputs' product,
+    the same sums bit for bit as each row alone; 17 blocks a row, so a trip takes one block (the launch's groups
+    fall back to a divisor of the row's blocks); ``gemv`` with ``int8_inputs`` takes this kernel for rows of one
+    Q8_0 matrix."""
+    raw = random_blocks("Q8_0", 20, 544, seed=17)
+    weight = torch.from_numpy(raw).to(device())
+    x = torch.randn(9, 544, generator=torch.Generator().manual_seed(17)).to(device())
+    got = gguf_matmul.dot_gemv(x, weight, "Q8_0")
+    _close(got, _reference(x.cpu(), raw, "Q8_0", 544))
+    alone = torch.cat([gguf_matmul.dot_gemv(x[i:i + 1], weight, "Q8_0") for i in range(9)])
+    assert torch.equal(got, alone)
+    assert torch.equal(gguf_matmul.gemv(x[:5], weight, "Q8_0", int8_inputs=True), got[:5])
+
+
 def test_the_float_gemv_and_the_int8_one_differ_by_the_inputs_rounding():
     """Against float32 inputs the error is the inputs' rounding to 8 bits: small, and not zero."""
     raw = random_blocks("IQ2_XXS", 16, 1024, seed=5)
