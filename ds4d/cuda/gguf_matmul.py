@@ -14,7 +14,8 @@ have decoders in ``gguf_kernels`` (:data:`TYPES`):
   takes its own expert's matrix from a bank ``[E, N, row_bytes]`` (a decode step's (row, expert)
   pairs);
 * :func:`dot_gemv`: the GEMV of the q2 recipe's types on inputs rounded to int8, four byte products
-  at a time (``gguf_dot``; :func:`gemv`'s ``int8_inputs`` sends its one-row and by-expert calls there);
+  at a time (``gguf_dot``; :func:`gemv`'s ``int8_inputs`` sends its one-row and by-expert calls there, and
+  Q8_0's calls for a few rows of one matrix);
 * :func:`tiles`: the same product on tensor cores for a batch of rows (the weight decoded into the
   rows' dtype a tile at a time), and with ``offsets`` for rows sorted by expert (a prefill's
   pairs), tiles of one expert's rows each (the ds4 q2 recipe's types by ``gguf_blockwise``).
@@ -279,9 +280,10 @@ trip (Q8_0, IQ2_XXS: 32 values; Q2_K: 64), warps.  The best of three launches (8
 
 DOT_ROWS = {"Q8_0": {"block_n": 4, "groups": 32, "warps": 4}}
 """Types whose int8-input GEMV also takes up to :data:`MULTI_ROWS` input rows of one matrix a program (each weight
-word read once for all of them: ``gguf_dot.q8_0_rows_kernel``), and its launch as :data:`DOT`'s.  Compiled for
-sm_90 (``tests/gpu/gguf_sass_count.py --dot``) eight rows take 6.9 instructions a weight value against the float
-GEMV's 56.4 at eight rows; not yet timed on a GPU."""
+word read once for all of them: ``gguf_dot.q8_0_rows_kernel``), and its launch as :data:`DOT`'s: the least time
+per byte over ``tests/gpu/gguf_dot_sweep.py --rows`` on an H100 (wq_b and wo_b at 2, 4 and 8 rows: 1.19-1.97x
+faster than the float GEMV, docs/BENCHMARKS.md).  Compiled for sm_90 eight rows take 6.9 instructions a weight
+value against the float GEMV's 56.4."""
 
 
 def _dot():
@@ -327,7 +329,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 def dot_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor | None = None, *,
              out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """:func:`gemv` with ``x`` first rounded to int8 (:func:`quantize_rows`) and the products summed four bytes
-    at a time in int32 (``gguf_dot``), for the types of :data:`DOT`: float32 ``[M, N]``, the exact product of
+    at a time in int32 (``gguf_dot``), for the types of :data:`DOT`: ``[M, N]`` in ``out_dtype``, the exact product of
     the quantised inputs with the weight's values up to float32 rounding of the groups' scaled sums.  A program
     takes one input row, so rows of one matrix each read it (the float GEMV decodes it once for up to
     :data:`MULTI_ROWS`), except for the types of :data:`DOT_ROWS`, whose programs take up to that many rows."""
@@ -391,8 +393,9 @@ for Q2_K down and 0.57x for Q8_0 gate/up; 2,048-token steps 1.06x, 0.70x and 1.0
 
 def tiles(x: torch.Tensor, raw: torch.Tensor, qtype: str, offsets: torch.Tensor | None = None, *,
           blockwise: bool = True, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``[M, N]`` in ``out_dtype`` (float32 sums rounded once as they are stored): ``x [M, K]`` (float32, bfloat16 or float16) times the weight rows of ``raw``
-    on tensor cores, each weight tile decoded into ``x``'s dtype; with ``offsets [E]`` (group ends),
+    """``[M, N]`` in ``out_dtype`` (float32 sums rounded once as they are stored): ``x [M, K]`` (float32,
+    bfloat16 or float16) times the weight rows of ``raw`` on tensor cores, each weight tile decoded into ``x``'s
+    dtype; with ``offsets [E]`` (group ends),
     ``x``'s rows are sorted by expert and ``raw`` is a bank ``[E, N, row_bytes]``.  The types of
     :data:`BLOCKWISE` take ``gguf_blockwise``'s tiles (a trip's values decoded once for a tile of rows)
     unless ``blockwise`` is False."""
