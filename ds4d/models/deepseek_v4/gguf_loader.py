@@ -428,7 +428,8 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype = torch.float32, device
         reader.check_complete()
         weights, experts = read_gguf_weights(reader, offload)
         if native:
-            log.info("%s: %s", path.name, kept_summary(weights, experts))
+            log.info("%s: %s; decode GEMVs of Q8_0, Q2_K and IQ2_XXS blocks on %s inputs (gguf_int8_inputs)", path.name,
+                     kept_summary(weights, experts), "int8" if int8_inputs else "float32")
         tokenizer = load_tokenizer(files)
     finally:
         files.close()
