@@ -125,6 +125,17 @@ def test_int8_inputs_reach_every_kept_linear_and_expert_bank_but_the_head():
         assert isinstance(model.weights.head, GgufWeight) and not model.weights.head.int8_inputs
 
 
+def test_the_knob_rounds_inputs_to_int8_on_cuda_only():
+    """``gguf_int8_inputs`` (on by default) applies where the kernels are compiled: on the CPU they run only in
+    Triton's interpreter (a test mode), which keeps float32 products."""
+    from ds4d.config import Config
+    from ds4d.models.deepseek_v4.family import gguf_int8_inputs
+
+    assert gguf_int8_inputs(Config(), "cuda") and gguf_int8_inputs(Config(), "cuda:1")
+    assert not gguf_int8_inputs(Config(), "cpu")
+    assert not gguf_int8_inputs(Config(gguf_int8_inputs=False), "cuda")
+
+
 def test_the_summary_names_what_stays_in_blocks():
     model = _load("quant-Q2_K.gguf", native=True)
     summary = kept_summary(model.weights)

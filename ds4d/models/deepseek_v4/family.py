@@ -95,6 +95,12 @@ def load_model(
                            paths=paths)
 
 
+def gguf_int8_inputs(config: Any, device: str) -> bool:
+    """The knob ``gguf_int8_inputs`` where it applies: GGUF blocks kept as stored on a CUDA device (elsewhere the
+    kernels run in Triton's interpreter, a test mode, and keep float32 products)."""
+    return bool(getattr(config, "gguf_int8_inputs", False)) and device.startswith("cuda")
+
+
 def torchrun_job(config: Any) -> TorchrunJob:
     """This process's place in the torchrun job (``gpus = torchrun``); CUDA unless ``device`` is cpu."""
     try:
@@ -197,7 +203,7 @@ class DeepseekV4Family:
         paths = paths.replace(prefill_block=prefill_block(config, offload is not None))
         model = load_model(path, dtype=dtype, device=device, offload=offload,
                            weight_format=str(getattr(config, "weight_format", "auto")), paths=paths,
-                           load_format=load_format, gguf_int8=bool(getattr(config, "gguf_int8_inputs", False)))
+                           load_format=load_format, gguf_int8=gguf_int8_inputs(config, device))
         self.ctx.log.info(
             "loaded %s: %d layers, ratios %s, %.1f MiB of parameters (%s weights)",
             model.info.name,
