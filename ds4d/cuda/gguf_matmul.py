@@ -353,17 +353,16 @@ def _launch_dot(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_byt
         return out
     q, d, s = quantize_rows(x)
     by_expert = chosen is not None
+    shared_rows = not by_expert and m > 1 and qtype in DOT_ROWS
+    launch = (DOT_ROWS if shared_rows else DOT)[qtype]
     per_group = 64 if qtype == "Q2_K" else 32
-    if not by_expert and m > 1 and qtype in DOT_ROWS:
-        launch = DOT_ROWS[qtype]
-        groups = next(g for g in (launch["groups"], 8, 4, 2, 1) if (cols // per_group) % g == 0)
+    groups = next(g for g in (launch["groups"], 8, 4, 2, 1) if (cols // per_group) % g == 0)
+    if shared_rows:
         rows_per = min(MULTI_ROWS, 1 << (m - 1).bit_length())
         _dot().q8_0_rows_kernel[(-(-n // launch["block_n"]), -(-m // rows_per))](
             q, d, flat, out, n, m, cols, row_bytes, block_n=launch["block_n"], groups=groups, rows_per=rows_per,
             native=flat.device.type == "cuda", num_warps=launch["warps"])
         return out
-    launch = DOT[qtype]
-    groups = next(g for g in (launch["groups"], 8, 4, 2, 1) if (cols // per_group) % g == 0)
     common = {"by_expert": by_expert, "block_n": launch["block_n"], "groups": groups,
               "native": flat.device.type == "cuda", "num_warps": launch["warps"]}
     grid = (-(-n // launch["block_n"]), m)

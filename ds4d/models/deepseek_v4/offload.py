@@ -186,8 +186,7 @@ class ExpertOffload:
         host_bytes = sum(t[0].numel() * t.element_size() for t in stored.values())
         form = ExpertForm(bank.kind, bank.block, native, self.dtype, self.device, self.experts,
                           cfg.moe_intermediate_size, cfg.hidden_size, host_bytes, self.options.pair_weighted,
-                          gguf_form(bank) if bank.kind == "gguf" else (None, None),
-                          bank.kind == "gguf" and gguf_int8(bank))
+                          gguf_form(bank) if bank.kind == "gguf" else (None, None), gguf_int8(bank))
         return form, stored
 
     def _setup(self, form: ExpertForm, stored: dict[str, torch.Tensor]) -> None:

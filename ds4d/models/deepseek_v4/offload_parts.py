@@ -131,8 +131,8 @@ def gguf_form(bank: ExpertBank) -> tuple[str | None, str | None]:
 
 
 def gguf_int8(bank: ExpertBank) -> bool:
-    """A ``gguf`` bank's blocks take their decode GEMVs on int8 inputs."""
-    return any(isinstance(m, GgufMatrices) and m.int8_inputs for m in bank.native)
+    """A bank's GGUF blocks take their decode GEMVs on int8 inputs (False for a bank without GGUF blocks)."""
+    return any(isinstance(m, GgufMatrices) and m.int8_inputs for m in bank.native or ())
 
 
 def held(matrices: torch.Tensor | GgufMatrices) -> torch.Tensor:
