@@ -72,6 +72,9 @@ def add_parser(sub) -> None:
     p.add_argument("--profile", action="store_true",
                    help="only profile decode at batch 1 (1K context) per path (with --decode-kernel also that "
                         "path): time and kernels per step, top kernels")
+    p.add_argument("--profile-trace", default="",
+                   help="with --profile: write each path's last profiled step, kernel by kernel in the order they "
+                        "ran (start, time, gap before it, name), to this file's stem + the path + .tsv")
     p.add_argument("--gguf", default="", choices=["", "q2"],
                    help="the linears and routed experts in GGUF blocks of a recipe (q2: ds4's q2 files: routed "
                         "gate/up IQ2_XXS, down Q2_K, the FP8 linears Q8_0), random, kept as stored")
@@ -92,6 +95,10 @@ def add_parser(sub) -> None:
     p.add_argument("--gather-only", action="store_true",
                    help="with --expert-gpu-fraction and native weights: skip the rows whose decode reads cold experts "
                         "in place (time only the default, gathered reads)")
+    p.add_argument("--fetch-ahead", type=int, default=0,
+                   help="with --expert-gpu-fraction and native weights: decode steps of up to this many (token, "
+                        "expert) rows fetch each layer's predicted cold experts a layer ahead (OffloadOptions."
+                        "fetch_ahead); each fraction also runs without, same placement")
     p.add_argument("--stream-experts", action="store_true",
                    help="with --expert-gpu-fraction: place each layer's experts as it is built (the first fraction), "
                         "for models whose experts do not fit the device; no all-on-device rows")
@@ -255,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if args.profile:
         for path in ("graphs", *(["decode-kernel"] if args.decode_kernel else []), "eager"):
-            _profile_decode(torch, on_path(model, path, best), prompts(1, 1024)[0], path, sync)
+            trace = Path(args.profile_trace).with_suffix(f".{path}.tsv") if args.profile_trace else None
+            _profile_decode(torch, on_path(model, path, best), prompts(1, 1024)[0], path, sync, trace=trace)
         return 0
     check = _parity(torch, on_path(model, "eager", best), hf, prompts(1, 256)[0], device) if hf is not None \
         else "no HF peer"
@@ -359,8 +367,9 @@ def per_layer(floors, batch: int, context: int, tok_s: float | None) -> dict:
             "layer_floor_ms": floors.layer_seconds(batch, context) * 1e3}
 
 
-def _profile_decode(torch, model, prompt, path: str, sync, steps: int = 8) -> None:
-    """Profile ``steps`` decode steps (after warm-up) and print where the device time goes."""
+def _profile_decode(torch, model, prompt, path: str, sync, steps: int = 8, trace: Path | None = None) -> None:
+    """Profile ``steps`` decode steps (after warm-up) and print where the device time goes; ``trace``: write the
+    last step's kernels in the order they ran there."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     from ds4d.bench.harness import make_engine, run_batch
@@ -381,6 +390,23 @@ def _profile_decode(torch, model, prompt, path: str, sync, steps: int = 8) -> No
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:40]:
         say(f"| {e.key[:90]} | {e.count / steps:.0f} | {e.self_device_time_total / steps:.1f} | "
              f"{e.self_device_time_total / steps / max(device_us, 1e-9):.1%} |")
+    if trace is not None:
+        _write_trace(prof, round(kernels), trace)
+
+
+def _write_trace(prof, count: int, path: Path) -> None:
+    """The last ``count`` device kernels the profiler saw, in the order they started, as tab-separated
+    rows: start (us after the first), time (us), gap after the one before (us), name."""
+    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0),
+                     key=lambda e: e.time_range.start)[-count:]
+    lines, begin, end = ["start_us\ttime_us\tgap_us\tname"], kernels[0].time_range.start if kernels else 0, None
+    for e in kernels:
+        start, stop = e.time_range.start, e.time_range.end
+        gap = 0.0 if end is None else start - end
+        lines.append(f"{start - begin:.1f}\t{stop - start:.1f}\t{gap:.1f}\t{e.name}")
+        end = stop
+    path.write_text("\n".join(lines) + "\n")
+    say(f"trace of the last step's {len(kernels)} kernels: {path}")
 
 
 def _parity(torch, model, hf, ids, device) -> str:

@@ -22,7 +22,8 @@ from ds4d.bench.random_v4 import Floors, bench_config, build, measure_ceilings, 
 
 
 def _delta(after: dict, before: dict) -> dict:
-    return {k: after[k] - before[k] for k in ("bytes_copied", "bytes_skipped", "skipped_transfers", "host_read_bytes")}
+    return {k: after[k] - before[k]
+            for k in ("bytes_copied", "bytes_skipped", "skipped_transfers", "host_read_bytes", "fetched_ahead_pairs")}
 
 
 def _gb_copied(result: dict, moved: str) -> float:
@@ -50,8 +51,10 @@ def stream_options(cfg, fraction: float, args):
     stage = 8
     experts = round(fraction * cfg.num_hidden_layers * cfg.n_routed_experts)
     scratch = moe_gemv.MAX_ROWS if args.native and not gguf else 0  # decode's gather scratch (an upper bound)
-    return OffloadOptions(vram_bytes=(2 * stage + scratch + experts) * per_expert + per_expert // 2, placement="static",
-                          stage_experts=stage, cpu_threads=getattr(args, "expert_cpu_threads", 0), native=args.native)
+    ahead = getattr(args, "fetch_ahead", 0) if scratch else 0
+    return OffloadOptions(vram_bytes=(2 * stage + scratch + 2 * ahead + experts) * per_expert + per_expert // 2,
+                          placement="static", stage_experts=stage, cpu_threads=getattr(args, "expert_cpu_threads", 0),
+                          native=args.native, fetch_ahead=ahead)
 
 
 def run_offload(args) -> int:
@@ -153,7 +156,7 @@ def run_offload(args) -> int:
         offload = ExpertOffload(
             model.weights, cfg, device=device, dtype=model.dtype,
             options=OffloadOptions(vram_bytes=1 << 50, placement="static", cpu_threads=args.expert_cpu_threads,
-                                   native=args.native))
+                                   native=args.native, fetch_ahead=args.fetch_ahead))
         model = DeepseekV4Model(cfg, model.weights, model.tokenizer, dtype=model.dtype, device=device,
                                 expert_offload=offload, paths=base)
     offload = model.expert_offload
@@ -194,6 +197,14 @@ def run_offload(args) -> int:
                          key + ", cold experts read in place"))
             offload.gather = True
             label += ", decode gathers cold experts first"
+        ahead = offload.zero_copy_experts.ahead_rows
+        if offload.gather and ahead:  # the same placement, cold experts gathered at their layer only
+            offload.zero_copy_experts.ahead_rows = 0
+            rows.append((label + ", none fetched ahead" + (", compiled" if args.compile else ""),
+                         timed(graphs, f"{fraction:.0%} on device, none fetched ahead", long=False), same,
+                         key + ", none fetched ahead"))
+            offload.zero_copy_experts.ahead_rows = ahead
+            label += f", predicted ones fetched a layer ahead (steps of up to {ahead} rows)"
         try:
             rows.append((label + (", compiled" if args.compile else ""), timed(graphs, f"{fraction:.0%} on device"),
                          same, key))

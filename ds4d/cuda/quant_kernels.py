@@ -234,3 +234,20 @@ def gather_cold_kernel(src_table, on_host_ptr, expert_ptr, dst_ptr, words, dst_r
         at = tl.program_id(1) * block + tl.arange(0, block)
         live = at < words
         tl.store(dst_ptr + row * dst_row_words + at, tl.load(src + at, mask=live, other=0), mask=live)
+
+
+@triton.jit
+def fetch_rows_kernel(src_table, need_ptr, expert_ptr, dst_ptr, words, dst_row_words, span, block: tl.constexpr):
+    """Row ``r`` with ``need[r] != 0``: ``words`` int64 words from address ``src_table[expert[r]]`` into
+    ``dst[r]``.  Program ``(r, p)`` copies words ``[p * span, (p + 1) * span)`` of its row, ``block`` at a time:
+    few programs a row keep the copy from taking the device's every SM while other work runs beside it."""
+    row = tl.program_id(0)
+    if tl.load(need_ptr + row) != 0:
+        src = tl.load(src_table + tl.load(expert_ptr + row)).to(tl.pointer_type(tl.int64))
+        dst = dst_ptr + row * dst_row_words
+        begin = tl.program_id(1).to(tl.int64) * span
+        end = tl.minimum(begin + span, words)
+        for first in range(begin, end, block):
+            at = first + tl.arange(0, block)
+            live = at < end
+            tl.store(dst + at, tl.load(src + at, mask=live, other=0), mask=live)

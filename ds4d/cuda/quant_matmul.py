@@ -19,7 +19,8 @@ decode step reads half (FP8) or about a quarter (MXFP4) of the bf16 bytes.
   an expert may also sit in page-locked host memory the GPU reads in place.
 * :func:`gather_cold`: the experts of a few rows that sit in host memory
   copied whole into device scratch by one kernel (large reads), so the GEMV
-  then reads device memory.
+  then reads device memory; :func:`fetch_rows`: the same for the rows a mask
+  names, in as many programs a row as asked (a copy run beside other work).
 * :func:`mxfp4_grouped`: rows sorted by expert times their expert's matrix
   (prefill and large batches), tiles of rows of one expert each, tensor cores.
 
@@ -211,6 +212,22 @@ def gather_cold(src_table: torch.Tensor, on_host: torch.Tensor, experts: torch.T
         block = 4096
         _kernels().gather_cold_kernel[(rows, triton.cdiv(words, block))](
             src_table, on_host, experts, dst, words, dst.stride(0), block=block, num_warps=8)
+
+
+@torch.compiler.disable
+def fetch_rows(src_table: torch.Tensor, need: torch.Tensor, experts: torch.Tensor, dst: torch.Tensor,
+               programs: int = 0) -> None:
+    """For each row ``r`` with ``need[r] != 0``, copy ``dst.shape[1]`` int64 words from address
+    ``src_table[experts[r]]`` into ``dst[r]``; ``programs`` a row (0: a program per 4,096 words, as
+    :func:`gather_cold`).  No host read: capturable in a CUDA graph."""
+    import triton
+
+    rows, words, block = experts.shape[0], dst.shape[1], 4096
+    if rows:
+        parts = programs or triton.cdiv(words, block)
+        span = triton.cdiv(triton.cdiv(words, parts), block) * block
+        _kernels().fetch_rows_kernel[(rows, triton.cdiv(words, span))](
+            src_table, need, experts, dst, words, dst.stride(0), span, block=block, num_warps=8)
 
 
 def expert_tiles(offsets: torch.Tensor, rows: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -101,3 +101,27 @@ def test_zero_copy_decode_in_graphs_is_bit_identical(checkpoint, start):
     stats = offload.expert_stats()
     assert stats["host_read_bytes"] > 0 and stats["bytes_copied"] > 0
     offload.close()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["graphs", "compiled graphs"])
+def test_cold_experts_fetched_ahead_on_a_side_stream_are_bit_identical(checkpoint, compiled):
+    """``fetch_ahead``: each decode layer's predicted cold experts are copied on a side stream, forked from and
+    joined back into the captured step; every step equals the all-on-device model bit for bit, and the hash
+    layers' cold experts (known from the token) were all read from the copies fetched ahead."""
+    paths = ForwardPaths.for_device("cuda").replace(compile_decode=compiled)
+    want = _steps(load_model(checkpoint, dtype=torch.bfloat16, device="cuda", paths=paths))
+    model = load_model(checkpoint, dtype=torch.bfloat16, device="cuda", paths=paths,
+                       offload=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy", fetch_ahead=8))
+    offload = model.expert_offload
+    if not offload.zero_copy:
+        pytest.skip("this GPU cannot read registered host memory at its host address (or cuda-python is missing)")
+    _half(offload)
+    got = _steps(model)
+    for index, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"step {index}: max |diff| {(a - b).abs().max().item():.3e}"
+    assert len(model._graphs) > 0 and model.graph_failure is None
+    stats = offload.expert_stats()
+    hashed = stats["layers"][:model.cfg.num_hash_layers]
+    assert sum(row["host_read_pairs"] for row in hashed) > 0
+    assert all(row["fetched_ahead_pairs"] == row["host_read_pairs"] for row in hashed)
+    offload.close()

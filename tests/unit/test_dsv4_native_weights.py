@@ -185,3 +185,60 @@ def test_zero_copy_counts_leave_out_bucket_padding(checkpoint):
     assert sum(row["zero_copy_pairs"] for row in stats["layers"]) == steps * len(names) * k * layers
     assert 0 < sum(row["host_read_pairs"] for row in stats["layers"]) <= steps * len(names) * k * layers
     offload.close()
+
+
+def _offloaded(checkpoint, padded: bool = False, **options) -> tuple[DeepseekV4Model, ExpertOffload]:
+    """The tiny native model with half of every layer's experts in host slots, decode reading them zero-copy."""
+    model = _load(checkpoint, native=True, padded=padded)
+    offload = ExpertOffload(model.weights, model.cfg, device="cpu", dtype=model.dtype,
+                            options=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy", native=True,
+                                                   **options))
+    model.expert_offload = offload
+    offload.set_placement([[e for e in range(8) if (e + layer) % 2] for layer in range(model.cfg.num_hidden_layers)])
+    return model, offload
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests run the compiled kernels")
+@pytest.mark.parametrize("case", ["predicted", "padded", "mispredicted", "too many rows"])
+def test_cold_experts_fetched_ahead_give_the_logits_of_gathering_them(checkpoint, case, monkeypatch):
+    """``fetch_ahead``: each decode layer's cold experts are copied before its routing is known, as its router
+    predicts them from the feed-forward input of the layer before (hash layers: their table, so always
+    right); the rows whose expert was fetched read that copy, the others gather theirs as without it.  Every
+    step's logits equal those of gathering every cold expert at its layer, bit for bit, whether the
+    prediction is right, padded to a bucket, wrong (a cold expert other than the predicted ones), or
+    skipped (a step of more rows than ``fetch_ahead``): one sequence, so no row can use another's fetch."""
+    prompt = [(i * 7919) % 5000 + 10 for i in range(150)]
+    padded = case == "padded"
+    want = _prefill_then_steps(_offloaded(checkpoint, padded=padded)[0], prompt)
+    model, offload = _offloaded(checkpoint, padded=padded, fetch_ahead=1 if case == "too many rows" else 4)
+    assert offload.gather and offload.zero_copy_experts.ahead_rows == offload.options.fetch_ahead
+    if case == "mispredicted":  # each row's prediction: a cold expert it was not predicted to use
+        zero_copy = offload.zero_copy_experts
+        fetch = zero_copy.fetch_ahead
+
+        def wrong(layer: int, predict):
+            chosen = predict()
+            unused = torch.ones(chosen.shape[0], model.cfg.n_routed_experts, dtype=torch.bool)
+            unused[torch.arange(chosen.shape[0])[:, None], chosen] = False
+            other = (unused & zero_copy.on_host[layer].bool()).int().argmax(dim=1)
+            return other[:, None].expand_as(chosen)
+
+        monkeypatch.setattr(zero_copy, "fetch_ahead",
+                            lambda layer, x, predict: fetch(layer, x, lambda: wrong(layer, predict)))
+    got = _prefill_then_steps(model, prompt)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    stats = offload.expert_stats()
+    host_reads = sum(row["host_read_pairs"] for row in stats["layers"])
+    assert host_reads > 0
+    hashed = stats["layers"][:model.cfg.num_hash_layers]  # their experts are known ahead, from the token
+    assert sum(row["host_read_pairs"] for row in hashed) > 0
+    if case in ("predicted", "padded"):
+        assert 0 < stats["fetched_ahead_pairs"] <= host_reads
+        assert all(row["fetched_ahead_pairs"] == row["host_read_pairs"] for row in hashed)  # every cold one fetched
+    elif case == "mispredicted":  # a later layer's prediction may still name the expert its routing picks
+        assert all(row["fetched_ahead_pairs"] == 0 for row in hashed)
+    else:
+        assert stats["fetched_ahead_pairs"] == 0
+    assert not offload.zero_copy_experts._pending  # no fetch left for a later step
+    offload.close()

@@ -148,3 +148,21 @@ def test_gather_cold_copies_only_rows_on_the_host():
         else:
             assert (dst[r] == -1).all()
     assert (dst[len(rows):] == -1).all()
+
+
+@pytest.mark.parametrize("programs", [0, 1, 3])
+def test_fetch_rows_copies_the_rows_asked_for_in_any_number_of_programs(programs):
+    """``fetch_rows``: each row whose flag is set gets its expert's words whole, however many programs
+    share a row (0: one per 4,096 words; 1: one program loops over the row; 3: parts that end inside a
+    block); the other rows keep what was there."""
+    torch.manual_seed(1)
+    words = 4096 * 3 + 77
+    experts = torch.randint(-2**62, 2**62, (4, words), dtype=torch.int64)
+    table = torch.tensor([experts[e].data_ptr() for e in range(4)], dtype=torch.int64)
+    rows = torch.tensor([3, 3, 0, 2, 1], dtype=torch.int64)
+    need = torch.tensor([True, False, True, True, False])
+    dst = torch.full((6, words), -1, dtype=torch.int64)
+    qm.fetch_rows(table, need, rows, dst, programs=programs)
+    for r, e in enumerate(rows.tolist()):
+        assert torch.equal(dst[r], experts[e]) if need[r] else (dst[r] == -1).all()
+    assert (dst[len(rows):] == -1).all()

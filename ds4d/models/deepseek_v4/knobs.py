@@ -53,6 +53,7 @@ def offload_options(config: Any, options: Mapping[str, Any]) -> OffloadOptions |
         placement=str(knob("expert_placement", "online")),
         cpu_threads=int(knob("expert_cpu_threads", 4)),
         decode_cold=str(knob("expert_decode_cold", "auto")),
+        fetch_ahead=int(knob("expert_fetch_ahead", 0)),
         mem_watermark_bytes=int(float(knob("mem_watermark_gib", 15)) * 2**30),
         calibration=read_counts(calibration_file) if calibration_file else None,
     )

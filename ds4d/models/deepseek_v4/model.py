@@ -398,16 +398,22 @@ class DeepseekV4Model:
         boundary = partial(hc_boundary, iterations=cfg.hc_sinkhorn_iters, hc_eps=cfg.hc_eps, norm_eps=eps,
                            fused=paths.fused_hc, kernels=kernels)
         offload, tally = self.expert_offload, self.routing_tally
+        ahead = offload is not None and decode  # cold experts fetched a layer ahead (``ExpertOffload.fetch_ahead``)
         output = post = comb = None
-        last = len(self.weights.layers) - 1
-        for index, (layer, layer_cache) in enumerate(zip(self.weights.layers, cache.layers)):
+        layers = self.weights.layers
+        last = len(layers) - 1
+        for index, (layer, layer_cache) in enumerate(zip(layers, cache.layers)):
             x, streams, post, comb = boundary(output, streams, post, comb, layer.attn_hc, layer.attn_norm)
+            if ahead and index == 0:
+                offload.fetch_ahead(0, x, token_ids, layer.ffn, cfg)
             output = attend(x, step, layer.attn, layer_cache, cfg, self.rope_compress)
             if index == last and keep is not None:
                 if keep.numel() == 0:  # no row wanted: the last feed-forward has nothing to do
                     return streams[:0]
                 output, streams, post, comb, token_ids = (t[keep] for t in (output, streams, post, comb, token_ids))
             x, streams, post, comb = boundary(output, streams, post, comb, layer.ffn_hc, layer.ffn_norm)
+            if ahead and index < last:
+                offload.fetch_ahead(index + 1, x, token_ids, layers[index + 1].ffn, cfg)
             if offload is not None:
                 output = offload.moe_forward(index, x, token_ids, layer.ffn, cfg, decode=decode,
                                              tally=None if tally is None else tally.layer(index))

@@ -98,6 +98,11 @@ class OffloadOptions:
     gather_cold: bool = True
     """Zero-copy decode: copy the rows' cold experts into device scratch with one kernel (large
     reads over the link), then run the GEMV on device memory; False: the GEMV reads them in place."""
+    fetch_ahead: int = 0
+    """Zero-copy decode with ``gather_cold``: steps of up to this many (token, expert) rows fetch each layer's
+    cold experts ahead, as predicted by its router on the feed-forward input of the layer before (hash layers:
+    their table), on a side stream beside the compute (``ZeroCopyExperts.fetch_ahead``); 0: never.  Costs two
+    scratch buffers of this many experts on the device."""
     native: bool = False
     """MXFP4 experts stay MXFP4 on the device too (hot banks and staging; ``quant_matmul`` kernels):
     about a quarter of the bf16 bytes per device expert and no decode after a copy."""
@@ -150,6 +155,16 @@ class ExpertOffload:
             for layer, layer_weights in enumerate(weights.layers):
                 self.adopt(layer, layer_weights.ffn.experts)
             self.finish()
+
+    @property
+    def gather(self) -> bool:
+        """Zero-copy decode first copies its rows' cold experts into device scratch with one kernel (False:
+        its GEMVs read them in place; a benchmark may switch between the two once the scratch exists)."""
+        return self.zero_copy_experts.gather
+
+    @gather.setter
+    def gather(self, on: bool) -> None:
+        self.zero_copy_experts.gather = on
 
     @property
     def slots(self) -> HostSlots | None:
@@ -215,12 +230,11 @@ class ExpertOffload:
         no copy, so those steps are captured in CUDA graphs like the all-on-device ones.  MXFP4 as
         stored, or GGUF blocks (gate/up and down both in blocks, every layer in one form)."""
         self.gather = self.zero_copy and options.gather_cold
-        """Zero-copy decode first copies its rows' cold experts into device scratch with one kernel."""
         stage_n = max(1, options.stage_experts)
         self.staging_bytes = sum(2 * stage_n * ((dense + size) if form.decodes else size) for size in set(hints))
         """Two staging banks per form (forms told apart by their bytes per expert, where known ahead)."""
         if self.gather:
-            self.staging_bytes += moe_gemv.MAX_ROWS * slots.slot_bytes
+            self.staging_bytes += (moe_gemv.MAX_ROWS + 2 * options.fetch_ahead) * slots.slot_bytes
         total = self.layers * self.experts
         capacity = capacity_for_budget(options.vram_bytes, self.device_expert_bytes, self.staging_bytes, total)
         calibration = options.calibration
@@ -278,6 +292,8 @@ class ExpertOffload:
             raise ValueError(f"expert offload: layers {missing} were never adopted")
         if self.gather:  # scratch for gathered cold experts, one slot per decode row
             self.zero_copy_experts.prepare_gather(self.slots)
+            if self.options.fetch_ahead:
+                self.zero_copy_experts.prepare_ahead(self.slots, self.options.fetch_ahead)
         options = self.options
         self.staged = StagedCompute(self.cfg, self.residency, self.stats, self.policy, options.stage_experts,
                                     decode_cold=options.decode_cold, cpu_max_rows=options.cpu_max_rows,
@@ -340,6 +356,14 @@ class ExpertOffload:
         limit = cfg.swiglu_limit
         shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit, w13=weights.shared_w13)
         return self.routed(layer, x, expert_weights, indices, limit=limit, decode=decode) + shared
+
+    def fetch_ahead(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights,
+                    cfg: DeepseekV4Config) -> None:
+        """In a decode step that reads experts where they sit and gathers the cold ones: start copying
+        ``layer``'s cold experts as ``weights``' router picks them for ``x`` (the input of the feed-forward
+        before, or of the first layer's attention), before its own routing is known; nothing otherwise."""
+        if self.gather and self.options.fetch_ahead and self.capturable(x.shape[0]):
+            self.zero_copy_experts.fetch_ahead(layer, x, lambda: route(x, token_ids, weights, cfg)[1])
 
     def routed(
         self, layer: int, x: torch.Tensor, expert_weights: torch.Tensor, indices: torch.Tensor, *, limit: float,
@@ -407,6 +431,7 @@ def counted_rows(offload, real: torch.Tensor):
         yield
     finally:
         offload.row_valid = None
+        offload.zero_copy_experts.settle()
 
 
 def _aligned_matrices(form: ExpertForm, inter: int, hidden: int) -> bool:

@@ -54,13 +54,15 @@ def expert_report(stats: list[LayerStats], residency: ExpertResidency, zero_copy
     layers = []
     direct_pairs = zero_copy_experts.decode_counts.sum(dim=1).tolist()
     host_reads = zero_copy_experts.host_reads.tolist()
+    ahead_hits = zero_copy_experts.ahead_hits.tolist()
     for index, (layer_stats, bank) in enumerate(zip(stats, residency.banks)):
         row = asdict(layer_stats)
         row["cpu_expert_ms"] = round(row.pop("cpu_expert_s") * 1e3, 3)
         pairs = layer_stats.pairs + direct_pairs[index]
         hot = layer_stats.hot_pairs + direct_pairs[index] - host_reads[index]
         row.update(layer=index, gpu_experts=len(bank.ids), hit_rate=hot / pairs if pairs else None,
-                   zero_copy_pairs=direct_pairs[index], host_read_pairs=host_reads[index])
+                   zero_copy_pairs=direct_pairs[index], host_read_pairs=host_reads[index],
+                   fetched_ahead_pairs=ahead_hits[index])
         layers.append(row)
     return {
         "form": sizes.form,
@@ -80,6 +82,7 @@ def expert_report(stats: list[LayerStats], residency: ExpertResidency, zero_copy
         "vram_bytes": residency.device_bytes() + sizes.staging_bytes,
         "zero_copy": sizes.zero_copy,
         "host_read_bytes": sum(host_reads) * sizes.host_expert_bytes,
+        "fetched_ahead_pairs": sum(ahead_hits),  # of the host-read pairs, those whose expert was fetched ahead
         "layers": layers,
     }
 

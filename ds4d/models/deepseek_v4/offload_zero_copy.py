@@ -13,6 +13,13 @@ steps read the current placement.  With ``gather`` the rows' cold experts are
 first copied whole into device scratch by one kernel (large reads over the
 link) and the rows read the scratch copy: the same bytes, so the same results.
 
+With ``fetch_ahead`` (:meth:`ZeroCopyExperts.prepare_ahead`) a layer's cold experts are also fetched before
+its routing is known: the model hands over a prediction of the layer's experts (its router on the input of
+the feed-forward before; hash layers' table, exact) and a side stream copies the predicted experts that sit
+in host memory into one of two scratch buffers while the layer before finishes and this layer's attention
+runs.  When the layer's routing is known, each cold row whose expert was fetched ahead reads that copy; the
+others are gathered then, as without it.  A wrong prediction costs link time, never a different result.
+
 Routing counts of these steps stay on the device (``decode_counts``, and
 ``host_reads`` for the pairs whose expert was read from host memory) until the
 next step boundary hands them to the placement policy.
@@ -21,6 +28,7 @@ next step boundary hands them to the placement policy.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
@@ -30,6 +38,10 @@ from ds4d.models.deepseek_v4.moe import combine_sorted, expert_ffn
 from ds4d.models.deepseek_v4.offload_parts import DeviceBank, ExpertForm, bank_parts
 from ds4d.models.deepseek_v4.placement import PlacementPolicy
 from ds4d.models.deepseek_v4.stored import GgufAddresses, Mxfp4Addresses
+
+AHEAD_PROGRAMS = 8
+"""Programs a row of a fetch ahead (``quant_matmul.fetch_rows``): it runs beside the step's kernels, so it
+takes few SMs; eight programs of eight warps a row keep a few MB of reads in flight."""
 
 
 class ZeroCopyExperts:
@@ -48,6 +60,13 @@ class ZeroCopyExperts:
         self.on_host = torch.zeros(layers, experts, dtype=torch.int64, device=device)
         self._counts_seen = torch.zeros(layers, experts, dtype=torch.int64)
         self._scratch: torch.Tensor | None = None
+        self.gather = False
+        """Cold experts are gathered into the scratch (:meth:`prepare_gather`) before the GEMVs read them."""
+        self.ahead_rows = 0
+        """(token, expert) rows a decode step may have for its cold experts to be fetched ahead (0: never)."""
+        self.ahead_hits = torch.zeros(layers, dtype=torch.int64, device=device)
+        """Of ``host_reads``, the pairs whose expert had been fetched ahead, per layer."""
+        self._pending: dict[int, tuple[int, int, object]] = {}
 
     def prepare_gather(self, slots: HostSlots) -> None:
         """Scratch for gathered cold experts (:meth:`gathered`), one host slot's size per decode row."""
@@ -60,6 +79,50 @@ class ZeroCopyExperts:
             raise ValueError("host slots must start with the gate/up bytes")
         self._scratch_at = (base.unsqueeze(0) + parts.unsqueeze(1)).to(self.device)
         self._row_ids = torch.arange(moe_gemv.MAX_ROWS, dtype=torch.int64, device=self.device)
+
+    def prepare_ahead(self, slots: HostSlots, rows: int) -> None:
+        """Two scratch buffers of ``rows`` host slots each for experts fetched ahead (:meth:`fetch_ahead`):
+        one layer's fill one while the layer before reads the other.  A side stream copies on CUDA."""
+        words = slots.slot_bytes // 8
+        self.ahead_rows = rows
+        self._ahead = [torch.empty((rows, words), dtype=torch.int64, device=self.device) for _ in range(2)]
+        parts = torch.tensor([at for _, _, _, at, _ in slots.layout], dtype=torch.int64)
+        steps = torch.arange(rows, dtype=torch.int64) * slots.slot_bytes
+        self._ahead_at = [(buffer.data_ptr() + steps.unsqueeze(0) + parts.unsqueeze(1)).to(self.device)
+                          for buffer in self._ahead]
+        self._predicted = [torch.zeros(rows, dtype=torch.int64, device=self.device) for _ in range(2)]
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @torch.compiler.disable
+    def fetch_ahead(self, layer: int, x: torch.Tensor, predict: Callable[[], torch.Tensor]) -> None:
+        """Copy the host-held experts among ``predict()``'s ``[T, k]`` expert ids of ``layer`` into a scratch
+        buffer, on the side stream (which first waits for the work queued so far: ``x``, the input the
+        prediction reads, is ready).  Skipped when the step has more rows than :attr:`ahead_rows`."""
+        if not (self.gather and self._scratch is not None and self.ahead_rows):
+            return
+        buffer = layer % 2
+        side, main = self._side, torch.cuda.current_stream(self.device) if self._side is not None else None
+        if side is not None:
+            side.wait_stream(main)
+            x.record_stream(side)  # read there; not reused before the side stream is past it
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            flat = predict().reshape(-1)
+            count = flat.shape[0]
+            if count > self.ahead_rows:
+                return
+            predicted = self._predicted[buffer][:count]
+            predicted.copy_(flat)
+            quant_matmul.fetch_rows(self.tables[layer][0], self.on_host[layer][predicted], predicted,
+                                    self._ahead[buffer], programs=AHEAD_PROGRAMS)
+            done = side.record_event() if side is not None else None
+        self._pending[layer] = (buffer, count, done)
+
+    def settle(self) -> None:
+        """The compute stream waits for any fetch ahead no layer has read (a step ends with none in flight)."""
+        for _, _, done in self._pending.values():
+            if done is not None:
+                torch.cuda.current_stream(self.device).wait_event(done)
+        self._pending.clear()
 
     def write_table(self, layer: int, form: ExpertForm, bank: DeviceBank,
                     host_parts: Callable[[int], dict[str, torch.Tensor]]) -> None:
@@ -115,8 +178,8 @@ class ZeroCopyExperts:
         self.host_reads[layer] += (self.on_host[layer][flat] * real).sum()
         expert_of_row, order = torch.sort(flat, stable=True)
         gate_up, down = self.addressed[layer]
-        if self._scratch is not None:
-            gate_up, down, expert_of_row = self.gathered(layer, expert_of_row)
+        if self.gather and self._scratch is not None:
+            gate_up, down, expert_of_row = self.gathered(layer, expert_of_row, real[order])
         if pair_weighted:
             out = expert_ffn(x[order // k], gate_up, down, None, expert_of_row, limit, step_rows=tokens * k,
                              pair_weights=expert_weights.reshape(-1)[order])
@@ -124,17 +187,42 @@ class ZeroCopyExperts:
         out = expert_ffn(x[order // k], gate_up, down, None, expert_of_row, limit, step_rows=tokens * k)
         return combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
 
-    def gathered(self, layer: int, experts: torch.Tensor) -> tuple[Mxfp4Addresses, Mxfp4Addresses, torch.Tensor]:
+    def gathered(self, layer: int, experts: torch.Tensor, real: torch.Tensor,
+                 ) -> tuple[Mxfp4Addresses, Mxfp4Addresses, torch.Tensor]:
         """The cold experts of these rows copied whole into device scratch (one kernel, large reads
         over the link); address tables per row: the scratch copy for cold rows, the bank for hot
-        ones.  Row ``r`` then uses entry ``r``: the same bytes as in place, so the same results."""
+        ones.  Row ``r`` then uses entry ``r``: the same bytes as in place, so the same results.
+        Cold rows whose expert was fetched ahead (:meth:`fetch_ahead`) read that copy instead, and
+        count into :attr:`ahead_hits` where ``real``."""
         rows = experts.shape[0]
         table = self.tables[layer]
         on_host = self.on_host[layer]
-        quant_matmul.gather_cold(table[0], on_host, experts, self._scratch)
         scratch = self._scratch_at[:, :rows]  # [4, rows]: each part's address in row r's scratch
-        cold = on_host[experts].bool().unsqueeze(0)
-        return (*self.addresses(torch.where(cold, scratch, table[:, experts])), self._row_ids[:rows])
+        cold = on_host[experts].bool()
+        ahead = self._pending.pop(layer, None)
+        if ahead is None:
+            quant_matmul.gather_cold(table[0], on_host, experts, self._scratch)
+            return (*self.addresses(torch.where(cold.unsqueeze(0), scratch, table[:, experts])), self._row_ids[:rows])
+        at = self._ahead_parts(layer, experts, real, cold, ahead)
+        return (*self.addresses(at), self._row_ids[:rows])
+
+    @torch.compiler.disable
+    def _ahead_parts(self, layer: int, experts: torch.Tensor, real: torch.Tensor, cold: torch.Tensor,
+                     ahead: tuple[int, int, object]) -> torch.Tensor:
+        """:meth:`gathered`'s addresses ``[parts, rows]`` once ``ahead``'s fetch is done: the fetched copy for a
+        cold row whose expert it holds, a copy gathered now for the other cold rows, the bank for hot ones."""
+        buffer, count, done = ahead
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        rows = experts.shape[0]
+        table = self.tables[layer]
+        match = experts.unsqueeze(1) == self._predicted[buffer][:count].unsqueeze(0)  # [rows, count]
+        hit = cold & match.any(dim=1)
+        quant_matmul.fetch_rows(table[0], cold & ~hit, experts, self._scratch)
+        self.ahead_hits[layer] += (hit.to(real.dtype) * real).sum()
+        fetched = self._ahead_at[buffer][:, match.int().argmax(dim=1)]  # the first prediction that matched
+        gathered = torch.where(cold.unsqueeze(0), self._scratch_at[:, :rows], table[:, experts])
+        return torch.where(hit.unsqueeze(0), fetched, gathered)
 
     def observe(self, policy: PlacementPolicy) -> None:
         """Routing counts of zero-copy decode steps since the last call into the placement policy."""

@@ -212,7 +212,8 @@ def _transfer_sizes(cfg: DeepseekV4Config, rows: int, dtype: torch.dtype) -> tup
 
 EXPERT_STATS_EVERY_S = 1.0
 _SUMMED_EXPERT_STATS = ("gpu_experts", "ram_experts", "replans", "bytes_copied", "bytes_skipped", "skipped_transfers",
-                        "placement_bytes", "demoted_bytes", "host_read_bytes", "host_experts", "host_ram_bytes")
+                        "placement_bytes", "demoted_bytes", "host_read_bytes", "fetched_ahead_pairs", "host_experts",
+                        "host_ram_bytes")
 
 
 def merge_expert_stats(parts: Sequence[dict[str, Any]], first_layers: Sequence[int]) -> dict[str, Any]:
