@@ -211,3 +211,39 @@ def test_the_fixed_decode_step_with_offloaded_experts(fixture_dir):
     fixed = check_fixed_decode(model, "padded", tolerance=1e-5, reference=reference)
     assert fixed.model.expert_offload is model.expert_offload
     assert model.expert_offload.expert_stats()["bytes_copied"] > 0
+
+
+def test_cold_experts_fetched_ahead_give_the_logits_of_gathering_them(tmp_path):
+    """``fetch_ahead`` on V4.1 (FP4 banks as stored, Triton's interpreter, a third of the experts hot): each
+    decode layer's cold experts are fetched as its router predicts them from the feed-forward input of the
+    layer before; the logits equal those of the same placement gathering every cold expert at its layer,
+    bit for bit, and some of the cold experts read were ones fetched ahead."""
+    pytest.importorskip("triton")
+    from ds4d.cuda import quant_matmul
+
+    if not quant_matmul.available():
+        pytest.skip("the MXFP4 kernels cannot run here")
+    path = write_tiny(tmp_path / "v41", seed=5)
+    cfg = DeepseekV41Config.from_file(path)
+    tokenizer, _ = load_tokenizer(path)
+    checkpoint = OfficialCheckpoint(path, groups=("text",))
+    models = [DeepseekV41Model.from_tensors(cfg, CheckpointTensors(checkpoint, "ram", stored=("fp4",)), tokenizer,
+                                            stored_weights=True, offload=OffloadOptions(
+                                                vram_bytes=1 << 20, stage_experts=STAGE, pin_threads=0,
+                                                fetch_ahead=ahead))
+              for ahead in (0, 8)]
+    for model in models:
+        model.expert_offload.set_placement([list(range(cfg.n_routed_experts))[layer % 3::3]
+                                            for layer in range(cfg.num_hidden_layers)])
+    gathered, fetched = models
+    assert fetched.expert_offload.zero_copy_experts.ahead_rows == 8
+    state, twin = gathered.new_state(), fetched.new_state()
+    ids = torch.randint(3, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    gathered.prefill(state, ids[:6])
+    fetched.prefill(twin, ids[:6])
+    for token in ids[6:]:
+        assert torch.equal(fetched.decode(twin, token), gathered.decode(state, token))
+    stats = fetched.expert_offload.expert_stats()
+    assert stats["host_read_bytes"] == gathered.expert_offload.expert_stats()["host_read_bytes"] > 0
+    assert 0 < stats["fetched_ahead_pairs"] <= stats["host_read_bytes"] // fetched.expert_offload.host_expert_bytes
+    assert not fetched.expert_offload.zero_copy_experts._pending

@@ -45,7 +45,7 @@ from ds4d.models.deepseek_v4.cache import DeepseekV4Cache
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.decode import DecodeInputs, decode_attention, pack_rows
 from ds4d.models.deepseek_v4.hyper import hc_boundary, hc_head, hc_post
-from ds4d.models.deepseek_v4.moe import RoutingTally, moe_forward
+from ds4d.models.deepseek_v4.moe import RoutingTally, moe_forward, predicted_experts
 from ds4d.models.deepseek_v4.offload import counted_rows
 from ds4d.models.deepseek_v4.ops import Rope, linear_bf16_weight_f32_out, rms_norm
 from ds4d.models.deepseek_v4.paths import ForwardPaths
@@ -405,7 +405,7 @@ class DeepseekV4Model:
         for index, (layer, layer_cache) in enumerate(zip(layers, cache.layers)):
             x, streams, post, comb = boundary(output, streams, post, comb, layer.attn_hc, layer.attn_norm)
             if ahead and index == 0:
-                offload.fetch_ahead(0, x, token_ids, layer.ffn, cfg)
+                offload.fetch_ahead(0, x, partial(predicted_experts, x, token_ids, layer.ffn, cfg))
             output = attend(x, step, layer.attn, layer_cache, cfg, self.rope_compress)
             if index == last and keep is not None:
                 if keep.numel() == 0:  # no row wanted: the last feed-forward has nothing to do
@@ -413,7 +413,7 @@ class DeepseekV4Model:
                 output, streams, post, comb, token_ids = (t[keep] for t in (output, streams, post, comb, token_ids))
             x, streams, post, comb = boundary(output, streams, post, comb, layer.ffn_hc, layer.ffn_norm)
             if ahead and index < last:
-                offload.fetch_ahead(index + 1, x, token_ids, layers[index + 1].ffn, cfg)
+                offload.fetch_ahead(index + 1, x, partial(predicted_experts, x, token_ids, layers[index + 1].ffn, cfg))
             if offload is not None:
                 output = offload.moe_forward(index, x, token_ids, layer.ffn, cfg, decode=decode,
                                              tally=None if tally is None else tally.layer(index))

@@ -85,6 +85,13 @@ def route(
     return chosen * cfg.routed_scaling_factor, indices
 
 
+def predicted_experts(x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config,
+                      ) -> torch.Tensor:
+    """The expert ids ``[T, k]`` :func:`route` gives ``x``: a guess at a layer's routing from another input
+    (``ExpertOffload.fetch_ahead``); exact for a hash layer, whose experts follow the token."""
+    return route(x, token_ids, weights, cfg)[1]
+
+
 def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor,
                     step_rows: int):
     """Rows of ``x`` (sorted by expert, group ends ``offsets``) times their expert's ``weight [E, out, in]``

@@ -51,6 +51,7 @@ two compute paths) and ``offload_stats`` (counters and reports).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -357,13 +358,13 @@ class ExpertOffload:
         shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit, w13=weights.shared_w13)
         return self.routed(layer, x, expert_weights, indices, limit=limit, decode=decode) + shared
 
-    def fetch_ahead(self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights,
-                    cfg: DeepseekV4Config) -> None:
+    def fetch_ahead(self, layer: int, x: torch.Tensor, predict: Callable[[], torch.Tensor]) -> None:
         """In a decode step that reads experts where they sit and gathers the cold ones: start copying
-        ``layer``'s cold experts as ``weights``' router picks them for ``x`` (the input of the feed-forward
-        before, or of the first layer's attention), before its own routing is known; nothing otherwise."""
+        ``layer``'s cold experts among ``predict()``'s ``[rows, k]`` expert ids (computed from ``x``, say the
+        layer's router on the input of the feed-forward before), before its own routing is known; nothing
+        otherwise (``OffloadOptions.fetch_ahead``)."""
         if self.gather and self.options.fetch_ahead and self.capturable(x.shape[0]):
-            self.zero_copy_experts.fetch_ahead(layer, x, lambda: route(x, token_ids, weights, cfg)[1])
+            self.zero_copy_experts.fetch_ahead(layer, x, predict)
 
     def routed(
         self, layer: int, x: torch.Tensor, expert_weights: torch.Tensor, indices: torch.Tensor, *, limit: float,

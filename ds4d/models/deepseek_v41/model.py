@@ -31,6 +31,7 @@ selects (more visible entries than ``index_topk``).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -48,7 +49,7 @@ from ds4d.models.deepseek_v41.attention import (
 from ds4d.models.deepseek_v41.config import DeepseekV41Config
 from ds4d.models.deepseek_v41.engram import EngramHasher, engram_forward, gather_rows
 from ds4d.models.deepseek_v41.hyper import collapse, expand, site_weights
-from ds4d.models.deepseek_v41.moe import moe_forward, offloaded_forward
+from ds4d.models.deepseek_v41.moe import moe_forward, offloaded_forward, predicted_experts
 from ds4d.models.deepseek_v41.offload import ExpertOffload, ExpertSink, OffloadOptions, expert_offload
 from ds4d.models.deepseek_v41.paths import ForwardPaths
 from ds4d.models.deepseek_v41.state import SequenceState
@@ -267,16 +268,22 @@ class DeepseekV41Model:
         cfg, w, paths = self.cfg, self.weights.layers[layer], self.paths
         eps, iters, hc_eps = cfg.rms_norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps
         outputs = streams.shape[0] if outputs is None else outputs
+        offload = self.expert_offload
+        ahead = decode and offload is not None  # cold experts fetched a layer early (``ExpertOffload.fetch_ahead``)
         if w.engram is not None:
             streams = engram_forward(streams, engram, w.engram, eps)
         x = rms_norm(collapse(streams, pre_mix), w.attn_norm, eps)
+        if ahead and layer == 0:
+            offload.fetch_ahead(0, x, partial(predicted_experts, x, w.ffn, cfg))
         streams = streams[streams.shape[0] - outputs:]
         attn_pre, post, comb = site_weights(streams, w.hc_attn, iters, hc_eps, eps, paths.fused_hyper)
         streams = expand(attend(x), streams, post, comb)
         ffn_pre, post, comb = site_weights(streams, w.hc_ffn, iters, hc_eps, eps, paths.fused_hyper)
         x = rms_norm(collapse(streams, attn_pre), w.ffn_norm, eps)
-        if self.expert_offload is not None:
-            ffn = offloaded_forward(x, w.ffn, cfg, self.expert_offload, layer, decode)
+        if ahead and layer + 1 < len(self.weights.layers):
+            offload.fetch_ahead(layer + 1, x, partial(predicted_experts, x, self.weights.layers[layer + 1].ffn, cfg))
+        if offload is not None:
+            ffn = offloaded_forward(x, w.ffn, cfg, offload, layer, decode)
         else:
             ffn = moe_forward(x, w.ffn, cfg, paths.expert_rows, paths.grouped_experts)
         return expand(ffn, streams, post, comb), ffn_pre

@@ -61,6 +61,12 @@ def route(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config) -> tuple[torch
     return weights * cfg.routed_scaling_factor, experts
 
 
+def predicted_experts(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config) -> torch.Tensor:
+    """The expert ids ``[N, k]`` :func:`route` gives ``x``: a guess at a layer's routing from another input
+    (``ExpertOffload.fetch_ahead``)."""
+    return route(x, w, cfg)[1]
+
+
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 GROUPED_MM_AVAILABLE = _GROUPED_MM is not None
 
