@@ -133,19 +133,22 @@ def test_every_expert_cold_gives_the_on_device_logits(name):
     assert stats["skipped_transfers"] > 0  # the tiny model has 4 experts a layer; decode steps use at most 4 of 12
 
 
-@pytest.mark.parametrize("gather", [True, False], ids=["gathered", "in-place"])
-def test_decode_steps_read_cold_gguf_experts_by_address(gather):
+@pytest.mark.parametrize("mode", ["gathered", "in-place", "fetched ahead"])
+def test_decode_steps_read_cold_gguf_experts_by_address(mode):
     """Zero-copy decode (gate/up and down both in blocks): a decode step's rows read each expert through the
     layer's address table, from the device bank when hot and from its host slot when cold (or from a
-    device copy the step gathered first), with no routing read back, so the step can be captured in a
-    CUDA graph; the logits are the on-device model's, bit for bit, through a placement move too."""
+    device copy the step gathered first, or fetched a layer ahead as predicted), with no routing read back,
+    so the step can be captured in a CUDA graph; the logits are the on-device model's, bit for bit, through
+    a placement move too."""
     want = _reference(KEPT)
-    probe = _load(KEPT, _options())
+    gather, ahead = mode != "in-place", 8 if mode == "fetched ahead" else 0
+    probe = _load(KEPT, _options(gather_cold=gather, fetch_ahead=ahead))
     per_expert = probe.expert_offload.device_expert_bytes
     model = _load(KEPT, _options(per_expert * 3 + probe.expert_offload.staging_bytes, placement="static",
-                                 gather_cold=gather))
+                                 gather_cold=gather, fetch_ahead=ahead))
     offload = model.expert_offload
     assert offload.zero_copy and offload.gather == gather and offload.capturable(2)
+    assert offload.zero_copy_experts.ahead_rows == ahead
     layers, experts = model.cfg.num_hidden_layers, model.cfg.n_routed_experts
 
     def move(step: int) -> None:
@@ -157,6 +160,12 @@ def test_decode_steps_read_cold_gguf_experts_by_address(gather):
     pairs = layers * model.cfg.num_experts_per_tok * (2 + 1 + 2 + 1)  # every decode step's (row, expert) pairs
     assert stats["zero_copy"] and sum(layer["zero_copy_pairs"] for layer in stats["layers"]) == pairs
     assert stats["host_read_bytes"] > 0  # rows whose expert sat in host RAM
+    hashed = stats["layers"][:model.cfg.num_hash_layers]  # their experts follow the token: always predicted
+    assert all(row["fetched_ahead_pairs"] == (row["host_read_pairs"] if ahead else 0) for row in hashed)
+    if ahead:
+        assert sum(row["host_read_pairs"] for row in hashed) > 0
+    else:
+        assert stats["fetched_ahead_pairs"] == 0
 
 
 @pytest.mark.parametrize("name", [MIXED])
