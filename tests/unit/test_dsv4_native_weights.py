@@ -12,12 +12,14 @@ order of float32 sums.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from ds4d.contracts import ForwardBatch, SeqChunk
 from ds4d.models.deepseek_v4 import write_tiny_checkpoint
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.knobs import native_weights
@@ -250,3 +252,28 @@ def test_cold_experts_fetched_ahead_give_the_logits_of_gathering_them(checkpoint
         assert stats["fetched_ahead_pairs"] == 0
     assert not offload.zero_copy_experts._pending  # no fetch left for a later step
     offload.close()
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests run the compiled kernels")
+@pytest.mark.skipif(shutil.which("g++") is None, reason="torch.compile's CPU code needs a C++ compiler")
+def test_a_compiled_decode_step_fetches_ahead_and_gives_the_logits_of_gathering(checkpoint):
+    """The decode step through ``torch.compile`` (``compile_decode``; inductor's CPU code here) with cold experts
+    fetched ahead: the side stream's work, its events and the pending fetches stay outside the compiled graphs
+    (``torch.compiler.disable``), the step gives the compiled step without fetching ahead bit for bit, and it
+    leaves no fetch pending."""
+    from ds4d.cuda.graphs import compiled
+    from ds4d.models.deepseek_v4.model import pack_decode_rows
+
+    logits, hits = [], []
+    for ahead in (0, 4):
+        model, offload = _offloaded(checkpoint, fetch_ahead=ahead)
+        model.allocate_cache(8, 2)
+        prompt = tuple((i * 7919) % 5000 + 10 for i in range(150))
+        model.forward(ForwardBatch((SeqChunk(0, prompt, 0, (0, 1), 1),)))
+        packed = pack_decode_rows([SeqChunk(0, (77,), 150, (0, 1), 1)], model.cache, 1, 8)
+        logits.append(compiled(model._decode_step)(packed))
+        hits.append(offload.expert_stats()["fetched_ahead_pairs"])
+        assert not offload.zero_copy_experts._pending
+        offload.close()
+    assert torch.equal(logits[0], logits[1])
+    assert hits[0] == 0 < hits[1]

@@ -117,11 +117,15 @@ class ZeroCopyExperts:
             done = side.record_event() if side is not None else None
         self._pending[layer] = (buffer, count, done)
 
+    def _join(self, done) -> None:
+        """The compute stream waits for a fetch ahead (``done``: its event; None on the CPU)."""
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+
     def settle(self) -> None:
         """The compute stream waits for any fetch ahead no layer has read (a step ends with none in flight)."""
         for _, _, done in self._pending.values():
-            if done is not None:
-                torch.cuda.current_stream(self.device).wait_event(done)
+            self._join(done)
         self._pending.clear()
 
     def write_table(self, layer: int, form: ExpertForm, bank: DeviceBank,
@@ -199,21 +203,23 @@ class ZeroCopyExperts:
         on_host = self.on_host[layer]
         scratch = self._scratch_at[:, :rows]  # [4, rows]: each part's address in row r's scratch
         cold = on_host[experts].bool()
-        ahead = self._pending.pop(layer, None)
-        if ahead is None:
+        at = self._ahead_parts(layer, experts, real, cold) if self.ahead_rows else None
+        if at is None:
             quant_matmul.gather_cold(table[0], on_host, experts, self._scratch)
-            return (*self.addresses(torch.where(cold.unsqueeze(0), scratch, table[:, experts])), self._row_ids[:rows])
-        at = self._ahead_parts(layer, experts, real, cold, ahead)
+            at = torch.where(cold.unsqueeze(0), scratch, table[:, experts])
         return (*self.addresses(at), self._row_ids[:rows])
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # streams, events and the pending fetches stay out of ``torch.compile``'s graphs
     def _ahead_parts(self, layer: int, experts: torch.Tensor, real: torch.Tensor, cold: torch.Tensor,
-                     ahead: tuple[int, int, object]) -> torch.Tensor:
-        """:meth:`gathered`'s addresses ``[parts, rows]`` once ``ahead``'s fetch is done: the fetched copy for a
-        cold row whose expert it holds, a copy gathered now for the other cold rows, the bank for hot ones."""
+                     ) -> torch.Tensor | None:
+        """:meth:`gathered`'s addresses ``[parts, rows]`` once ``layer``'s fetch ahead is done: the fetched copy
+        for a cold row whose expert it holds, a copy gathered now for the other cold rows, the bank for hot
+        ones; None when nothing was fetched ahead for ``layer``."""
+        ahead = self._pending.pop(layer, None)
+        if ahead is None:
+            return None
         buffer, count, done = ahead
-        if done is not None:
-            torch.cuda.current_stream(self.device).wait_event(done)
+        self._join(done)
         rows = experts.shape[0]
         table = self.tables[layer]
         match = experts.unsqueeze(1) == self._predicted[buffer][:count].unsqueeze(0)  # [rows, count]
