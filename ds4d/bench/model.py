@@ -398,7 +398,8 @@ def _write_trace(prof, count: int, path: Path) -> None:
     """The last ``count`` device kernels the profiler saw, in the order they started, as tab-separated
     rows: start (us after the first), time (us), gap after the one before (us), name."""
     kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.elapsed_us() > 0),
-                     key=lambda e: e.time_range.start)[-count:]
+                     key=lambda e: e.time_range.start)
+    kernels = kernels[max(len(kernels) - count, 0):]
     lines, begin, end = ["start_us\ttime_us\tgap_us\tname"], kernels[0].time_range.start if kernels else 0, None
     for e in kernels:
         start, stop = e.time_range.start, e.time_range.end

@@ -83,3 +83,24 @@ def test_a_row_whose_decode_graphs_fell_back_to_eager_is_an_error_not_a_time(tmp
         _ds4d(torch, model, prompts, 2, chunk=64, sync=lambda: None)
     assert _guarded(torch, "decode b1", lambda: _ds4d(torch, model, prompts, 2, chunk=64,
                                                        sync=lambda: None)) == "error"
+
+
+def test_profile_trace_writes_the_last_steps_kernels_in_the_order_they_ran(tmp_path):
+    """``--profile-trace``: the last ``count`` device kernels the profiler saw, by start time, with each one's
+    time and the gap after the one before (host events and zero-length records left out)."""
+    from types import SimpleNamespace
+
+    from ds4d.bench.model import _write_trace
+
+    def event(name: str, start: float, end: float, device: str = "CUDA") -> SimpleNamespace:
+        span = SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return SimpleNamespace(name=name, time_range=span, device_type=SimpleNamespace(name=device))
+
+    events = [event("c", 30.0, 34.5), event("host", 31.0, 40.0, device="CPU"), event("a", 10.0, 12.0),
+              event("b", 20.0, 21.0), event("empty", 25.0, 25.0), event("d", 40.0, 41.0)]
+    path = tmp_path / "trace.tsv"
+    _write_trace(SimpleNamespace(events=lambda: events), 3, path)
+    assert path.read_text().splitlines() == ["start_us\ttime_us\tgap_us\tname", "0.0\t1.0\t0.0\tb",
+                                             "10.0\t4.5\t9.0\tc", "20.0\t1.0\t5.5\td"]
+    _write_trace(SimpleNamespace(events=lambda: events), 0, path)  # none asked for: a header only
+    assert path.read_text().splitlines() == ["start_us\ttime_us\tgap_us\tname"]
