@@ -165,10 +165,9 @@ def test_cold_experts_nobody_chose_are_never_copied(runs, tiny):
     assert sum(layer["cpu_experts"] for layer in host["layers"]) > 0
 
 
-def test_fp4_banks_kept_as_stored_take_the_zero_copy_decode(tmp_path):
-    """Routed experts as FP4 codes and scales (the MXFP4 kernels through Triton's interpreter), a third
-    of them hot: decode steps read every expert where it sits (no routing read back) and give the
-    model with the banks on the device, from the same states, within float32 summation order."""
+def _fp4_tiny(tmp_path: Path):
+    """A tiny V4.1 checkpoint's config, and a maker of models over it with the routed experts kept as FP4 codes
+    and scales (the MXFP4 kernels, in Triton's interpreter here), offloaded as the options given say."""
     pytest.importorskip("triton")
     from ds4d.cuda import quant_matmul
 
@@ -178,12 +177,22 @@ def test_fp4_banks_kept_as_stored_take_the_zero_copy_decode(tmp_path):
     cfg = DeepseekV41Config.from_file(path)
     tokenizer, _ = load_tokenizer(path)
     checkpoint = OfficialCheckpoint(path, groups=("text",))
-    stored = DeepseekV41Model.from_tensors(cfg, CheckpointTensors(checkpoint, "ram", stored=("fp4",)), tokenizer,
-                                           stored_weights=True)
+
+    def model(offload: OffloadOptions | None = None) -> DeepseekV41Model:
+        return DeepseekV41Model.from_tensors(cfg, CheckpointTensors(checkpoint, "ram", stored=("fp4",)), tokenizer,
+                                             stored_weights=True, offload=offload)
+
+    return cfg, model
+
+
+def test_fp4_banks_kept_as_stored_take_the_zero_copy_decode(tmp_path):
+    """Routed experts as FP4 codes and scales (the MXFP4 kernels through Triton's interpreter), a third
+    of them hot: decode steps read every expert where it sits (no routing read back) and give the
+    model with the banks on the device, from the same states, within float32 summation order."""
+    cfg, fp4_model = _fp4_tiny(tmp_path)
+    stored = fp4_model()
     experts = cfg.num_hidden_layers * cfg.n_routed_experts
-    model = DeepseekV41Model.from_tensors(cfg, CheckpointTensors(checkpoint, "ram", stored=("fp4",)), tokenizer,
-                                          stored_weights=True, offload=OffloadOptions(
-                                              vram_bytes=1 << 20, stage_experts=STAGE, pin_threads=0))
+    model = fp4_model(OffloadOptions(vram_bytes=1 << 20, stage_experts=STAGE, pin_threads=0))
     offload = model.expert_offload
     assert offload.native and offload.zero_copy and offload.capturable(1)
     offload.set_placement([list(range(cfg.n_routed_experts))[layer % 3::3] for layer in range(cfg.num_hidden_layers)])
@@ -218,19 +227,8 @@ def test_cold_experts_fetched_ahead_give_the_logits_of_gathering_them(tmp_path):
     decode layer's cold experts are fetched as its router predicts them from the feed-forward input of the
     layer before; the logits equal those of the same placement gathering every cold expert at its layer,
     bit for bit, and some of the cold experts read were ones fetched ahead."""
-    pytest.importorskip("triton")
-    from ds4d.cuda import quant_matmul
-
-    if not quant_matmul.available():
-        pytest.skip("the MXFP4 kernels cannot run here")
-    path = write_tiny(tmp_path / "v41", seed=5)
-    cfg = DeepseekV41Config.from_file(path)
-    tokenizer, _ = load_tokenizer(path)
-    checkpoint = OfficialCheckpoint(path, groups=("text",))
-    models = [DeepseekV41Model.from_tensors(cfg, CheckpointTensors(checkpoint, "ram", stored=("fp4",)), tokenizer,
-                                            stored_weights=True, offload=OffloadOptions(
-                                                vram_bytes=1 << 20, stage_experts=STAGE, pin_threads=0,
-                                                fetch_ahead=ahead))
+    cfg, fp4_model = _fp4_tiny(tmp_path)
+    models = [fp4_model(OffloadOptions(vram_bytes=1 << 20, stage_experts=STAGE, pin_threads=0, fetch_ahead=ahead))
               for ahead in (0, 8)]
     for model in models:
         model.expert_offload.set_placement([list(range(cfg.n_routed_experts))[layer % 3::3]
