@@ -188,16 +188,17 @@ def _moved(model) -> int:
     return stats["bytes_copied"] + stats["host_read_bytes"]
 
 
-def offload_options(cfg, fraction: float, native: bool):
+def offload_options(cfg, fraction: float, native: bool, fetch_ahead: int = 0):
     """Options that hold the first ``fraction`` of each layer's experts on the device (static placement,
-    set after the build by :func:`place_first`), with room to spare for the staging banks."""
+    set after the build by :func:`place_first`), with room to spare for the staging banks; ``fetch_ahead``:
+    ``OffloadOptions.fetch_ahead``."""
     from ds4d.cuda import moe_gemv
     from ds4d.models.deepseek_v4.offload import OffloadOptions
 
     per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * (17 / 32 if native else 2)
     hot = math.ceil(fraction * cfg.n_routed_experts) * cfg.num_hidden_layers
-    return OffloadOptions(vram_bytes=int((hot + 16 + moe_gemv.MAX_ROWS) * per_expert * 1.05), placement="static",
-                          stage_experts=8)
+    return OffloadOptions(vram_bytes=int((hot + 16 + moe_gemv.MAX_ROWS + 2 * fetch_ahead) * per_expert * 1.05),
+                          placement="static", stage_experts=8, fetch_ahead=fetch_ahead)
 
 
 def place_first(model, fraction: float) -> None:
@@ -336,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
         if args.oracle:
             raise SystemExit("--oracle runs the HF model with every expert on the device: not with --expert-gpu-fraction")
         experts_to_host(tensors)
-        offload = offload_options(cfg, fraction, native)
+        offload = offload_options(cfg, fraction, native, getattr(args, "fetch_ahead", 0))
     model = DeepseekV41Model.from_tensors(cfg, tensors, tokenizer, dtype=dtype, device=device, paths=paths,
                                           stored_weights=native, offload=offload)
     if offload is not None:

@@ -98,7 +98,8 @@ def add_parser(sub) -> None:
     p.add_argument("--fetch-ahead", type=int, default=0,
                    help="with --expert-gpu-fraction and native weights: decode steps of up to this many (token, "
                         "expert) rows fetch each layer's predicted cold experts a layer ahead (OffloadOptions."
-                        "fetch_ahead); each fraction also runs without, same placement")
+                        "fetch_ahead); each fraction also runs without, same placement (deepseek_v41: the rows "
+                        "run with it only)")
     p.add_argument("--stream-experts", action="store_true",
                    help="with --expert-gpu-fraction: place each layer's experts as it is built (the first fraction), "
                         "for models whose experts do not fit the device; no all-on-device rows")

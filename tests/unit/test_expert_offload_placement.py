@@ -93,9 +93,11 @@ def test_offload_options_follow_the_config_knobs(tmp_path):
     env = {"DS4D_CONFIG": str(tmp_path / "none.toml")}
     assert offload_options(load_config({}, environ=env).config, {}) is None
     cfg = load_config({"expert_vram_gib": "2", "expert_placement": "static", "expert_decode_cold": "copy",
-                       "expert_cpu_threads": "3"}, environ=env).config
+                       "expert_cpu_threads": "3", "expert_fetch_ahead": "12"}, environ=env).config
     opts = offload_options(cfg, {})
-    assert (opts.vram_bytes, opts.placement, opts.decode_cold, opts.cpu_threads) == (2 * 2**30, "static", "copy", 3)
+    assert (opts.vram_bytes, opts.placement, opts.decode_cold, opts.cpu_threads, opts.fetch_ahead) == (
+        2 * 2**30, "static", "copy", 3, 12)
+    assert offload_options(load_config({"expert_vram_gib": "2"}, environ=env).config, {}).fetch_ahead == 0  # off
     assert offload_options(cfg, {"expert_vram_gib": 0}) is None  # plugin options win over the config
 
 
