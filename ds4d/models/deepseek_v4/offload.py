@@ -363,7 +363,8 @@ class ExpertOffload:
         ``layer``'s cold experts among ``predict()``'s ``[rows, k]`` expert ids (computed from ``x``, say the
         layer's router on the input of the feed-forward before), before its own routing is known; nothing
         otherwise (``OffloadOptions.fetch_ahead``)."""
-        if self.gather and self.options.fetch_ahead and self.capturable(x.shape[0]):
+        rows = x.shape[0] * self.cfg.num_experts_per_tok
+        if self.gather and rows <= self.options.fetch_ahead and self.capturable(x.shape[0]):
             self.zero_copy_experts.fetch_ahead(layer, x, predict)
 
     def routed(
