@@ -244,7 +244,7 @@ def fetch_rows_kernel(src_table, need_ptr, expert_ptr, dst_ptr, words, dst_row_w
     row = tl.program_id(0)
     if tl.load(need_ptr + row) != 0:
         src = tl.load(src_table + tl.load(expert_ptr + row)).to(tl.pointer_type(tl.int64))
-        dst = dst_ptr + row * dst_row_words
+        dst = dst_ptr + row.to(tl.int64) * dst_row_words
         begin = tl.program_id(1).to(tl.int64) * span
         end = tl.minimum(begin + span, words)
         for first in range(begin, end, block):
