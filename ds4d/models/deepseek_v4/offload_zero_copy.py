@@ -203,31 +203,29 @@ class ZeroCopyExperts:
         on_host = self.on_host[layer]
         scratch = self._scratch_at[:, :rows]  # [4, rows]: each part's address in row r's scratch
         cold = on_host[experts].bool()
-        at = self._ahead_parts(layer, experts, real, cold) if self.ahead_rows else None
-        if at is None:
+        at = torch.where(cold.unsqueeze(0), scratch, table[:, experts])
+        fetched = self._ahead_parts(layer, experts, real, cold, at) if self.ahead_rows else None
+        if fetched is None:
             quant_matmul.gather_cold(table[0], on_host, experts, self._scratch)
-            at = torch.where(cold.unsqueeze(0), scratch, table[:, experts])
-        return (*self.addresses(at), self._row_ids[:rows])
+        return (*self.addresses(at if fetched is None else fetched), self._row_ids[:rows])
 
     @torch.compiler.disable  # streams, events and the pending fetches stay out of ``torch.compile``'s graphs
     def _ahead_parts(self, layer: int, experts: torch.Tensor, real: torch.Tensor, cold: torch.Tensor,
-                     ) -> torch.Tensor | None:
+                     gathered: torch.Tensor) -> torch.Tensor | None:
         """:meth:`gathered`'s addresses ``[parts, rows]`` once ``layer``'s fetch ahead is done: the fetched copy
-        for a cold row whose expert it holds, a copy gathered now for the other cold rows, the bank for hot
-        ones; None when nothing was fetched ahead for ``layer``."""
+        for a cold row whose expert it holds, else ``gathered``'s (the other cold rows' copies, gathered now;
+        the bank for hot ones); None when nothing was fetched ahead for ``layer``."""
         ahead = self._pending.pop(layer, None)
         if ahead is None:
             return None
         buffer, count, done = ahead
         self._join(done)
-        rows = experts.shape[0]
         table = self.tables[layer]
         match = experts.unsqueeze(1) == self._predicted[buffer][:count].unsqueeze(0)  # [rows, count]
         hit = cold & match.any(dim=1)
         quant_matmul.fetch_rows(table[0], cold & ~hit, experts, self._scratch)
         self.ahead_hits[layer] += (hit.to(real.dtype) * real).sum()
         fetched = self._ahead_at[buffer][:, match.int().argmax(dim=1)]  # the first prediction that matched
-        gathered = torch.where(cold.unsqueeze(0), self._scratch_at[:, :rows], table[:, experts])
         return torch.where(hit.unsqueeze(0), fetched, gathered)
 
     def observe(self, policy: PlacementPolicy) -> None:
