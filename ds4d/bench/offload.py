@@ -201,9 +201,10 @@ def run_offload(args) -> int:
         if offload.gather and ahead:  # the same placement, cold experts gathered at their layer only
             offload.zero_copy_experts.ahead_rows = 0
             rows.append((label + ", none fetched ahead" + (", compiled" if args.compile else ""),
-                         timed(graphs, f"{fraction:.0%} on device, none fetched ahead", long=False), same,
-                         key + ", none fetched ahead"))
+                         timed(on_path(model, "graphs", best), f"{fraction:.0%} on device, none fetched ahead",
+                               long=False), same, key + ", none fetched ahead"))
             offload.zero_copy_experts.ahead_rows = ahead
+            graphs = on_path(model, "graphs", best)  # graphs of its own: those above were captured without
             label += f", predicted ones fetched a layer ahead (steps of up to {ahead} rows)"
         try:
             rows.append((label + (", compiled" if args.compile else ""), timed(graphs, f"{fraction:.0%} on device"),
@@ -249,6 +250,9 @@ def run_offload(args) -> int:
             moved_p = f"{dpre['bytes_copied'] / 1e9:.1f} / {dpre['bytes_skipped'] / 1e9:.1f}"
             moved_d = (f"{ddec['bytes_copied'] / 1e9:.2f} / {ddec['bytes_skipped'] / 1e9:.2f} / "
                        f"{ddec['host_read_bytes'] / 1e9:.2f}")
+            if ddec["fetched_ahead_pairs"]:  # of the experts read from host RAM, those fetched a layer ahead
+                read = ddec["host_read_bytes"] / offload.host_expert_bytes
+                moved_d += f" ({ddec['fetched_ahead_pairs']:.1f} of {read:.1f} experts fetched ahead)"
             if "moved_long" in result:
                 dlong = result["moved_long"]
                 long_floor = args.context / max(args.context / long_floor, dlong["bytes_copied"] / pcie)
