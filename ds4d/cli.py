@@ -22,7 +22,7 @@ def _loaded(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ds4d.kernel import Kernel
+    from ds4d.kernel import Kernel, abandon_load
     from ds4d.parallel.gpus import is_torchrun
 
     # GPU indices (--gpus, cuda:N) in the order nvidia-smi and NVML use, not CUDA's fastest-first
@@ -37,7 +37,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if is_torchrun(loaded.config.gpus) and os.environ.get("RANK", "0") != "0":
         return Kernel(loaded).serve_worker()
-    asyncio.run(Kernel(loaded).serve())
+    kernel = Kernel(loaded)
+    asyncio.run(kernel.serve())
+    if kernel.load_abandoned:
+        abandon_load()
     return 0
 
 

@@ -90,6 +90,9 @@ class Kernel:
         self._stats_task: asyncio.Task | None = None
         self._watchdog_task: asyncio.Task | None = None
         self.lifecycle = None
+        # set when a signal came while the model was loading: serve() returned, the load still runs on its
+        # thread (``abandon_load`` ends the process without waiting for it)
+        self.load_abandoned = False
         # async callables run once at shutdown, after the engine stopped (e.g. flush the RAM cache
         # tier to disk); a second signal cancels them
         self.on_shutdown: list[Callable[[], Awaitable[None]]] = []
@@ -319,6 +322,7 @@ class Kernel:
             log.info("signal while loading: exiting without serving")
             building.cancel()
             await self._runner.cleanup()
+            self.load_abandoned = True
             return
         try:
             state = building.result()
@@ -411,6 +415,16 @@ class Kernel:
                 fh.write(json.dumps(snapshot(self.state, await self.state.client.fresh_snapshot())) + "\n")
                 fh.flush()
                 await asyncio.sleep(1.0)
+
+
+def abandon_load() -> None:
+    """End the process now, the model load still running on its thread: a load inside native code (a
+    reader's or llama.cpp's own threads) cannot be stopped, and the interpreter's teardown under it can abort
+    the process ("terminate called without an active exception").  Nothing was served, so nothing is lost."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def loop_time() -> float:

@@ -1,9 +1,12 @@
 """Start-up and shutdown of a live daemon: the listener answers while the model loads, SIGTERM
-drains (503 to new work, requests in flight finish, exit 0), a second SIGTERM exits at once."""
+drains (503 to new work, requests in flight finish, exit 0), a second SIGTERM exits at once, and SIGTERM
+during the load exits 0 without waiting for it."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import signal
 import threading
 import time
@@ -12,7 +15,7 @@ import urllib.request
 
 import openai
 
-from tests.daemon import Daemon
+from tests.daemon import REPO, Daemon
 
 # memory thresholds far below any test machine's free RAM: /ready must not depend on the host
 ARGS = ("--threads", "2", "--kv-cache-tokens", "4096", "--max-context", "1024", "--mem-watermark-gib", "1",
@@ -76,6 +79,28 @@ def test_loading_state_then_sigterm_drains_in_flight_and_exits_0():
         assert "error" not in result and result["finish"] == "length", result
         assert d.proc.wait(60) == 0
         assert any("stopped" in line for line in d.log_lines), d.log
+    finally:
+        d.stop()
+
+
+def test_sigterm_while_the_model_loads_exits_0_without_waiting_for_the_load(tmp_path):
+    """The weights file is a FIFO nobody writes: the load blocks for good, so the signal surely comes during
+    it.  The process must end (exit 0) anyway, the load still running on its thread."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(REPO / "tests" / "fixtures" / "dsv41" / "tiny_a" / name, model / name)
+    os.mkfifo(model / "model.safetensors")
+    d = Daemon(*ARGS, "--model", str(model), wait_for="listening")
+    try:
+        deadline = time.monotonic() + 60
+        while not any("tokenizer:" in line for line in d.log_lines):  # past the config, into the weights
+            assert time.monotonic() < deadline and d.proc.poll() is None, d.log
+            time.sleep(0.05)
+        assert call(d, "/health")[1]["status"] == "loading"
+        d.signal(signal.SIGTERM)
+        assert d.proc.wait(30) == 0, d.log
+        assert any("signal while loading" in line for line in d.log_lines), d.log
     finally:
         d.stop()
 
