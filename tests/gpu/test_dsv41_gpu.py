@@ -273,9 +273,10 @@ def test_float16_keeps_the_weights_as_stored_too(official_tiny):
     assert bool(torch.isfinite(logits).all())
 
 
-def offloaded_stored(path: Path, dtype: torch.dtype, hot_share: int = 3) -> DeepseekV41Model:
+def offloaded_stored(path: Path, dtype: torch.dtype, hot_share: int = 3, fetch_ahead: int = 0) -> DeepseekV41Model:
     """The checkpoint with FP8 linears and FP4 experts as stored, the experts offloaded: one in
-    ``hot_share`` of each layer's on the device, the rest in page-locked host RAM."""
+    ``hot_share`` of each layer's on the device, the rest in page-locked host RAM (``fetch_ahead``:
+    ``OffloadOptions.fetch_ahead``)."""
     from ds4d.models.deepseek_v4.offload import OffloadOptions
     from ds4d.models.deepseek_v41.checkpoint import OfficialCheckpoint
     from ds4d.models.deepseek_v41.family import CheckpointTensors
@@ -285,23 +286,25 @@ def offloaded_stored(path: Path, dtype: torch.dtype, hot_share: int = 3) -> Deep
     tokenizer, _ = load_tokenizer(path)
     model = DeepseekV41Model.from_tensors(
         cfg, CheckpointTensors(OfficialCheckpoint(path, groups=("text",)), "ram", stored=("fp8", "fp4")), tokenizer,
-        stored_weights=True, dtype=dtype, device="cuda", offload=OffloadOptions(vram_bytes=64 << 20, stage_experts=2))
+        stored_weights=True, dtype=dtype, device="cuda",
+        offload=OffloadOptions(vram_bytes=64 << 20, stage_experts=2, fetch_ahead=fetch_ahead))
     experts = cfg.n_routed_experts
     model.expert_offload.set_placement([list(range(experts))[layer % hot_share::hot_share]
                                         for layer in range(cfg.num_hidden_layers)])
     return model
 
 
-@pytest.mark.parametrize("decode_graphs", ["padded", "cuda"])
-def test_the_fixed_decode_step_with_offloaded_experts(official_tiny, decode_graphs):
+@pytest.mark.parametrize(("decode_graphs", "ahead"), [("padded", 0), ("cuda", 0), ("cuda", 16)])
+def test_the_fixed_decode_step_with_offloaded_experts(official_tiny, decode_graphs, ahead):
     """float32 activations, weights as stored, two thirds of the routed experts in page-locked host RAM:
     the fixed-shape step reads each expert where it sits (zero-copy: device bank or host memory, no
     routing read back), eagerly and from its CUDA graphs, against the model with every expert on the
-    device on the per-sequence reference path, from the same states each step."""
+    device on the per-sequence reference path, from the same states each step.  ``ahead``: predicted cold
+    experts fetched a layer ahead on a side stream (``fetch_ahead``)."""
     from tests.unit.test_dsv41_fixed_decode import check_fixed_decode
 
     stored, _ = stored_and_dense(official_tiny, torch.float32)
-    model = offloaded_stored(official_tiny, torch.float32)
+    model = offloaded_stored(official_tiny, torch.float32, fetch_ahead=ahead)
     offload = model.expert_offload
     assert offload.native and offload.zero_copy and offload.pinned.enabled
     fixed = check_fixed_decode(model, decode_graphs, device="cuda", tolerance=1e-4, reference=stored)
@@ -309,6 +312,7 @@ def test_the_fixed_decode_step_with_offloaded_experts(official_tiny, decode_grap
     if decode_graphs == "cuda":
         assert len(fixed.graphs) == 1
     assert offload.expert_stats()["host_read_bytes"] > 0
+    assert (offload.expert_stats()["fetched_ahead_pairs"] > 0) == bool(ahead)
 
 
 def test_the_family_offloads_experts_in_bf16_and_prefill_copies_only_the_chosen(official_tiny):

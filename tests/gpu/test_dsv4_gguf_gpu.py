@@ -82,15 +82,17 @@ def test_auto_keeps_blocks_in_bfloat16(name):
     assert (got.argmax(-1) == want.argmax(-1))[clear].float().mean().item() >= 0.95
 
 
-@pytest.mark.parametrize("name", ["quant-IQ2_XXS.gguf", "quant-Q6_K.gguf", "quant-Q4_K_M.gguf"])
-@pytest.mark.parametrize("share", [0.0, 0.5])
-def test_experts_offloaded_in_their_blocks_give_the_on_device_logits(name, share):
+@pytest.mark.parametrize(("name", "share", "ahead"), [
+    *[(name, share, 0) for name in ("quant-IQ2_XXS.gguf", "quant-Q6_K.gguf", "quant-Q4_K_M.gguf") for share in (0.0, 0.5)],
+    ("quant-Q6_K.gguf", 0.5, 8)])
+def test_experts_offloaded_in_their_blocks_give_the_on_device_logits(name, share, ahead):
     """Routed experts in page-locked host RAM as stored (none, or half of them, in the device banks), copied
     for the steps that use them and read where they land by the same kernels, or (Q6_K: gate/up and down
     in blocks) read by address inside the decode graphs: in float32, the logits of every expert on the
     device within 1e-4 of the largest (the prefill's weighted sum of the experts is torch's, not the fused
     kernel's) and the same greedy tokens (Q4_K_M: its layers' down projections differ in type, so its
-    forms have host slots of their own)."""
+    forms have host slots of their own).  ``ahead``: decode steps fetch predicted cold experts a layer ahead
+    (``fetch_ahead``) on a side stream."""
     from ds4d.models.deepseek_v4.offload import OffloadOptions
 
     def load(offload=None):
@@ -98,11 +100,12 @@ def test_experts_offloaded_in_their_blocks_give_the_on_device_logits(name, share
                                offload=offload)
 
     want, want_ids = _run(load())
-    probe = load(OffloadOptions(vram_bytes=1, stage_experts=2, decode_cold="copy"))
+    probe = load(OffloadOptions(vram_bytes=1, stage_experts=2, decode_cold="copy", fetch_ahead=ahead))
     cfg, per_expert = probe.cfg, probe.expert_offload.device_expert_bytes  # the largest layer's
     hot = int(share * cfg.n_routed_experts) * cfg.num_hidden_layers
     options = OffloadOptions(vram_bytes=hot * per_expert + probe.expert_offload.staging_bytes + 1,
-                             stage_experts=2, decode_cold="copy", placement="static")
+                             stage_experts=2, decode_cold="copy", placement="static",
+                             fetch_ahead=ahead)
     model = load(options)
     offload = model.expert_offload
     assert offload.expert_stats()["gpu_experts"] == hot
@@ -110,3 +113,4 @@ def test_experts_offloaded_in_their_blocks_give_the_on_device_logits(name, share
     got, got_ids = _run(model)
     assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
     assert got_ids == want_ids and offload.expert_stats()["bytes_copied"] > 0
+    assert (offload.expert_stats()["fetched_ahead_pairs"] > 0) == bool(ahead)

@@ -93,11 +93,17 @@ def test_offload_options_follow_the_config_knobs(tmp_path):
     env = {"DS4D_CONFIG": str(tmp_path / "none.toml")}
     assert offload_options(load_config({}, environ=env).config, {}) is None
     cfg = load_config({"expert_vram_gib": "2", "expert_placement": "static", "expert_decode_cold": "copy",
-                       "expert_cpu_threads": "3", "expert_fetch_ahead": "12"}, environ=env).config
+                       "expert_cpu_threads": "3", "expert_fetch_ahead": "4", "device": "cuda"}, environ=env).config
     opts = offload_options(cfg, {})
     assert (opts.vram_bytes, opts.placement, opts.decode_cold, opts.cpu_threads, opts.fetch_ahead) == (
-        2 * 2**30, "static", "copy", 3, 12)
-    assert offload_options(load_config({"expert_vram_gib": "2"}, environ=env).config, {}).fetch_ahead == 0  # off
+        2 * 2**30, "static", "copy", 3, 4)
+
+    def ahead(**knobs) -> int:
+        return offload_options(load_config({"expert_vram_gib": "2", **knobs}, environ=env).config, {}).fetch_ahead
+
+    assert ahead(device="cuda") == 12  # on by default, batch 2 of V4's top-6
+    assert ahead(device="cuda", expert_fetch_ahead="0") == 0  # off
+    assert ahead(device="cpu") == 0  # nothing to overlap with on the CPU
     assert offload_options(cfg, {"expert_vram_gib": 0}) is None  # plugin options win over the config
 
 

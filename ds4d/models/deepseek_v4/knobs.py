@@ -38,6 +38,12 @@ def native_weights(weight_format: str, dtype: torch.dtype, device: str) -> bool:
     return weight_format == "native" or (weight_format == "auto" and usable)
 
 
+def fetch_ahead(config: Any, rows: int) -> int:
+    """``expert_fetch_ahead`` where it applies: a CUDA device, whose side stream the copies overlap on (the CPU
+    would run them in line, before the layer, for nothing)."""
+    return rows if str(getattr(config, "device", "cpu")).startswith("cuda") else 0
+
+
 def offload_options(config: Any, options: Mapping[str, Any]) -> OffloadOptions | None:
     """``expert_vram_gib`` > 0 (plugin option or config) -> offload options; 0 keeps every expert on the device."""
 
@@ -53,7 +59,7 @@ def offload_options(config: Any, options: Mapping[str, Any]) -> OffloadOptions |
         placement=str(knob("expert_placement", "online")),
         cpu_threads=int(knob("expert_cpu_threads", 4)),
         decode_cold=str(knob("expert_decode_cold", "auto")),
-        fetch_ahead=int(knob("expert_fetch_ahead", 0)),
+        fetch_ahead=fetch_ahead(config, int(knob("expert_fetch_ahead", 12))),
         mem_watermark_bytes=int(float(knob("mem_watermark_gib", 15)) * 2**30),
         calibration=read_counts(calibration_file) if calibration_file else None,
     )
