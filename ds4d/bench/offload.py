@@ -50,7 +50,7 @@ def stream_options(cfg, fraction: float, args):
         per_expert = int(3 * cfg.moe_intermediate_size * cfg.hidden_size * element)
     stage = 8
     experts = round(fraction * cfg.num_hidden_layers * cfg.n_routed_experts)
-    scratch = moe_gemv.MAX_ROWS if args.native and not gguf else 0  # decode's gather scratch (an upper bound)
+    scratch = moe_gemv.MAX_ROWS if args.native or gguf else 0  # decode's gather scratch (an upper bound)
     ahead = getattr(args, "fetch_ahead", 0) if scratch else 0
     return OffloadOptions(vram_bytes=(2 * stage + scratch + 2 * ahead + experts) * per_expert + per_expert // 2,
                           placement="static", stage_experts=stage, cpu_threads=getattr(args, "expert_cpu_threads", 0),
