@@ -418,9 +418,9 @@ class Kernel:
 
 
 def abandon_load() -> None:
-    """End the process now, the model load still running on its thread: a load inside native code (a
-    reader's or llama.cpp's own threads) cannot be stopped, and the interpreter's teardown under it can abort
-    the process ("terminate called without an active exception").  Nothing was served, so nothing is lost."""
+    """End the process now, the model load still running on its thread: a load inside native code (torch's
+    or a reader's own threads) cannot be stopped, and the interpreter's teardown under it can abort the
+    process ("terminate called without an active exception").  Nothing was served, so nothing is lost."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
