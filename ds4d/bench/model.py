@@ -204,7 +204,8 @@ PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
               "sampled": " (graphs, steps queued ahead, temperature 1)",
               "sampled-top-p": " (graphs, steps queued ahead, temperature 1, top-p 0.95)",
               "plain-hc": " (graphs, torch hyper-connections)",
-              "numba-hc": " (graphs, Numba hyper-connection kernel only)", "eager": " (no graphs)",
+              "numba-hc": " (graphs, Numba hyper-connection kernel only)",
+              "triton-hc": " (graphs, Triton hyper-connection weights only)", "eager": " (no graphs)",
               "reference": " (reference path)", "decode-kernel": " (graphs, decode kernels)",
               "decode-kernel-lookahead": " (graphs, decode kernels, steps queued ahead)"}
 
@@ -270,13 +271,13 @@ def run(args: argparse.Namespace) -> int:
         else "no HF peer"
     say(f"same weights check (256-token prompt, logits ds4d vs HF): {check}")
     paths = ["graphs"] if args.main_only else \
-        ["graphs", "plain-hc", "numba-hc", "eager"] + ([] if args.no_reference else ["reference"])
+        ["graphs", "triton-hc", "plain-hc", "numba-hc", "eager"] + ([] if args.no_reference else ["reference"])
     rows: list[Row] = []
     n = args.decode_tokens
 
     def prefill_case(tokens: int, hf_ok: bool = True) -> None:
         ids = prompts(1, tokens)
-        prefill_paths = [p for p in paths if p not in ("eager", "numba-hc")] + \
+        prefill_paths = [p for p in paths if p not in ("eager", "numba-hc", "triton-hc")] + \
             ([] if args.main_only else ["torch-attention", "torch-token-wise", "all-rows"])
         for path in prefill_paths if tokens <= 2048 or args.main_only else ["graphs", "torch-token-wise", "all-rows"]:
             timed = on_path(model, path, best)

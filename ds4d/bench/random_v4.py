@@ -231,8 +231,9 @@ def build(torch, args, device, offload_options=None):
 
 
 BENCH_PATHS = ("graphs", "lookahead", "sampled", "sampled-top-p", "decode-kernel", "decode-kernel-lookahead",
-               "plain-hc", "numba-hc", "torch-attention", "torch-token-wise", "all-rows", "eager", "reference")
-GRAPH_PATHS = BENCH_PATHS[:11]
+               "plain-hc", "numba-hc", "triton-hc", "torch-attention", "torch-token-wise", "all-rows", "eager",
+               "reference")
+GRAPH_PATHS = tuple(p for p in BENCH_PATHS if p not in ("eager", "reference"))
 """The paths that decode through CUDA graphs (where the device has them)."""
 
 
@@ -243,10 +244,11 @@ def bench_paths(path: str, best):
     before (``decode_lookahead``); sampled, sampled-top-p: the same, sampling (``SAMPLED``) instead of greedy;
     decode-kernel (-lookahead): graphs (lookahead) with a decode step's compressors and attention in Triton kernels;
     plain-hc: without the fused hyper-connection kernels; numba-hc: the Numba kernel for decode steps
-    too (not the Triton ones); torch-attention: prefill attention in torch's score blocks, not the
-    Triton kernel; torch-token-wise: a prefill's token-wise work in torch, not ``prefill_triton``;
-    all-rows: the last layer's feed-forward on every row, not only those whose logits are asked
-    for; eager: no CUDA graphs; reference: the portable path (expert loop, per-sequence attention,
+    too (not the Triton ones); triton-hc: a decode step's hyper-connection weights from the Triton
+    kernels, the update, collapse and norm in torch (not ``hc_triton.hc_boundary_step``); torch-attention:
+    prefill attention in torch's score blocks, not the Triton kernel; torch-token-wise: a prefill's
+    token-wise work in torch, not ``prefill_triton``; all-rows: the last layer's feed-forward on every
+    row, not only those whose logits are asked for; eager: no CUDA graphs; reference: the portable path (expert loop, per-sequence attention,
     dense window masks)."""
     if path not in BENCH_PATHS:
         raise ValueError(f"unknown bench path {path!r}")
@@ -254,7 +256,8 @@ def bench_paths(path: str, best):
     return best.replace(
         fast_path=path != "reference",
         decode_graphs=best.decode_graphs if path in GRAPH_PATHS else "off",
-        hc_kernels={"plain-hc": "torch", "numba-hc": "numba" if hc != "torch" else "torch"}.get(path, hc),
+        hc_kernels={"plain-hc": "torch", "numba-hc": "numba" if hc != "torch" else "torch",
+                    "triton-hc": "triton" if hc == "boundary" else hc}.get(path, hc),
         fused_attention=best.fused_attention and path != "torch-attention",
         fused_prefill=best.fused_prefill and path not in ("torch-token-wise", "plain-hc"),
         last_layer_rows_only=path != "all-rows",

@@ -1,12 +1,19 @@
-"""Triton kernels for a decode step's hyper-connection weights: two launches instead of five.
+"""Triton kernels for a decode step's hyper-connections: the work between two sub-layers in two launches.
 
-Before each sub-layer, every token's ``m`` streams (``m * D`` values) are
-RMS-normalised and projected to ``(2 + m) * m`` mixing logits, which become
-``pre``, ``post`` and the Sinkhorn-normalised ``comb`` (``ds4d.models.deepseek_v4.hyper``
-is the reference).  In torch that is a norm, cuBLAS's three-kernel GEMV for an
-output of 24 values over 16K inputs (about 11 us on an H200 for one token),
-and the mixing kernel.  Here:
+Between two sub-layers every token's ``m`` streams take in the output of the
+one before (``hc_post``: ``post * output + comb^T streams``), are RMS-normalised
+and projected (``m * D`` values) to ``(2 + m) * m`` mixing logits, which become
+``pre``, ``post`` and the Sinkhorn-normalised ``comb``; the streams weighted by
+``pre`` and RMS-normed are the next sub-layer's input
+(``ds4d.models.deepseek_v4.hyper`` is the reference).  In torch, at batch 1,
+that is a batched matmul, a few elementwise kernels, cuBLAS's GEMV for an
+output of 24 values over 16K inputs and the mixing kernel.  Here:
 
+* :func:`hc_boundary_step` -- the whole boundary for a few tokens in two
+  launches: programs over (token, column range) update the streams and take
+  the partial dot products of every ``fn`` row and the partial sums of squares
+  in the same pass; then one program a token adds them up, makes the weights,
+  collapses and norms.
 * :func:`hc_mixes` -- one program per (token, output): the dot product of the
   flattened streams with one row of ``fn``, with the sum of squares taken in
   the same pass and the norm applied to the dot product (the same value as
@@ -17,9 +24,10 @@ and the mixing kernel.  Here:
   column sums are reductions inside a warp (no shared-memory barriers); a
   prefill step's many tokens use it too (``hyper.hc_boundary``).
 
-Both run in float32.  Triton is imported on first use; with ``TRITON_INTERPRET=1``
-the kernels run on CPU tensors (that is how the tests compare them with the
-torch reference).
+All of them round where the reference rounds and sum in float32, so they agree
+with it up to the order of float32 sums.  Triton is imported on first use; with
+``TRITON_INTERPRET=1`` the kernels run on CPU tensors (that is how the tests
+compare them with the torch reference).
 """
 
 from __future__ import annotations
@@ -32,56 +40,20 @@ MAX_TOKENS = 64
 """:func:`hc_mixes` is used up to this many tokens (decode batches)."""
 _BLOCK_K = 2048
 _BLOCK_T = 16
+TUNING = {"boundary_block_d": 128, "boundary_programs": 64, "boundary_warps": 2, "collapse_warps": 8}
+""":func:`hc_boundary_step`: columns a step of its first kernel's programs, about how many programs a
+token (column ranges of every stream), and the warps of its two kernels (``tests/gpu/decode_fusions_time.py``
+on an H100: 11.6-11.9 us for 1 or 8 tokens at V4-Flash widths, 13-24 us with 32 or 64 columns a step)."""
+MAX_BOUNDARY_D = 8192
+""":func:`hc_boundary_step` takes streams of up to this width (its second kernel holds a token's streams)."""
 _state: dict[str, object] = {}
 
 
 def _kernels():
     if "kernels" not in _state:
-        import triton
-        import triton.language as tl
+        from ds4d.cuda import hc_triton_kernels
 
-        @triton.jit
-        def mixes_kernel(x_ptr, w_ptr, out_ptr, k: tl.constexpr, eps, sx, sw, so, block_k: tl.constexpr):
-            token = tl.program_id(0)
-            col = tl.program_id(1)
-            dot = tl.zeros([block_k], dtype=tl.float32)
-            squares = tl.zeros([block_k], dtype=tl.float32)
-            for k0 in range(0, k, block_k):
-                ks = k0 + tl.arange(0, block_k)
-                x = tl.load(x_ptr + token * sx + ks, mask=ks < k, other=0.0).to(tl.float32)
-                w = tl.load(w_ptr + col * sw + ks, mask=ks < k, other=0.0).to(tl.float32)
-                dot += x * w
-                squares += x * x
-            norm = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / k + eps)
-            tl.store(out_ptr + token * so + col, tl.sum(dot, axis=0) * norm)
-
-        @triton.jit(do_not_specialize=["tokens"])
-        def weights_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, tokens, hc_eps,
-                           iters: tl.constexpr, m: tl.constexpr, block_t: tl.constexpr):
-            t = tl.program_id(0) * block_t + tl.arange(0, block_t)
-            live = t < tokens
-            i = tl.arange(0, m)
-            width = (2 + m) * m
-            row = mix_ptr + t[:, None] * width + i[None, :]
-            pre = tl.sigmoid(tl.load(row, mask=live[:, None], other=0.0) * tl.load(scale_ptr)
-                             + tl.load(base_ptr + i)[None, :]) + hc_eps
-            post = 2.0 * tl.sigmoid(tl.load(row + m, mask=live[:, None], other=0.0) * tl.load(scale_ptr + 1)
-                                    + tl.load(base_ptr + m + i)[None, :])
-            cell = i[:, None] * m + i[None, :]
-            c = tl.load(mix_ptr + t[:, None, None] * width + 2 * m + cell[None, :, :], mask=live[:, None, None],
-                        other=0.0) * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * m + cell)[None, :, :]
-            c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
-            c = c / tl.sum(c, axis=2)[:, :, None] + hc_eps  # softmax over each row
-            c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)  # then columns
-            for _ in range(iters - 1):
-                c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
-                c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-            out = t[:, None] * m + i[None, :]
-            tl.store(pre_ptr + out, pre, mask=live[:, None])
-            tl.store(post_ptr + out, post, mask=live[:, None])
-            tl.store(comb_ptr + t[:, None, None] * (m * m) + cell[None, :, :], c, mask=live[:, None, None])
-
-        _state["kernels"] = (mixes_kernel, weights_kernel)
+        _state["kernels"] = hc_triton_kernels
     return _state["kernels"]
 
 
@@ -106,7 +78,7 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.
     tokens, k = flat.shape
     out = torch.empty(tokens, fn.shape[0], dtype=torch.float32, device=streams.device)
     if tokens:
-        _kernels()[0][(tokens, fn.shape[0])](flat, fn, out, k, norm_eps, flat.stride(0), fn.stride(0), out.stride(0),
+        _kernels().mixes_kernel[(tokens, fn.shape[0])](flat, fn, out, k, norm_eps, flat.stride(0), fn.stride(0), out.stride(0),
                                               block_k=_BLOCK_K, num_warps=4)
     return out
 
@@ -123,7 +95,7 @@ def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_
     comb = torch.empty(tokens, m, m, dtype=torch.float32, device=mixes.device)
     if tokens:
         grid = (triton.cdiv(tokens, _BLOCK_T),)
-        _kernels()[1][grid](mixes, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, tokens,
+        _kernels().weights_kernel[grid](mixes, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, tokens,
                             hc_eps, iters, m=m, block_t=_BLOCK_T, num_warps=1)
     return pre, post, comb
 
@@ -134,3 +106,48 @@ def hc_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: t
     """(pre, post, comb) of a few tokens' ``streams [T, m, D]``: :func:`hc_mixes`, then :func:`hc_weights`."""
     m = streams.shape[-2]
     return hc_weights(hc_mixes(streams, fn, norm_eps), base, scale, hc_eps, iters, m)
+
+
+def boundary_usable(tokens: int, m: int, d: int) -> bool:
+    """Whether :func:`hc_boundary_step` takes ``tokens`` tokens of ``m`` streams of width ``d``."""
+    return usable(tokens, m) and 0 < d <= MAX_BOUNDARY_D
+
+
+@torch.compiler.disable
+def hc_boundary_step(streams: torch.Tensor, output: torch.Tensor | None, post: torch.Tensor | None,
+                     comb: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                     norm: torch.Tensor, hc_eps: float, iters: int, norm_eps: float):
+    """``hyper.hc_boundary`` for a few tokens: (the sub-layer input ``[T, D]`` in the streams' dtype, the
+    streams after taking in ``output``, post ``[T, m]``, comb ``[T, m, m]``), with ``output``, ``post``
+    and ``comb`` those of the sub-layer before (None before the first)."""
+    import triton
+
+    tokens, m, d = streams.shape
+    if fn.shape != ((2 + m) * m, m * d):
+        raise ValueError(f"hc_boundary_step: fn {tuple(fn.shape)} for {m} streams of {d}")
+    update = output is not None
+    streams = streams.contiguous()
+    if update:
+        output, post, comb = output.contiguous(), post.float().contiguous(), comb.float().contiguous()
+        new = torch.empty_like(streams)
+    else:
+        output = post = comb = new = streams  # unread
+    t, width = TUNING, (2 + m) * m
+    block_d = min(t["boundary_block_d"], triton.next_power_of_2(d))
+    span = triton.cdiv(triton.cdiv(d, t["boundary_programs"]), block_d) * block_d
+    splits = triton.cdiv(d, span)
+    dots = torch.empty(splits, tokens, width, dtype=torch.float32, device=streams.device)
+    squares = torch.empty(splits, tokens, dtype=torch.float32, device=streams.device)
+    x = torch.empty(tokens, d, dtype=streams.dtype, device=streams.device)
+    post_out = torch.empty(tokens, m, dtype=torch.float32, device=streams.device)
+    comb_out = torch.empty(tokens, m, m, dtype=torch.float32, device=streams.device)
+    if tokens:
+        kernels, fn = _kernels(), fn.contiguous()
+        kernels.boundary_mixes_kernel[(tokens, splits)](
+            streams, output, post, comb, new, fn, dots, squares, tokens, d=d, m=m, update=update, span=span,
+            block_d=block_d, block_mix=triton.next_power_of_2(width), num_warps=t["boundary_warps"])
+        kernels.boundary_collapse_kernel[(tokens,)](
+            new, dots, squares, base.float().contiguous(), scale.float().contiguous(), norm.contiguous(), x, post_out,
+            comb_out, tokens, hc_eps, norm_eps, iters, d=d, m=m, splits=splits,
+            block_s=triton.next_power_of_2(splits), block_d=triton.next_power_of_2(d), num_warps=t["collapse_warps"])
+    return x, new, post_out, comb_out

@@ -100,11 +100,20 @@ def hc_boundary(
     the next one's input is collapsed from them (:func:`hc_pre`) and RMS-normed with ``norm``.
 
     Returns (the sub-layer input ``[T, D]``, the streams, its post, its comb).  ``fused``: as for
-    :func:`hc_pre`; ``kernels``: Triton kernels instead (``ds4d.cuda.prefill_triton``'s update,
+    :func:`hc_pre`, and ``"boundary"``: on CUDA, a few tokens' boundary in the two Triton launches of
+    ``hc_triton.hc_boundary_step`` (otherwise as ``"triton"``); ``kernels``: Triton kernels instead (``ds4d.cuda.prefill_triton``'s update,
     which also sums squares, and collapse-and-norm around ``hc_triton.hc_weights``), the mixing
     logits from one matmul of the streams as stored (``weights.fn_split`` where set), about two
     passes over the streams where torch makes a dozen (many tokens: a prefill step)."""
     m = streams.shape[-2]
+    if fused == "boundary":
+        fused = "triton"
+        if not kernels and streams.is_cuda:
+            from ds4d.cuda import hc_triton
+
+            if hc_triton.boundary_usable(streams.shape[0], m, streams.shape[-1]):
+                return hc_triton.hc_boundary_step(streams, output, post, comb, weights.fn, weights.base, weights.scale,
+                                                  norm, hc_eps, iterations, norm_eps)
     if kernels and m & (m - 1) == 0:
         from ds4d.cuda import hc_triton, prefill_triton
 
@@ -121,10 +130,10 @@ def hc_boundary(
 
 def hc_head(streams: torch.Tensor, weights: HyperWeights, hc_eps: float, norm_eps: float,
             *, fused: bool | str = False) -> torch.Tensor:
-    """Final collapse of the streams before the output norm (pre weights only); ``fused == "triton"``:
-    on CUDA, a few tokens' mixing logits from the Triton kernel."""
+    """Final collapse of the streams before the output norm (pre weights only); ``fused`` ``"triton"``
+    or ``"boundary"``: on CUDA, a few tokens' mixing logits from the Triton kernel."""
     mixes = None
-    if fused == "triton" and streams.is_cuda:
+    if fused in ("triton", "boundary") and streams.is_cuda:
         from ds4d.cuda import hc_triton
 
         if hc_triton.usable(streams.shape[0], streams.shape[-2]):

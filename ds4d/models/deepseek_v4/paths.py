@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-HC_KERNELS = ("torch", "numba", "triton")
+HC_KERNELS = ("torch", "numba", "triton", "boundary")
 DECODE_GRAPHS = ("off", "cuda", "padded")
 
 
@@ -30,7 +30,9 @@ class ForwardPaths:
     round trip); prefill windows attend block by block."""
     hc_kernels: str = "torch"
     """Where the hyper-connection mixing weights (Sinkhorn included) come from: ``torch``; ``numba``
-    (the Numba CUDA kernel, always); ``triton`` (decode batches: two Triton kernels, prefill: the Numba one)."""
+    (the Numba CUDA kernel, always); ``triton`` (decode batches: two Triton kernels, prefill: the Numba one);
+    ``boundary`` (as ``triton``, and a decode batch's whole boundary between two sub-layers -- the streams'
+    update, the weights, the collapse and the norm -- in two Triton launches: ``hc_triton.hc_boundary_step``)."""
     fused_attention: bool = False
     """Prefill chunks longer than the sliding window attend in one Triton kernel (window keys,
     compressed entries and the sink in one online softmax) instead of torch's score blocks."""
@@ -79,7 +81,7 @@ class ForwardPaths:
             return cls()
         from ds4d.cuda import attention_triton, hc_kernels, hc_triton, prefill_triton
 
-        hc = ("triton" if hc_triton.available() else "numba") if hc_kernels.available() else "torch"
+        hc = ("boundary" if hc_triton.available() else "numba") if hc_kernels.available() else "torch"
         return cls(fast_path=True, hc_kernels=hc, fused_attention=attention_triton.available(),
                    fused_prefill=hc_triton.available() and prefill_triton.available(), decode_graphs="cuda",
                    compile_decode=compile_decode)
