@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ds4d.cuda import f32_gemv
 from ds4d.models.deepseek_v4.cache import CompressorState
 from ds4d.models.deepseek_v4.ops import Rope, apply_rope, linear_split, rms_norm
 from ds4d.models.deepseek_v4.weights import CompressorWeights
@@ -30,6 +31,8 @@ def project(x: torch.Tensor, positions: torch.Tensor, weights: CompressorWeights
     ``x`` meets both weights in one bf16 matmul (``weights.split``, ``ops.linear_split``) where set."""
     if split and weights.split is not None and x.dtype == torch.bfloat16:
         kv, score = linear_split(x, weights.split).split(weights.wkv.shape[0], dim=1)
+    elif f32_gemv.usable(x, weights.wkv) and weights.wgate.dtype == torch.float32:  # a few rows: one launch
+        kv, score = f32_gemv.rows_f32(x, weights.wkv, weights.wgate)
     else:
         x = x.float()
         kv, score = x @ weights.wkv.t(), x @ weights.wgate.t()

@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from ds4d.cuda import f32_gemv
 from ds4d.cuda.rows import padded_product
 from ds4d.models.deepseek_v4.config import DeepseekV4Config, YarnScaling
 
@@ -133,9 +134,12 @@ def linear_split(x: torch.Tensor, split: torch.Tensor) -> torch.Tensor:
 
 def linear_f32(x: torch.Tensor, weight: torch.Tensor, split: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight^T`` in float32 for a float32 ``weight``: through ``split`` (:func:`split_bf16` of
-    ``weight``) for a bf16 ``x`` where given, else with ``x`` widened."""
+    ``weight``) for a bf16 ``x`` where given, else a few CUDA rows through ``f32_gemv.rows_f32``,
+    else with ``x`` widened."""
     if split is not None and x.dtype == torch.bfloat16:
         return linear_split(x, split)
+    if f32_gemv.usable(x, weight):
+        return f32_gemv.rows_f32(x, weight)
     return padded_product(x.float(), lambda rows: torch.nn.functional.linear(rows, weight.float()))
 
 
