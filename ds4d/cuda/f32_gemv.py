@@ -23,10 +23,11 @@ from ds4d.cuda.devices import triton_can_launch
 
 MAX_ROWS = 8
 """Rows up to which the float32 products of ``ops.linear_f32`` and the compressors take this kernel."""
-TUNING = {"block_n": 1, "block_k": 4096, "warps": 2, "warps_one_row": 8}
+TUNING = {"block_n": 2, "block_k": 4096, "warps": 4, "warps_one_row": 4}
 """Weight rows a program, inputs a step (at most the weight's width), warps a program (``warps_one_row`` for
-a single row).  ``tests/gpu/decode_fusions_time.py`` on an H100: one weight row a program was the fastest at
-every V4-Flash shape, by up to 2x against four; 8 warps for one row, 2 for eight."""
+a single row).  ``tests/gpu/decode_fusions_time.py`` on an H100 timed these against torch at V4-Flash
+shapes; it also found one weight row a program with 8 warps (one row) or 2 (eight rows) faster by up
+to 1.4 us a call, not yet run in a whole model."""
 _state: dict[str, object] = {}
 
 
