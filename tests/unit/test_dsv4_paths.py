@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ds4d.bench.random_v4 import bench_paths
 from ds4d.cuda.graphs import EagerBuckets
 from ds4d.engine.offline import OfflineEngine
 from ds4d.engine.request import EngineRequest, SamplingParams
@@ -42,6 +43,18 @@ def test_paths_refuse_unknown_values_and_default_to_the_reference_on_the_cpu(mod
     assert model.paths == ForwardPaths() and model.info.extra["forward_paths"] == ForwardPaths().as_dict()
     with pytest.raises(ValueError, match="CUDA"):
         model.with_paths(ForwardPaths(fast_path=True, decode_graphs="cuda"))
+
+
+def test_the_bench_rows_name_the_hyper_connection_paths_they_run():
+    """``bench model``'s rows each build their paths from the device's best: the default row keeps the
+    two-launch boundary (``boundary``), ``triton-hc`` the Triton weight kernels alone, ``plain-hc`` torch."""
+    best = ForwardPaths(fast_path=True, hc_kernels="boundary", decode_graphs="cuda")
+    assert best.fused_hc == "boundary"
+    rows = {path: bench_paths(path, best) for path in ("graphs", "triton-hc", "numba-hc", "plain-hc", "eager")}
+    assert {path: p.hc_kernels for path, p in rows.items()} == {
+        "graphs": "boundary", "triton-hc": "triton", "numba-hc": "numba", "plain-hc": "torch", "eager": "boundary"}
+    assert rows["triton-hc"].decode_graphs == "cuda" and rows["eager"].decode_graphs == "off"
+    assert bench_paths("triton-hc", best.replace(hc_kernels="numba")).hc_kernels == "numba"
 
 
 def test_a_model_with_other_paths_shares_the_weights(model):
