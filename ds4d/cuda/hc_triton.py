@@ -79,8 +79,8 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.
     tokens, k = flat.shape
     out = torch.empty(tokens, fn.shape[0], dtype=torch.float32, device=streams.device)
     if tokens:
-        _kernels().mixes_kernel[(tokens, fn.shape[0])](flat, fn, out, k, norm_eps, flat.stride(0), fn.stride(0), out.stride(0),
-                                              block_k=_BLOCK_K, num_warps=4)
+        _kernels().mixes_kernel[(tokens, fn.shape[0])](flat, fn, out, k, norm_eps, flat.stride(0), fn.stride(0),
+                                                       out.stride(0), block_k=_BLOCK_K, num_warps=4)
     return out
 
 
@@ -96,8 +96,8 @@ def hc_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_
     comb = torch.empty(tokens, m, m, dtype=torch.float32, device=mixes.device)
     if tokens:
         grid = (triton.cdiv(tokens, _BLOCK_T),)
-        _kernels().weights_kernel[grid](mixes, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, tokens,
-                            hc_eps, iters, m=m, block_t=_BLOCK_T, num_warps=1)
+        _kernels().weights_kernel[grid](mixes, base.float().contiguous(), scale.float().contiguous(), pre, post,
+                                        comb, tokens, hc_eps, iters, m=m, block_t=_BLOCK_T, num_warps=1)
     return pre, post, comb
 
 

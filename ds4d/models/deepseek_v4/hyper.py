@@ -101,8 +101,9 @@ def hc_boundary(
 
     Returns (the sub-layer input ``[T, D]``, the streams, its post, its comb).  ``fused``: as for
     :func:`hc_pre`, and ``"boundary"``: on CUDA, a few tokens' boundary in the two Triton launches of
-    ``hc_triton.hc_boundary_step`` (otherwise as ``"triton"``); ``kernels``: Triton kernels instead (``ds4d.cuda.prefill_triton``'s update,
-    which also sums squares, and collapse-and-norm around ``hc_triton.hc_weights``), the mixing
+    ``hc_triton.hc_boundary_step`` (otherwise as ``"triton"``); ``kernels``: Triton kernels instead
+    (``ds4d.cuda.prefill_triton``'s update, which also sums squares, and collapse-and-norm around
+    ``hc_triton.hc_weights``), the mixing
     logits from one matmul of the streams as stored (``weights.fn_split`` where set), about two
     passes over the streams where torch makes a dozen (many tokens: a prefill step)."""
     m = streams.shape[-2]
