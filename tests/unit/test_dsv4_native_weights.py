@@ -79,20 +79,20 @@ def test_native_layout(checkpoint):
     assert model.info.parameter_bytes < dense.info.parameter_bytes
 
 
+PROMPT = [(i * 7919) % 5000 + 10 for i in range(150)]  # 150 x 2 expert rows: the grouped kernel
+
+
+@pytest.fixture(scope="module")
+def native_steps(checkpoint) -> list[torch.Tensor]:
+    """``_prefill_then_steps`` of the native model, all on the device, over ``PROMPT``."""
+    return _prefill_then_steps(_load(checkpoint, native=True), PROMPT)
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests run the compiled kernels")
-def test_native_equals_decoded_prefill_and_decode(checkpoint):
-    prompt = [(i * 7919) % 5000 + 10 for i in range(150)]  # 150 x 2 expert rows: the grouped kernel
-    runs = {}
-    for name, native in (("native", True), ("dense", False)):
-        driver = Driver(_load(checkpoint, native=native))
-        driver.start("a")
-        logits = [driver.prefill("a", prompt, chunk=150)]
-        ids = [int(logits[0][-1].argmax())]
-        for _ in range(3):  # one token a step: the per-row kernels
-            logits.append(driver.step([("a", ids[-1:], 1)])[0])
-            ids.append(int(logits[-1][-1].argmax()))
-        runs[name] = (torch.cat(logits), ids)
-    (got, got_ids), (want, want_ids) = runs["native"], runs["dense"]
+def test_native_equals_decoded_prefill_and_decode(checkpoint, native_steps):
+    dense_steps = _prefill_then_steps(_load(checkpoint, native=False), PROMPT)  # one token a step: the per-row kernels
+    (got, got_ids), (want, want_ids) = ((torch.cat(steps), [int(step[-1].argmax()) for step in steps])
+                                        for steps in (native_steps, dense_steps))
     assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
     assert torch.equal(got.argmax(-1), want.argmax(-1)) and got_ids == want_ids
 
@@ -136,13 +136,12 @@ def test_weight_format_choice():
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests run the compiled kernels")
 @pytest.mark.parametrize("gather_cold", [True, False], ids=["gathered", "in-place"])
-def test_offload_with_native_banks_equals_all_on_device(checkpoint, gather_cold):
+def test_offload_with_native_banks_equals_all_on_device(checkpoint, native_steps, gather_cold):
     """Expert offload with MXFP4 device banks and staging (``OffloadOptions.native``): the hot bank,
     the staged cold experts (prefill), the experts read through address tables (decode: in place,
     or first gathered into device scratch) and the all-on-device model run the same kernels, so
     every step's logits are equal bit for bit."""
-    prompt = [(i * 7919) % 5000 + 10 for i in range(150)]
-    want = _prefill_then_steps(_load(checkpoint, native=True), prompt)
+    want = native_steps
     model = _load(checkpoint, native=True)
     offload = ExpertOffload(model.weights, model.cfg, device="cpu", dtype=model.dtype,
                             options=OffloadOptions(vram_bytes=0, stage_experts=2, decode_cold="copy", native=True,
@@ -154,7 +153,7 @@ def test_offload_with_native_banks_equals_all_on_device(checkpoint, gather_cold)
     assert offload.device_expert_bytes == offload.host_expert_bytes  # stored bytes, not decoded ones
     assert all(layer.ffn.experts.native is None for layer in model.weights.layers)  # moved to the host copy
     assert offload.zero_copy  # a CPU "device" reads the host copies directly
-    got = _prefill_then_steps(model, prompt)
+    got = _prefill_then_steps(model, PROMPT)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
     stats = offload.expert_stats()
