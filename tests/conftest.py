@@ -2,14 +2,22 @@
 
 Without a CUDA device, Triton kernels run in Triton's CPU interpreter, which
 must be chosen before Triton is first imported (tests/unit/test_moe_gemv.py).
+
+OpenMP threads waiting for work sleep instead of spinning (``OMP_WAIT_POLICY``,
+read when torch is first imported, and inherited by the daemons the tests
+start): the test processes share a few cores, and a spinning thread holds a
+core the thread it waits for needs.  Where the work runs and what it computes
+is unchanged.
 """
 
 from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
