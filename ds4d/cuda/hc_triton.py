@@ -12,8 +12,9 @@ output of 24 values over 16K inputs and the mixing kernel.  Here:
 * :func:`hc_boundary_step` -- the whole boundary for a few tokens in two
   launches: programs over (token, column range) update the streams and take
   the partial dot products of every ``fn`` row and the partial sums of squares
-  in the same pass; then one program a token adds them up, makes the weights,
-  collapses and norms.
+  in the same pass; then two programs a token add them up, one collapsing the
+  streams and norming them, the other making ``post`` and ``comb`` at the same
+  time.
 * :func:`hc_mixes` -- one program per (token, output): the dot product of the
   flattened streams with one row of ``fn``, with the sum of squares taken in
   the same pass and the norm applied to the dot product (the same value as
@@ -147,7 +148,7 @@ def hc_boundary_step(streams: torch.Tensor, output: torch.Tensor | None, post: t
         kernels.boundary_mixes_kernel[(tokens, splits)](
             streams, output, post, comb, new, fn, dots, squares, tokens, d=d, m=m, update=update, span=span,
             block_d=block_d, block_mix=triton.next_power_of_2(width), num_warps=t["boundary_warps"])
-        kernels.boundary_collapse_kernel[(tokens,)](
+        kernels.boundary_collapse_kernel[(tokens, 2)](
             new, dots, squares, base.float().contiguous(), scale.float().contiguous(), norm.contiguous(), x, post_out,
             comb_out, tokens, hc_eps, norm_eps, iters, d=d, m=m, splits=splits,
             block_s=triton.next_power_of_2(splits), block_d=triton.next_power_of_2(d), num_warps=t["collapse_warps"])

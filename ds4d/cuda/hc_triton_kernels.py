@@ -14,13 +14,19 @@ import triton.language as tl
 
 
 @triton.jit
-def mixing_weights(pre, post, comb, base_ptr, scale_ptr, hc_eps, iters: tl.constexpr, m: tl.constexpr):
-    """Logits ``pre [B, m]``, ``post [B, m]``, ``comb [B, m, m]`` (float32, before scale and base) ->
-    (pre, post, comb) weights: sigmoids, and a softmax over each row of ``comb`` then Sinkhorn
-    iterations (columns, rows, ..., columns), each matrix a tile whose sums stay inside a warp."""
+def pre_weights(pre, base, scale, hc_eps):
+    """Logits ``pre`` (float32, before scale and base; ``base`` broadcast against them) -> the ``pre``
+    weights (sigmoids)."""
+    return tl.sigmoid(pre * scale + base) + hc_eps
+
+
+@triton.jit
+def post_comb_weights(post, comb, base_ptr, scale_ptr, hc_eps, iters: tl.constexpr, m: tl.constexpr):
+    """Logits ``post [B, m]``, ``comb [B, m, m]`` -> (post, comb) weights: sigmoids, and a softmax over each
+    row of ``comb`` then Sinkhorn iterations (columns, rows, ..., columns), each matrix a tile whose sums
+    stay inside a warp."""
     i = tl.arange(0, m)
     cell = i[:, None] * m + i[None, :]
-    pre = tl.sigmoid(pre * tl.load(scale_ptr) + tl.load(base_ptr + i)[None, :]) + hc_eps
     post = 2.0 * tl.sigmoid(post * tl.load(scale_ptr + 1) + tl.load(base_ptr + m + i)[None, :])
     c = comb * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * m + cell)[None, :, :]
     c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
@@ -29,7 +35,16 @@ def mixing_weights(pre, post, comb, base_ptr, scale_ptr, hc_eps, iters: tl.const
     for _ in range(iters - 1):
         c = c / (tl.sum(c, axis=2)[:, :, None] + hc_eps)
         c = c / (tl.sum(c, axis=1)[:, None, :] + hc_eps)
-    return pre, post, c
+    return post, c
+
+
+@triton.jit
+def mixing_weights(pre, post, comb, base_ptr, scale_ptr, hc_eps, iters: tl.constexpr, m: tl.constexpr):
+    """Logits ``pre [B, m]``, ``post [B, m]``, ``comb [B, m, m]`` -> (pre, post, comb) weights
+    (:func:`pre_weights`, :func:`post_comb_weights`)."""
+    post, comb = post_comb_weights(post, comb, base_ptr, scale_ptr, hc_eps, iters, m)
+    base = tl.load(base_ptr + tl.arange(0, m))[None, :]
+    return pre_weights(pre, base, tl.load(scale_ptr), hc_eps), post, comb
 
 
 @triton.jit
@@ -116,30 +131,39 @@ def boundary_mixes_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, dot
 def boundary_collapse_kernel(s_ptr, dot_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, out_ptr, post_ptr, comb_ptr,
                              tokens, hc_eps, norm_eps, iters: tl.constexpr, d: tl.constexpr, m: tl.constexpr,
                              splits: tl.constexpr, block_s: tl.constexpr, block_d: tl.constexpr):
-    """One token: the partial sums of :func:`boundary_mixes_kernel` added up into the normed mixing
-    logits, the weights (``post`` and ``comb`` stored for the update after the sub-layer), then the
-    streams collapsed by ``pre`` and RMS-normed with ``w`` into the sub-layer's input."""
+    """Two programs a token (the second grid axis), each adding up the partial sums of
+    :func:`boundary_mixes_kernel` it needs into normed mixing logits.  The first collapses the streams
+    by ``pre`` and RMS-norms them with ``w`` into the sub-layer's input; the second makes ``post`` and
+    ``comb`` (the Sinkhorn iterations, a chain of small sums) for the update after the sub-layer, on
+    another SM at the same time."""
     t = tl.program_id(0).to(tl.int64)
     width = (2 + m) * m
     s = tl.arange(0, block_s)
     live_s = s < splits
     i = tl.arange(0, m)
-    cell = i[:, None] * m + i[None, :]
     parts = dot_ptr + (s * tokens + t) * width
-    r = 1.0 / tl.sqrt(tl.sum(tl.load(sq_ptr + s * tokens + t, mask=live_s, other=0.0), axis=0) / (m * d) + norm_eps)
-    pre_l = tl.sum(tl.load(parts[:, None] + i[None, :], mask=live_s[:, None], other=0.0), axis=0) * r
-    post_l = tl.sum(tl.load(parts[:, None] + m + i[None, :], mask=live_s[:, None], other=0.0), axis=0) * r
-    comb_l = tl.sum(tl.load(parts[:, None, None] + 2 * m + cell[None, :, :], mask=live_s[:, None, None], other=0.0),
-                    axis=0) * r
-    pre, post, comb = mixing_weights(pre_l[None, :], post_l[None, :], comb_l[None, :, :], base_ptr, scale_ptr,
-                                     hc_eps, iters, m)
-    tl.store(post_ptr + t * m + i[None, :], post)
-    tl.store(comb_ptr + t * (m * m) + cell[None, :, :], comb)
-    cols = tl.arange(0, block_d)
-    live = cols < d
-    streams = tl.load(s_ptr + t * (m * d) + i[:, None] * d + cols[None, :], mask=live[None, :], other=0.0)
-    x = tl.sum(tl.reshape(pre, [m, 1]) * streams.to(tl.float32), axis=0)
-    x = x.to(s_ptr.dtype.element_ty).to(tl.float32)  # the collapsed input, in the streams' dtype
-    rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + norm_eps)
-    y = tl.load(w_ptr + cols, mask=live, other=0.0).to(tl.float32) * (x * rms)
-    tl.store(out_ptr + t * d + cols, y.to(out_ptr.dtype.element_ty), mask=live)
+    squares = sq_ptr + s * tokens + t
+    if tl.program_id(1) == 0:  # every load first, so that their latencies overlap
+        cols = tl.arange(0, block_d)
+        live = cols < d
+        streams = tl.load(s_ptr + t * (m * d) + i[:, None] * d + cols[None, :], mask=live[None, :], other=0.0)
+        w = tl.load(w_ptr + cols, mask=live, other=0.0)
+        pre_l = tl.load(parts[:, None] + i[None, :], mask=live_s[:, None], other=0.0)
+        sq = tl.load(squares, mask=live_s, other=0.0)
+        base, scale = tl.load(base_ptr + i), tl.load(scale_ptr)
+        r = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / (m * d) + norm_eps)
+        pre = pre_weights(tl.sum(pre_l, axis=0) * r, base, scale, hc_eps)
+        x = tl.sum(pre[:, None] * streams.to(tl.float32), axis=0)
+        x = x.to(s_ptr.dtype.element_ty).to(tl.float32)  # the collapsed input, in the streams' dtype
+        rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / d + norm_eps)
+        tl.store(out_ptr + t * d + cols, (w.to(tl.float32) * (x * rms)).to(out_ptr.dtype.element_ty), mask=live)
+    else:
+        cell = i[:, None] * m + i[None, :]
+        post_l = tl.load(parts[:, None] + m + i[None, :], mask=live_s[:, None], other=0.0)
+        comb_l = tl.load(parts[:, None, None] + 2 * m + cell[None, :, :], mask=live_s[:, None, None], other=0.0)
+        sq = tl.load(squares, mask=live_s, other=0.0)
+        r = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / (m * d) + norm_eps)
+        post, comb = post_comb_weights(tl.sum(post_l, axis=0)[None, :] * r, tl.sum(comb_l, axis=0)[None, :, :] * r,
+                                       base_ptr, scale_ptr, hc_eps, iters, m)
+        tl.store(post_ptr + t * m + i[None, :], post)
+        tl.store(comb_ptr + t * (m * m) + cell[None, :, :], comb)
