@@ -188,7 +188,9 @@ def sweep(torch, device, say) -> dict:
     }
     best = {}
     for kernel, candidates in SWEEP.items():
-        original = qm.TUNING[kernel]
+        original, shapes = qm.TUNING[kernel], qm.TUNING.get(f"{kernel}_shapes")
+        if shapes is not None:
+            qm.TUNING[f"{kernel}_shapes"] = {}
         results = []
         for candidate in candidates:
             qm.TUNING[kernel] = candidate
@@ -199,6 +201,8 @@ def sweep(torch, device, say) -> dict:
                 continue
             results.append((total, candidate))
         qm.TUNING[kernel] = original
+        if shapes is not None:
+            qm.TUNING[f"{kernel}_shapes"] = shapes
         results.sort(key=lambda r: r[0])
         for total, candidate in results[:3]:
             say(f"{kernel}: {total * 1e6:.1f} us over {len(cases[kernel])} shapes: {candidate}")

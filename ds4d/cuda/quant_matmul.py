@@ -59,12 +59,16 @@ def _kernels():
 
 TUNING = {
     "fp8_rows": {"most_rows": 1, "block_n": 4, "block_k": 2048, "warps": 2},
+    "fp8_rows_shapes": {},
     "fp8_tiles": {"block_n": 128, "warps": 4, "stages": 3, "programs": 256},
     "fp8_dense_from": 257,
     "mxfp4_rows": {"block_n": 32, "block_b": 256, "warps": 4, "ptx_decode": True},
+    "mxfp4_rows_shapes": {},
     "mxfp4_grouped": {"block_m": 64, "block_n": 128, "block_b": 64, "warps": 4, "stages": 3},
 }
-"""Tile shapes and launch settings (chosen by ``ds4d bench model --sweep`` on an H200)."""
+"""Tile shapes and launch settings (chosen by ``ds4d bench model --sweep`` on an H200).  ``*_shapes``: for
+a weight of N rows of K inputs (key ``"NxK"``), settings that replace the kernel's own
+(``tests/gpu/rows_shape_sweep.py``; ``--sweep`` sets them aside while it times the kernel's own)."""
 
 
 # ---------------------------------------------------------------------- FP8 linears
@@ -110,6 +114,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         return torch.nn.functional.linear(x, fp8_dequant(weight, scale, x.dtype, block))
     rows = TUNING["fp8_rows"]
     if m <= rows["most_rows"]:
+        rows = TUNING["fp8_rows_shapes"].get(f"{n}x{k}", rows)
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         grid = (m, triton.cdiv(n, rows["block_n"]))
         kernels.fp8_rows_kernel[grid](x, weight, scale, out, n, k, x.stride(0), weight.stride(0), scale.stride(0),
@@ -189,7 +194,7 @@ def mxfp4_rows_at(x: torch.Tensor, w_table: torch.Tensor, s_table: torch.Tensor,
         raise ValueError("mxfp4_rows needs the last dimension of x contiguous")
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows:
-        t = TUNING["mxfp4_rows"]
+        t = TUNING["mxfp4_rows_shapes"].get(f"{n}x{k}", TUNING["mxfp4_rows"])
         ptx = t["ptx_decode"] and x.is_cuda and torch.version.hip is None  # NVIDIA PTX: not the interpreter
         grid = (rows, triton.cdiv(n, t["block_n"]))
         anchor = out.view(-1).view(torch.uint8)  # a fresh allocation: aligned to the allocator's 512 bytes

@@ -93,6 +93,45 @@ def test_mxfp4_row_does_not_depend_on_the_others():
         assert torch.equal(qm.mxfp4_rows(x[r:r + 1], packed, scales, ids[r:r + 1])[0], together[r])
 
 
+class _Launches:
+    """A kernel whose launches are recorded (their block sizes) and then run."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.blocks = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.blocks.append({k: v for k, v in kwargs.items() if k.startswith("block_")})
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def test_settings_of_one_shape_replace_the_kernels_own_for_that_shape_only(monkeypatch):
+    gen = torch.Generator().manual_seed(13)
+    fp8 = _Launches(qm._kernels().fp8_rows_kernel)
+    mxfp4 = _Launches(qm._kernels().mxfp4_rows_kernel)
+    monkeypatch.setattr(qm._kernels(), "fp8_rows_kernel", fp8)
+    monkeypatch.setattr(qm._kernels(), "mxfp4_rows_kernel", mxfp4)
+    monkeypatch.setitem(qm.TUNING, "fp8_rows_shapes", {"40x256": {"most_rows": 1, "block_n": 8, "block_k": 128,
+                                                                  "warps": 1}})
+    monkeypatch.setitem(qm.TUNING, "mxfp4_rows_shapes", {"6x64": {"block_n": 2, "block_b": 16, "warps": 1,
+                                                                  "ptx_decode": True}})
+    x = torch.randn(1, 256, generator=gen)
+    for n in (40, 24):
+        weight, scale, values = _fp8(n, 256, gen)
+        _close(qm.fp8_linear(x, weight, scale), x @ values.T)
+    default = qm.TUNING["fp8_rows"]
+    assert fp8.blocks == [{"block_n": 8, "block_k": 128}, {"block_n": default["block_n"], "block_k": default["block_k"]}]
+    x = torch.randn(2, 64, generator=gen)
+    ids = torch.tensor([1, 0])
+    for n in (6, 5):
+        packed, scales, values = _mxfp4_bank(2, n, 64, gen)
+        _close(qm.mxfp4_rows(x, packed, scales, ids), torch.einsum("rnk,rk->rn", values[ids], x))
+    default = qm.TUNING["mxfp4_rows"]
+    assert mxfp4.blocks == [{"block_n": 2, "block_b": 16},
+                            {"block_n": default["block_n"], "block_b": default["block_b"]}]
+
+
 def test_expert_tiles_cover_each_group_once():
     counts = torch.tensor([3, 0, 9, 4, 0])
     offsets = torch.cumsum(counts, 0).to(torch.int32)
