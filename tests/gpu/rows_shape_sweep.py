@@ -3,10 +3,16 @@ setting for all shapes together; ``quant_matmul.TUNING["*_shapes"]`` holds per-s
 V4-Flash decode step reads, the current setting's time and the three best candidates, weights cold (cycled
 through copies, as ``bench.kernels``).  A tool for reading, not a test.
 
-    PYTHONPATH=. python3 tests/gpu/rows_shape_sweep.py
+    PYTHONPATH=. python3 tests/gpu/rows_shape_sweep.py [--write FILE]
+
+``--write FILE``: after each shape, the settings at least 3% faster than the current ones, as JSON
+(``{"fp8_rows_shapes": {...}, "mxfp4_rows_shapes": {...}}``, the form of ``quant_matmul.TUNING``).
 """
 
 from __future__ import annotations
+
+import json
+import sys
 
 import torch
 
@@ -18,6 +24,10 @@ FP8_CANDIDATES = [{"most_rows": 1, "block_n": bn, "block_k": bk, "warps": w}
                   for bn in (1, 2, 4, 8) for bk in (1024, 2048, 4096) for w in (1, 2, 4)]
 MXFP4_CANDIDATES = [{"block_n": bn, "block_b": bb, "warps": w, "ptx_decode": True}
                     for bn in (8, 16, 32, 64) for bb in (128, 256, 512) for w in (4, 8)]
+
+
+FASTER = {"fp8_rows_shapes": {}, "mxfp4_rows_shapes": {}}
+"""Per shape, the settings at least 3% faster than the current ones."""
 
 
 def sweep(kernel: str, candidates: list[dict], fn, sets, nbytes: int, name: str, key: str) -> None:
@@ -37,21 +47,19 @@ def sweep(kernel: str, candidates: list[dict], fn, sets, nbytes: int, name: str,
         shapes[key] = before
     base = results[0][0]
     print(f"| {name} ({key}) | default | {base * 1e6:.1f} | {nbytes / base / 1e12:.2f} | {default} |")
-    for us, candidate in sorted(results[1:], key=lambda r: r[0])[:3]:
+    best = sorted(results[1:], key=lambda r: r[0])
+    for us, candidate in best[:3]:
         print(f"| {name} ({key}) | best | {us * 1e6:.1f} | {nbytes / us / 1e12:.2f} | {candidate} |", flush=True)
+    if best and best[0][0] < 0.97 * base:
+        FASTER[f"{kernel}_shapes"][key] = best[0][1]
+    if "--write" in sys.argv:
+        with open(sys.argv[sys.argv.index("--write") + 1], "w") as f:
+            json.dump(FASTER, f, indent=1)
 
 
 def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}\n| weight | setting | us | TB/s | |\n|---|---|---|---|---|")
-    for name, n, k in (("wq_a + wkv", 1536, 4096), ("wq_b", 32768, 1024), ("wo_b", 4096, 8192),
-                       ("shared w1 + w3", 4096, 4096), ("shared w2", 4096, 2048)):
-        weight, scale = quantize_fp8_block(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5)
-        factors = scale.view(torch.uint8).int().sub(127).float().exp2()
-        x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
-        sets = [(x, weight.clone(), factors.clone()) for _ in range(cold_copies(n * k))]
-        sweep("fp8_rows", FP8_CANDIDATES, qm.fp8_linear, sets, n * k + factors.numel() * 4, name, f"{n}x{k}")
-        del sets
     experts = 256
     for name, n, k in (("experts gate/up, 6 rows", 4096, 4096), ("experts down, 6 rows", 4096, 2048)):
         packed = torch.randint(0, 256, (experts, n, k // 2), device="cuda", dtype=torch.uint8, generator=gen)
@@ -60,7 +68,15 @@ def main() -> None:
         picks = [routed_rows(torch, gen, experts, 6, 1, "cuda")[0] for _ in range(cold_copies(6 * n * k // 2))]
         sets = [(x, packed, scales, rows) for rows in picks]
         sweep("mxfp4_rows", MXFP4_CANDIDATES, qm.mxfp4_rows, sets, 6 * n * (k // 2 + k // 32), name, f"{n}x{k}")
-
+        del packed, scales, sets
+    for name, n, k in (("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("shared w1 + w3", 4096, 4096),
+                       ("shared w2", 4096, 2048), ("wq_a + wkv", 1536, 4096)):
+        weight, scale = quantize_fp8_block(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5)
+        factors = scale.view(torch.uint8).int().sub(127).float().exp2()
+        x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+        sets = [(x, weight.clone(), factors.clone()) for _ in range(cold_copies(n * k))]
+        sweep("fp8_rows", FP8_CANDIDATES, qm.fp8_linear, sets, n * k + factors.numel() * 4, name, f"{n}x{k}")
+        del sets
 
 if __name__ == "__main__":
     main()
