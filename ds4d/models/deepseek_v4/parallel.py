@@ -35,6 +35,7 @@ placement (``ds4d.parallel.topology``), starts the workers
 from __future__ import annotations
 
 import logging
+import multiprocessing.connection
 import signal
 import time
 from collections.abc import Sequence
@@ -75,6 +76,11 @@ log = logging.getLogger("ds4d.models")
 
 class ParallelStartError(RuntimeError):
     """A rank failed to load its shard or to allocate its cache."""
+
+
+LOST_RANK_WAIT_S = 5.0
+"""After a failed collective with every worker still running, how long to wait for one to exit (and name it)
+before passing the error on."""
 
 
 class ParallelRankLost(RuntimeError):
@@ -437,10 +443,18 @@ class ParallelDeepseekV4Model:
         try:
             yield
         except (RuntimeError, ConnectionError) as exc:
-            lost = self._lost_ranks()
+            lost = self._lost_ranks() or self._lost_ranks_within(LOST_RANK_WAIT_S)
             if lost:
                 raise ParallelRankLost(lost) from exc
             raise
+
+    def _lost_ranks_within(self, seconds: float) -> str:
+        """:meth:`_lost_ranks` once a worker process has exited, waiting up to ``seconds`` for one to: a
+        killed peer's sockets close while it is still exiting, so its reset can reach this rank before its
+        process is seen gone."""
+        if self.workers:
+            multiprocessing.connection.wait([process.sentinel for process in self.workers], timeout=seconds)
+        return self._lost_ranks()
 
     def _bind_device(self) -> None:
         """The CUDA current device is per thread; the engine thread is not the one that loaded."""
