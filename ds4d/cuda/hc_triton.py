@@ -44,8 +44,9 @@ _BLOCK_T = 16
 TUNING = {"boundary_block_d": 64, "boundary_programs": 64, "boundary_warps": 4, "collapse_warps": 8}
 """:func:`hc_boundary_step`: columns a step of its first kernel's programs, about how many programs a
 token (column ranges of every stream), and the warps of its two kernels (``tests/gpu/decode_fusions_time.py``
-on an H100: 11.7 us for one token and 12.2 for eight at V4-Flash widths; 128 columns a step and 2 warps
-11.6 and 11.9; 32 columns a step with 32 programs a token 23 us)."""
+on an H100, with the second kernel still one program a token: 11.7 us for one token and 12.2 for eight at
+V4-Flash widths; 128 columns a step and 2 warps 11.6 and 11.9; 32 columns a step with 32 programs a token
+23 us; the two-program form not yet timed alone)."""
 MAX_BOUNDARY_D = 8192
 """:func:`hc_boundary_step` takes streams of up to this width (its second kernel holds a token's streams)."""
 _state: dict[str, object] = {}
