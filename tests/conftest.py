@@ -12,15 +12,81 @@ is unchanged.
 
 from __future__ import annotations
 
+import inspect
 import os
+import threading
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+_NESTED_CALL = ("def __call__(self, *args, **kwargs): # This is a device function call _patch_lang(self.fn) "
+                "fn = self.rewrite() try: return fn(*args, **kwargs) except Exception as e: "
+                "raise InterpreterError(repr(e)) from e")
+"""The source of ``InterpretedFunction.__call__`` in Triton 3.9's interpreter (spaces collapsed), which
+``nested_call`` below replaces."""
+
+
+def _patch_the_language_once_per_launch() -> None:
+    """Triton's interpreter patches ``triton.language`` for each kernel launch, and patches it again at
+    every call of a nested ``@triton.jit`` function (without undoing it), though the launch's patches
+    already cover the modules the helper sees.  Here a nested call patches only language modules the
+    launch has not yet patched, so each launch patches each module once; the kernels run the same
+    operations on the same values.  Left as it is where Triton's interpreter is not the one this
+    was written for."""
+    try:
+        from triton import language as tl
+        from triton.runtime import interpreter
+        nested = " ".join(inspect.getsource(interpreter.InterpretedFunction.__call__).split())
+        launch = inspect.getsource(interpreter.GridExecutor.__call__)
+    except (ImportError, AttributeError, OSError, TypeError):
+        return
+    if nested != _NESTED_CALL or "patch_scope = _patch_lang(self.fn)" not in launch:
+        return
+    patch_lang, run_launch = interpreter._patch_lang, interpreter.GridExecutor.__call__
+    state, modules = threading.local(), {}
+
+    def langs(fn) -> frozenset[int]:
+        if fn not in modules:
+            modules[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        return modules[fn]
+
+    def patch_recorded(fn):
+        scope = patch_lang(fn)
+        patched = getattr(state, "patched", None)
+        if patched is not None:
+            patched |= langs(fn)
+        return scope
+
+    def launch_call(self, *args, **kwargs):
+        outer, state.patched = getattr(state, "patched", None), set()
+        try:
+            return run_launch(self, *args, **kwargs)
+        finally:
+            state.patched = outer
+
+    def nested_call(self, *args, **kwargs):
+        patched = getattr(state, "patched", None)
+        if patched is None or not langs(self.fn) or not langs(self.fn) <= patched:
+            patch_recorded(self.fn)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interpreter.InterpreterError(repr(e)) from e
+
+    interpreter._patch_lang = patch_recorded
+    interpreter.GridExecutor.__call__ = launch_call
+    interpreter.InterpretedFunction.__call__ = nested_call
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _patch_the_language_once_per_launch()
 
 
 @pytest.fixture(scope="module")
