@@ -36,31 +36,30 @@ def sweep(kernel: str, candidates: list[dict], fn, sets, nbytes: int, name: str,
     before = shapes.pop(key, None)
     default = dict(before or qm.TUNING[kernel])
     results = []
-    for candidate in [default, *candidates]:
-        shapes[key] = candidate
-        try:
-            results.append((_timed_over(torch, fn, sets, reps=10), candidate))
-        except Exception as exc:  # noqa: BLE001 - a setting the compiler refuses: skip it
-            print(f"  {name} {candidate}: {type(exc).__name__}")
-    shapes.pop(key)
-    if before is not None:
-        shapes[key] = before
-    base = results[0][0]
-    print(f"| {name} ({key}) | default | {base * 1e6:.1f} | {nbytes / base / 1e12:.2f} | {default} |")
-    best = sorted(results[1:], key=lambda r: r[0])
-    for us, candidate in best[:3]:
-        print(f"| {name} ({key}) | best | {us * 1e6:.1f} | {nbytes / us / 1e12:.2f} | {candidate} |", flush=True)
-    if best and best[0][0] < 0.97 * base:
-        shapes[key] = default
-        want = fn(*sets[0]).float()
-        shapes[key] = best[0][1]
-        diff = ((fn(*sets[0]).float() - want).abs().max() / want.abs().max()).item()
-        shapes.pop(key)
+    try:
+        for candidate in [default, *candidates]:
+            shapes[key] = candidate
+            try:
+                results.append((_timed_over(torch, fn, sets, reps=10), candidate))
+            except Exception as exc:  # noqa: BLE001 - a setting the compiler refuses: skip it
+                print(f"  {name} {candidate}: {type(exc).__name__}")
+        base = results[0][0]
+        print(f"| {name} ({key}) | default | {base * 1e6:.1f} | {nbytes / base / 1e12:.2f} | {default} |")
+        best = sorted(results[1:], key=lambda r: r[0])
+        for us, candidate in best[:3]:
+            print(f"| {name} ({key}) | best | {us * 1e6:.1f} | {nbytes / us / 1e12:.2f} | {candidate} |", flush=True)
+        if best and best[0][0] < 0.97 * base:
+            shapes[key] = default
+            want = fn(*sets[0]).float()
+            shapes[key] = best[0][1]
+            diff = ((fn(*sets[0]).float() - want).abs().max() / want.abs().max()).item()
+            print(f"| {name} ({key}) | the best against the current | rel. diff {diff:.1e} | | |")
+            if diff < 1e-2:
+                FASTER[f"{kernel}_shapes"][key] = best[0][1]
+    finally:  # the shape's settings as they were
+        shapes.pop(key, None)
         if before is not None:
             shapes[key] = before
-        print(f"| {name} ({key}) | the best against the current | rel. diff {diff:.1e} | | |")
-        if diff < 1e-2:
-            FASTER[f"{kernel}_shapes"][key] = best[0][1]
     if "--write" in sys.argv:
         with open(sys.argv[sys.argv.index("--write") + 1], "w") as f:
             json.dump(FASTER, f, indent=1)
