@@ -24,6 +24,7 @@ import argparse
 import gc
 import itertools
 import json
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -47,6 +48,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--batches", default="1,8,64", help="decode batch sizes at 1K context")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="time each prefill and decode row this many times after its warm-up; the row is their "
+                        "median (the JSON row's extra also gives the lowest and highest)")
     p.add_argument("--long", action="store_true", help="also decode after 32K and prefill 16K")
     p.add_argument("--context", type=int, default=0,
                    help="also prefill one prompt of this many tokens and decode after it (e.g. 500000): "
@@ -129,8 +133,10 @@ SAMPLED = {"sampled": {"temperature": 1.0}, "sampled-top-p": {"temperature": 1.0
 """What the ``--sampled`` rows decode with, per path (a request that sets no temperature gets 1.0)."""
 
 
-def _ds4d(torch, model, prompts, max_tokens, *, chunk, sync, warm_tokens=0, lookahead=False, sampling=None):
-    """Warm up (kernels, and graph capture for these shapes), then time ``max_tokens`` greedy tokens.
+def _ds4d(torch, model, prompts, max_tokens, *, chunk, sync, warm_tokens=0, lookahead=False, sampling=None,
+          repeats=1):
+    """Warm up (kernels, and graph capture for these shapes), then time ``max_tokens`` greedy tokens,
+    ``repeats`` times over: a list of the runs' timings.
 
     ``warm_tokens``: warm up on that many prompt tokens only (prefill cases: the
     shapes repeat every chunk); 0 warms up on the whole prompts."""
@@ -141,11 +147,19 @@ def _ds4d(torch, model, prompts, max_tokens, *, chunk, sync, warm_tokens=0, look
                          lookahead=lookahead)
     warm = [p[:warm_tokens] for p in prompts] if warm_tokens else prompts
     run_batch(engine, warm, min(max_tokens, 4), sync, sampling=sampling)
-    result = run_batch(engine, prompts, max_tokens, sync, sampling=sampling)
+    runs = [run_batch(engine, prompts, max_tokens, sync, sampling=sampling) for _ in range(repeats)]
     failure = getattr(model, "graph_failure", None)
     if failure is not None:  # the steps fell back to eager: the row's label would not say what was timed
         raise RuntimeError(f"decode graph capture failed, so the steps ran eagerly: {failure[:300]}")
-    return result
+    return runs
+
+
+def median_rate(runs, attr: str) -> tuple[float, dict]:
+    """The median of the runs' ``attr`` (``prefill_tok_s`` or ``decode_tok_s``) and, for more than one
+    run, their spread for the row's ``extra`` (``runs``, ``lowest``, ``highest``)."""
+    rates = sorted(getattr(r, attr) for r in runs)
+    spread = {"runs": len(rates), "lowest": rates[0], "highest": rates[-1]} if len(rates) > 1 else {}
+    return statistics.median(rates), spread
 
 
 def _hf(torch, hf, prompts, max_tokens, *, device, chunk=0):
@@ -174,6 +188,12 @@ def _hf(torch, hf, prompts, max_tokens, *, device, chunk=0):
         t2 = time.perf_counter()
     decode = len(prompts) * (max_tokens - 1) / (t2 - t1) if max_tokens > 1 else None
     return ids.numel() / (t1 - t0), decode
+
+
+def _rate(got) -> tuple:
+    """``(rate, spread)`` from what ``_guarded`` returned for a :func:`median_rate`: its ``"OOM"`` or
+    ``"error"`` stands as the row's figure, with no spread."""
+    return got if isinstance(got, tuple) else (got, {})
 
 
 def _guarded(torch, label, fn):
@@ -286,13 +306,13 @@ def run(args: argparse.Namespace) -> int:
                                                    "torch-token-wise": " (token-wise work in torch)",
                                                    "all-rows": " (last feed-forward on every row)",
                                                    "reference": " (reference path)"}[path]
-            got = _guarded(torch, f"ds4d {label}", lambda: _ds4d(torch, timed, ids, 1, chunk=args.prefill_chunk,
-                                                               sync=sync, warm_tokens=2 * args.prefill_chunk)
-                           .prefill_tok_s)
+            got, spread = _rate(_guarded(torch, f"ds4d {label}", lambda timed=timed: median_rate(_ds4d(
+                torch, timed, ids, 1, chunk=args.prefill_chunk, sync=sync, warm_tokens=2 * args.prefill_chunk,
+                repeats=args.repeats), "prefill_tok_s")))
             theirs = _guarded(torch, "HF", lambda: _hf(torch, hf, ids, 1, device=device)[0]) \
                 if hf is not None and hf_ok and path == "graphs" else None
             rows.append(Row(label, got, theirs, floors.prefill(tokens),
-                            note=f"ds4d chunk {min(tokens, args.prefill_chunk)}"))
+                            note=f"ds4d chunk {min(tokens, args.prefill_chunk)}", extra=spread))
 
     def decode_case(batch: int, context: int, with_paths: list[str], hf_chunk: int = 0) -> None:
         ids = prompts(batch, context)
@@ -302,16 +322,17 @@ def run(args: argparse.Namespace) -> int:
             chunk = min(args.prefill_chunk, max(128, 16384 // batch))
             label = f"decode b{batch} @{context // 1024}K" + PATH_NOTES[path]
             steps = n if path != "reference" else max(8, n // 4)
-            got = _guarded(torch, f"ds4d {label}", lambda steps=steps, chunk=chunk, path=path: _ds4d(
-                torch, timed, ids, steps, chunk=chunk, sync=sync,
-                lookahead=path in ("lookahead", "decode-kernel-lookahead", *SAMPLED),
-                sampling=SAMPLED.get(path)).decode_tok_s)
+            runs = lambda timed=timed, steps=steps, chunk=chunk, path=path: _ds4d(
+                torch, timed, ids, steps, chunk=chunk, sync=sync, sampling=SAMPLED.get(path), repeats=args.repeats,
+                lookahead=path in ("lookahead", "decode-kernel-lookahead", *SAMPLED))
+            got, spread = _rate(_guarded(torch, f"ds4d {label}", lambda runs=runs: median_rate(runs(), "decode_tok_s")))
             theirs = None
             if hf is not None and not hf_done:
                 hf_done = True
                 theirs = _guarded(torch, "HF", lambda: _hf(torch, hf, ids, max(8, n // 2), device=device,
                                                            chunk=hf_chunk)[1])
-            rows.append(Row(label, got, theirs, floors.decode(batch, context), extra=per_layer(floors, batch, context, got)))
+            rows.append(Row(label, got, theirs, floors.decode(batch, context),
+                            extra={**per_layer(floors, batch, context, got), **spread}))
 
     prefill_case(2048)
     batches = [int(b) for b in args.batches.split(",") if b]
@@ -457,4 +478,12 @@ def _print_table(rows, cfg, args, device, bandwidth, matmul, hf_note, check) -> 
         for r in layered:
             layer, floor = r.extra["layer_ms"], r.extra["layer_floor_ms"]
             say(f"| {r.case} | {layer:.3f} | {floor:.3f} | {layer / floor:.2f}x |")
+    spread = [r for r in rows if "runs" in r.extra]
+    if spread:
+        say(f"\n# each row above: the median of {spread[0].extra['runs']} timed runs; their lowest and highest")
+        say("| case | lowest tok/s | highest tok/s | highest / lowest |")
+        say("|---|---|---|---|")
+        for r in spread:
+            low, high = r.extra["lowest"], r.extra["highest"]
+            say(f"| {r.case} | {_fmt(low)} | {_fmt(high)} | {_ratio(high, low)} |")
     sys.stdout.flush()

@@ -142,14 +142,14 @@ def run(args) -> int:
     def measure(model, label: str, prefill_only: bool = False):
         prefill = _guarded(torch, f"{label} prefill {args.prefill}", lambda: _ds4d(
             torch, model, prefill_ids, 1, chunk=args.prefill_chunk, sync=sync_all,
-            warm_tokens=min(args.prefill, 2 * args.prefill_chunk)).prefill_tok_s)
+            warm_tokens=min(args.prefill, 2 * args.prefill_chunk))[0].prefill_tok_s)
         if prefill_only:
             return prefill
         out = {"prefill": prefill}
         for b in batches:
             out[f"decode b{b}"] = _guarded(torch, f"{label} decode b{b}", lambda b=b: _ds4d(
                 torch, model, decode_ids[b], args.decode_tokens, chunk=args.prefill_chunk, sync=sync_all
-            ).decode_tok_s)
+            )[0].decode_tok_s)
         return out
 
     def row(model, label: str, cases) -> dict:

@@ -12,11 +12,13 @@ import pytest
 
 
 def test_decode_rows_report_their_time_and_floor_per_layer(tmp_path):
+    from ds4d.bench.model import _fmt
+
     out = tmp_path / "v4.json"
     run = subprocess.run(
         [sys.executable, "-m", "ds4d.cli", "bench", "model", "--tiny", "--device", "cpu", "--dtype", "float32",
          "--no-hf", "--no-reference", "--main-only", "--batches", "1,2", "--decode-tokens", "3", "--layers", "0,4",
-         "--decode-kernel", "--json", str(out)],
+         "--decode-kernel", "--repeats", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -36,7 +38,11 @@ def test_decode_rows_report_their_time_and_floor_per_layer(tmp_path):
         assert head_from_floor > 0 and extra["layer_floor_ms"] > 0
         assert f"| {row['case']} | {extra['layer_ms']:.3f} | {extra['layer_floor_ms']:.3f} |" in run.stdout
     prefill = [row for row in result["rows"] if row["case"].startswith("prefill")]
-    assert prefill and all(not row["extra"] for row in prefill)
+    assert prefill and all(set(row["extra"]) == {"runs", "lowest", "highest"} for row in prefill)
+    for row in result["rows"]:  # --repeats 2: the median of two runs lies between them
+        extra = row["extra"]
+        assert extra["runs"] == 2 and extra["lowest"] <= row["ds4d"] <= extra["highest"]
+        assert f"| {row['case']} | {_fmt(extra['lowest'])} | {_fmt(extra['highest'])} |" in run.stdout
 
 
 def test_offload_rows_are_written_for_the_gate(tmp_path):
@@ -76,13 +82,25 @@ def test_a_row_whose_decode_graphs_fell_back_to_eager_is_an_error_not_a_time(tmp
 
     model = load_model(write_tiny_checkpoint(tmp_path / "tiny", seed=3, layers=[0, 4]))
     prompts = [[5, 6, 7, 8]]
-    timed = _ds4d(torch, model, prompts, 2, chunk=64, sync=lambda: None)
-    assert timed.decode_tok_s > 0
+    runs = _ds4d(torch, model, prompts, 2, chunk=64, sync=lambda: None, repeats=2)
+    assert len(runs) == 2 and all(run.decode_tok_s > 0 and run.prefill_tokens == 4 for run in runs)
     model._graph_failure = "RuntimeError: capture refused"  # as DeepseekV4Model records a failed capture
     with pytest.raises(RuntimeError, match="graph capture failed.*capture refused"):
         _ds4d(torch, model, prompts, 2, chunk=64, sync=lambda: None)
     assert _guarded(torch, "decode b1", lambda: _ds4d(torch, model, prompts, 2, chunk=64,
                                                        sync=lambda: None)) == "error"
+
+
+def test_a_row_timed_several_times_is_their_median_with_the_lowest_and_highest_beside_it():
+    """``--repeats``: the row's figure is the median of the runs' rates; its ``extra`` keeps the spread (the
+    gate's rows that wait on the host move by more than its tolerance from one run to the next)."""
+    from ds4d.bench.harness import RunTiming
+    from ds4d.bench.model import median_rate
+
+    runs = [RunTiming(100, 0.5, 10, s) for s in (1.0, 0.5, 2.0, 0.25, 4.0)]  # 10, 20, 5, 40, 2.5 tok/s
+    assert median_rate(runs, "decode_tok_s") == (10.0, {"runs": 5, "lowest": 2.5, "highest": 40.0})
+    assert median_rate(runs, "prefill_tok_s") == (200.0, {"runs": 5, "lowest": 200.0, "highest": 200.0})
+    assert median_rate(runs[1:2], "decode_tok_s") == (20.0, {})  # one run: its rate, no spread
 
 
 def test_profile_trace_writes_the_last_steps_kernels_in_the_order_they_ran(tmp_path):
