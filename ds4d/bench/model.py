@@ -70,6 +70,9 @@ def add_parser(sub) -> None:
     p.add_argument("--decode-kernel", action="store_true",
                    help="also decode with the compressor steps and the attention in Triton kernels "
                         "(ForwardPaths.decode_kernel), with --lookahead also queued ahead")
+    p.add_argument("--shared-beside", action="store_true",
+                   help="also decode with the shared expert on a second CUDA stream (ForwardPaths.shared_beside), "
+                        "with --lookahead also queued ahead")
     p.add_argument("--sampled", action="store_true",
                    help="also decode sampling instead of greedy, steps queued ahead: temperature 1 (what a request "
                         "that sets nothing gets), and temperature 1 with top-p 0.95")
@@ -227,7 +230,9 @@ PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
               "numba-hc": " (graphs, Numba hyper-connection kernel only)",
               "triton-hc": " (graphs, Triton hyper-connection weights only)", "eager": " (no graphs)",
               "reference": " (reference path)", "decode-kernel": " (graphs, decode kernels)",
-              "decode-kernel-lookahead": " (graphs, decode kernels, steps queued ahead)"}
+              "decode-kernel-lookahead": " (graphs, decode kernels, steps queued ahead)",
+              "shared-beside": " (graphs, shared expert on a second stream)",
+              "shared-beside-lookahead": " (graphs, shared expert on a second stream, steps queued ahead)"}
 
 
 def full_depth_layers(family: str) -> str:
@@ -283,7 +288,8 @@ def run(args: argparse.Namespace) -> int:
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if args.profile:
-        for path in ("graphs", *(["decode-kernel"] if args.decode_kernel else []), "eager"):
+        for path in ("graphs", *(["decode-kernel"] if args.decode_kernel else []),
+                     *(["shared-beside"] if args.shared_beside else []), "eager"):
             trace = Path(args.profile_trace).with_suffix(f".{path}.tsv") if args.profile_trace else None
             _profile_decode(torch, on_path(model, path, best), prompts(1, 1024)[0], path, sync, trace=trace)
         return 0
@@ -324,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
             steps = n if path != "reference" else max(8, n // 4)
             runs = lambda timed=timed, steps=steps, chunk=chunk, path=path: _ds4d(
                 torch, timed, ids, steps, chunk=chunk, sync=sync, sampling=SAMPLED.get(path), repeats=args.repeats,
-                lookahead=path in ("lookahead", "decode-kernel-lookahead", *SAMPLED))
+                lookahead=path in ("lookahead", "decode-kernel-lookahead", "shared-beside-lookahead", *SAMPLED))
             got, spread = _rate(_guarded(torch, f"ds4d {label}", lambda runs=runs: median_rate(runs(), "decode_tok_s")))
             theirs = None
             if hf is not None and not hf_done:
@@ -339,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
     ahead = (["lookahead"] if args.lookahead else []) + (list(SAMPLED) if args.sampled else [])
     if args.decode_kernel:
         ahead += ["decode-kernel"] + (["decode-kernel-lookahead"] if args.lookahead else [])
+    if args.shared_beside:
+        ahead += ["shared-beside"] + (["shared-beside-lookahead"] if args.lookahead else [])
     for batch in batches:
         decode_case(batch, 1024, (paths[:1] + ahead + paths[1:]) if batch == 1 else ["graphs", *ahead])
     if args.long:

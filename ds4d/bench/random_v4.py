@@ -231,7 +231,7 @@ def build(torch, args, device, offload_options=None):
 
 
 BENCH_PATHS = ("graphs", "lookahead", "sampled", "sampled-top-p", "decode-kernel", "decode-kernel-lookahead",
-               "plain-hc", "numba-hc", "triton-hc", "torch-attention", "torch-token-wise", "all-rows", "eager",
+               "shared-beside", "shared-beside-lookahead", "plain-hc", "numba-hc", "triton-hc", "torch-attention", "torch-token-wise", "all-rows", "eager",
                "reference")
 GRAPH_PATHS = tuple(p for p in BENCH_PATHS if p not in ("eager", "reference"))
 """The paths that decode through CUDA graphs (where the device has them)."""
@@ -243,6 +243,7 @@ def bench_paths(path: str, best):
     graphs: every GPU path; lookahead: the same, the engine queueing each decode step behind the one
     before (``decode_lookahead``); sampled, sampled-top-p: the same, sampling (``SAMPLED``) instead of greedy;
     decode-kernel (-lookahead): graphs (lookahead) with a decode step's compressors and attention in Triton kernels;
+    shared-beside (-lookahead): graphs (lookahead) with the shared expert on a second stream (``shared_beside``);
     plain-hc: without the fused hyper-connection kernels; numba-hc: the Numba kernel for decode steps
     too (not the Triton ones); triton-hc: a decode step's hyper-connection weights from the Triton
     kernels, the update, collapse and norm in torch (not ``hc_triton.hc_boundary_step``); torch-attention:
@@ -262,6 +263,7 @@ def bench_paths(path: str, best):
         fused_prefill=best.fused_prefill and path not in ("torch-token-wise", "plain-hc"),
         last_layer_rows_only=path != "all-rows",
         decode_kernel=path.startswith("decode-kernel"),
+        shared_beside=path.startswith("shared-beside"),
     )
 
 

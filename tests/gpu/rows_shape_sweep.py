@@ -3,7 +3,7 @@ setting for all shapes together; ``quant_matmul.TUNING["*_shapes"]`` holds per-s
 V4-Flash decode step reads, the current setting's time and the three best candidates, weights cold (cycled
 through copies, as ``bench.kernels``).  A tool for reading, not a test.
 
-    PYTHONPATH=. python3 tests/gpu/rows_shape_sweep.py [--write FILE]
+    PYTHONPATH=. python3 tests/gpu/rows_shape_sweep.py [--write FILE] [--mxfp4-only]
 
 ``--write FILE``: after each shape, the settings at least 3% faster than the current ones, as JSON
 (``{"fp8_rows_shapes": {...}, "mxfp4_rows_shapes": {...}}``, the form of ``quant_matmul.TUNING``).
@@ -22,8 +22,14 @@ from ds4d.models.deepseek_v4.quant import quantize_fp8_block
 
 FP8_CANDIDATES = [{"most_rows": 1, "block_n": bn, "block_k": bk, "warps": w}
                   for bn in (1, 2, 4, 8) for bk in (1024, 2048, 4096) for w in (1, 2, 4)]
-MXFP4_CANDIDATES = [{"block_n": bn, "block_b": bb, "warps": w, "ptx_decode": True}
-                    for bn in (8, 16, 32, 64) for bb in (128, 256, 512) for w in (4, 8)]
+
+
+def mxfp4_candidates(k: int) -> list[dict]:
+    """Settings for ``k`` inputs a row: a few rows a program over many bytes a step, up to the whole row (every
+    load issued before the first sum, as the fastest FP8 settings), at least one 16-byte load a thread a step."""
+    return [{"block_n": bn, "block_b": bb, "warps": w, "ptx_decode": True}
+            for bn in (1, 2, 4, 8, 16, 32) for bb in (256, 512, 1024, 2048) for w in (1, 2, 4, 8)
+            if bb <= k // 2 and bn * bb // (32 * w) >= 16 and bn * bb <= 16384]
 
 
 FASTER = {"fp8_rows_shapes": {}, "mxfp4_rows_shapes": {}}
@@ -75,8 +81,10 @@ def main() -> None:
         x = torch.randn(6, k, device="cuda", generator=gen).to(torch.bfloat16)
         picks = [routed_rows(torch, gen, experts, 6, 1, "cuda")[0] for _ in range(cold_copies(6 * n * k // 2))]
         sets = [(x, packed, scales, rows) for rows in picks]
-        sweep("mxfp4_rows", MXFP4_CANDIDATES, qm.mxfp4_rows, sets, 6 * n * (k // 2 + k // 32), name, f"{n}x{k}")
+        sweep("mxfp4_rows", mxfp4_candidates(k), qm.mxfp4_rows, sets, 6 * n * (k // 2 + k // 32), name, f"{n}x{k}")
         del packed, scales, sets
+    if "--mxfp4-only" in sys.argv:
+        return
     for name, n, k in (("wq_b", 32768, 1024), ("wo_b", 4096, 8192), ("shared w1 + w3", 4096, 4096),
                        ("shared w2", 4096, 2048), ("wq_a + wkv", 1536, 4096)):
         weight, scale = quantize_fp8_block(torch.randn(n, k, device="cuda", generator=gen) * k**-0.5)

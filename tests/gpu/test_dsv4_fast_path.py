@@ -94,22 +94,42 @@ def test_decode_attention_in_one_kernel_matches_the_torch_decode_path(checkpoint
     largest difference at most 1.5x the torch path's, its greedy tokens the float32 ones at least as often less
     5 points."""
     model = load_model(checkpoint, dtype=dtype, device=device)
-    base = (ForwardPaths(fast_path=True, decode_graphs="cuda", compile_decode=True, graph_fallback=False)
-            if graphs == "compiled" else ForwardPaths(fast_path=True, decode_graphs=graphs))
     assert model.cfg.index_topk < 100 // 4 and model.cfg.sliding_window == 128
+    _assert_decodes_as_the_torch_path(checkpoint, model, _base_paths(graphs), {"decode_kernel": True})
+
+
+def _base_paths(graphs: str) -> ForwardPaths:
+    return (ForwardPaths(fast_path=True, decode_graphs="cuda", compile_decode=True, graph_fallback=False)
+            if graphs == "compiled" else ForwardPaths(fast_path=True, decode_graphs=graphs))
+
+
+def _assert_decodes_as_the_torch_path(checkpoint, model, base: ForwardPaths, change: dict) -> None:
+    """``base.replace(**change)`` against ``base`` on :func:`_decode_logits`: in float32 within 1e-4 of the
+    largest logit and the same greedy tokens; in bfloat16 each against the float32 fast path, the changed
+    path's largest difference at most 1.5x ``base``'s and its greedy tokens the float32 ones at least as
+    often less 5 points."""
     torch_path = _decode_logits(model, base)
-    kernel = _decode_logits(model, base.replace(decode_kernel=True))
-    if dtype == torch.float32:
-        assert (kernel - torch_path).abs().max().item() < 1e-4 * torch_path.abs().max().item()
-        assert torch.equal(kernel.argmax(-1), torch_path.argmax(-1))
+    changed = _decode_logits(model, base.replace(**change))
+    if model.dtype == torch.float32:
+        assert (changed - torch_path).abs().max().item() < 1e-4 * torch_path.abs().max().item()
+        assert torch.equal(changed.argmax(-1), torch_path.argmax(-1))
         return
-    exact = _decode_logits(load_model(checkpoint, dtype=torch.float32, device=device),
+    exact = _decode_logits(load_model(checkpoint, dtype=torch.float32, device=model.device),
                            ForwardPaths(fast_path=True))
-    errors = {name: (got - exact).abs().max().item() for name, got in (("torch", torch_path), ("kernel", kernel))}
+    errors = {name: (got - exact).abs().max().item() for name, got in (("torch", torch_path), ("changed", changed))}
     agree = {name: (got.argmax(-1) == exact.argmax(-1)).float().mean().item()
-             for name, got in (("torch", torch_path), ("kernel", kernel))}
-    assert errors["kernel"] <= 1.5 * errors["torch"], (errors, agree)
-    assert agree["kernel"] >= agree["torch"] - 0.05, (errors, agree)
+             for name, got in (("torch", torch_path), ("changed", changed))}
+    assert errors["changed"] <= 1.5 * errors["torch"], (errors, agree)
+    assert agree["changed"] >= agree["torch"] - 0.05, (errors, agree)
+
+
+@pytest.mark.parametrize(("device", "dtype", "graphs"), KERNEL_CASES)
+def test_the_shared_expert_on_a_second_stream_decodes_as_on_one(checkpoint, device, dtype, graphs):
+    """``shared_beside``: a decode step's shared expert on a second CUDA stream (``ds4d.cuda.streams``; in the
+    graphs a branch of its own), its SwiGLU in Triton, gives the one-stream path's logits (on the CPU the
+    stream calls are plain calls: the SwiGLU kernel in Triton's interpreter is what differs)."""
+    model = load_model(checkpoint, dtype=dtype, device=device)
+    _assert_decodes_as_the_torch_path(checkpoint, model, _base_paths(graphs), {"shared_beside": True})
 
 
 def test_grouped_experts_match_the_expert_loop(checkpoint):

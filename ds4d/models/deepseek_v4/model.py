@@ -419,7 +419,8 @@ class DeepseekV4Model:
                                              tally=None if tally is None else tally.layer(index))
             else:
                 output = moe_forward(x, token_ids, layer.ffn, cfg, grouped=paths.fast_path, kernels=kernels,
-                                     tally=None if tally is None else tally.layer(index))
+                                     tally=None if tally is None else tally.layer(index),
+                                     beside=decode and paths.shared_beside)
         return hc_post(output, streams, post, comb)
 
 

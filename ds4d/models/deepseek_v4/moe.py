@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds4d.cuda import gguf_matmul, moe_gemv, prefill_triton, quant_matmul
+from ds4d.cuda import gguf_matmul, moe_gemv, prefill_triton, quant_matmul, streams
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.ops import linear, linear_f32, linear_pair
 from ds4d.models.deepseek_v4.stored import (
@@ -227,18 +227,29 @@ def tally_routing(tally: torch.Tensor | None, indices: torch.Tensor) -> None:
         tally.index_add_(0, flat, torch.ones(flat.shape[0], dtype=tally.dtype, device=tally.device))
 
 
+def _shared(x: torch.Tensor, weights: MoEWeights, limit: float, kernels: bool) -> torch.Tensor:
+    return _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit, kernels, weights.shared_w13)
+
+
 def moe_forward(
     x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config, *, grouped: bool = False,
-    kernels: bool = False, tally: torch.Tensor | None = None,
+    kernels: bool = False, tally: torch.Tensor | None = None, beside: bool = False,
 ) -> torch.Tensor:
     """``kernels`` (with ``grouped``): SwiGLU and the routed experts' weighted sum in Triton
-    (``ds4d.cuda.prefill_triton``) and the router's logits from its split weight, for steps of many tokens."""
+    (``ds4d.cuda.prefill_triton``) and the router's logits from its split weight, for steps of many tokens.
+    ``beside`` (with ``grouped``): the shared expert on a second stream (``ds4d.cuda.streams``), its SwiGLU
+    in Triton, while the routing and the routed experts run on the current one."""
+    limit = cfg.swiglu_limit
+    beside = beside and grouped
+    if beside:  # queued first, so it starts with the router
+        shared = streams.beside(_shared, x.device, x, weights, limit, True)
     expert_weights, indices = route(x, token_ids, weights, cfg, split=kernels and grouped)
     tally_routing(tally, indices)
-    limit = cfg.swiglu_limit
+    if beside:
+        routed = _routed_grouped(x, expert_weights, indices, weights, limit, kernels)
+        return routed + streams.rejoin(shared, x.device)
     if grouped:
-        shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit, kernels,
-                         weights.shared_w13)
+        shared = _shared(x, weights, limit, kernels)
         return _routed_grouped(x, expert_weights, indices, weights, limit, kernels) + shared
     routed = torch.zeros_like(x)
     for expert in torch.unique(indices).tolist():

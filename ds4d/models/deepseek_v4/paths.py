@@ -43,6 +43,10 @@ class ForwardPaths:
     step's (``prefill_triton.head_norm_rope``).  Off by default: on an H100 it decoded 1.03-1.05x faster at
     batch 1 and even at batch 8 (``ds4d bench model --decode-kernel`` compares the two); not yet run on an
     H200 or through the daemon."""
+    shared_beside: bool = False
+    """Decode steps run the shared expert on a second CUDA stream (``ds4d.cuda.streams``), beside the routing and
+    the routed experts (in a CUDA graph, two branches the GPU runs at once).  Off by default until measured
+    (``ds4d bench model --shared-beside`` compares the two)."""
     fused_prefill: bool = False
     """The token-wise work of steps that are not pure decode (hyper-connections, norms, RoPE, SwiGLU,
     the experts' weighted sum) goes through ``ds4d.cuda.prefill_triton``, and (bf16 models) the float32
