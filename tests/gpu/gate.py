@@ -14,7 +14,9 @@ attention, ...) are printed for reference and never gate: they are host-bound an
 than 10% between runs of the same tree on the H200 (the no-graphs decode row gave 48, 72 and 80
 tok/s).  A key without a baseline is reported as new.  ``--update`` writes every gated figure that
 is new or better into the baseline (regressions are never written) and exits 0 unless a regression
-was found.  With results of two depths it also prints each decode row's cost per layer against
+was found.  ``gate.sh`` has ``bench model`` time each row five times (``--repeats``) and gates their median:
+single runs of the rows that wait on the host between steps (one step at a time, prefill) moved 5-23%
+minutes apart on one H100, both ways, on code neither run changed.  With results of two depths it also prints each decode row's cost per layer against
 that of its floor (the deeper run's step time minus the shallower's, over the layers between).
 """
 
