@@ -51,6 +51,14 @@ def figures(path: Path) -> dict[str, float]:
     return {f"{path.stem}: {row['case']}": float(row["ds4d"]) for row in rows if row.get("ds4d")}
 
 
+def spreads(path: Path) -> dict[str, tuple[float, float]]:
+    """``{"<name>: <label>": (lowest, highest)}`` for the ``bench model --json`` rows timed more than once
+    (``--repeats``: the row's figure is their median)."""
+    rows = json.loads(path.read_text())["rows"]
+    return {f"{path.stem}: {row['case']}": (row["extra"]["lowest"], row["extra"]["highest"])
+            for row in rows if "runs" in row.get("extra", {})}
+
+
 def compare(got: dict[str, float], baseline: dict[str, float], tolerance: float) -> list[tuple[str, float, float | None, str]]:
     """One (key, now, before, verdict) per figure measured now; verdicts: ok, better, REGRESSED, new,
     and "not gated" for the rows outside ``GATED``."""
@@ -116,17 +124,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     got: dict[str, float] = {}
+    spread: dict[str, tuple[float, float]] = {}
     for path in args.results:
         got.update(figures(path))
+        spread.update(spreads(path))
     stored = json.loads(args.baseline.read_text()) if args.baseline.is_file() else {"figures": {}}
     baseline = stored["figures"]
     table = compare(got, baseline, args.tolerance)
     width = max((len(key) for key, *_ in table), default=10)
-    print(f"{'figure (tok/s)':<{width}}  {'now':>10}  {'baseline':>10}  {'ratio':>6}  verdict")
+    print(f"{'figure (tok/s)':<{width}}  {'now':>10}  {'baseline':>10}  {'ratio':>6}  {'runs (low-high)':>21}  verdict")
     for key, now, before, verdict in table:
         ratio = f"{now / before:6.2f}" if before else "     -"
         before_text = f"{before:10.1f}" if before else "         -"
-        print(f"{key:<{width}}  {now:10.1f}  {before_text}  {ratio}  {verdict}")
+        low_high = f"{spread[key][0]:.1f}-{spread[key][1]:.1f}" if key in spread else "-"
+        print(f"{key:<{width}}  {now:10.1f}  {before_text}  {ratio}  {low_high:>21}  {verdict}")
     layers = per_layer(args.results)
     if layers:
         print(f"\n{'per layer (decode step, from the two depths)':<{width}}  {'ms':>10}  {'floor ms':>10}  {'x floor':>7}")

@@ -112,3 +112,19 @@ def test_agent_results_give_step_two_prompt_rates_reused_and_cold(tmp_path):
     assert got == {f"agent_ram: {gate.AGENT_REUSED}": 10_000.0, f"agent_ram: {gate.AGENT_COLD}": 2000.0}
     table = {key: verdict for key, _, _, verdict in gate.compare(got, {f"agent_ram: {gate.AGENT_REUSED}": 12_000.0}, 0.10)}
     assert table == {f"agent_ram: {gate.AGENT_REUSED}": "REGRESSED", f"agent_ram: {gate.AGENT_COLD}": "new"}
+
+
+def test_rows_timed_several_times_show_their_lowest_and_highest_beside_the_median(tmp_path, capsys):
+    """``bench model --repeats``: a row's figure is the median of its runs; the gate gates that and prints
+    the runs' range beside it (a row timed once shows none)."""
+    result = tmp_path / "layers4.json"
+    result.write_text(json.dumps({"rows": [
+        {"case": B1, "ds4d": 700.0, "extra": {"layer_ms": 0.2, "runs": 5, "lowest": 650.5, "highest": 710.4}},
+        {"case": PREFILL, "ds4d": 60000.0, "extra": {}}]}))
+    assert gate.spreads(result) == {f"layers4: {B1}": (650.5, 710.4)}
+    baseline = tmp_path / "h100.json"
+    baseline.write_text(json.dumps({"figures": {f"layers4: {B1}": 760.0, f"layers4: {PREFILL}": 60000.0}}))
+    assert gate.main([str(result), "--baseline", str(baseline)]) == 0  # 700 is within 10% of 760
+    lines = {line.split()[1]: line for line in capsys.readouterr().out.splitlines() if line.startswith("layers4:")}
+    assert "650.5-710.4" in lines["decode"] and lines["decode"].endswith("ok")
+    assert lines["prefill"].split()[-2:] == ["-", "ok"]
