@@ -4,9 +4,9 @@ blocks: compiled for an H200/H100 (``GPUTarget("cuda", 90, 32)``) with the launc
 (floating-point contraction on), the SASS read with the ``nvdisasm`` Triton's wheel carries.
 
 A GEMV's loop that issues more instructions a value than the SMs retire in the time its bytes take to
-arrive is bound by its instructions, not by memory.  An H100's 132 SMs retire about 30 T thread-instructions
-a second against about 3 TB/s of copy bandwidth: 10 instructions a byte, so about 10 a value for FP8 and
-about 5.3 for MXFP4 (0.53 bytes a value with its scales).  The rows: the kernel's own launch and the
+arrive is bound by its instructions, not by memory.  An H100's 132 SMs retire 30-33 T thread-instructions
+a second against about 3.0 TB/s of copy bandwidth: 10-11 instructions a byte, so 10-11 a value for FP8 and
+5.3-5.9 for MXFP4 (0.53 bytes a value with its scales).  The rows: the kernel's own launch and the
 per-shape ones (``quant_matmul.TUNING``), by kind of instruction per value a thread takes:
 
 * decode: integer and permute work turning the stored codes into numbers (LOP3, SHF, PRMT, IMAD, IADD3, SEL);
