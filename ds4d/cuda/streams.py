@@ -6,15 +6,16 @@ the side stream before anything reads that result.  Captured in a CUDA graph, th
 becomes two branches of the graph, which the GPU runs at the same time: the small kernels of one
 branch (a decode step's routing, bound by latency) run while the other branch reads its weights.
 
-Off CUDA, or for tensors not on a CUDA device, both calls are plain: ``fn`` runs where it is called.
+For a device that is not a CUDA device both calls are plain: ``fn`` runs where it is called.
 
 Both calls are hidden from ``torch.compile`` (its graphs do not carry the stream switch), so ``fn``
 runs eagerly: it should be made of launches of its own (the weight kernels, a Triton SwiGLU), not of
 small torch operators that inductor would otherwise have fused.
 
-The caching allocator is told about each tensor used on the other stream (``record_stream``), so no
-block is handed out again while the other stream may still read it; during a graph capture it keeps
-such blocks until the capture ends.
+The caching allocator is told about each tensor argument and result used on the other stream
+(``record_stream``), so no block is handed out again while the other stream may still read it; during a
+graph capture it keeps such blocks until the capture ends.  Tensors inside other arguments (a layer's
+weights) are not recorded: they must outlive the step.
 """
 
 from __future__ import annotations
