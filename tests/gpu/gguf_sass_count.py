@@ -62,11 +62,12 @@ TILES_LAUNCHES = [(True, 64, 64, 8), (True, 64, 32, 4), (True, 64, 32, 8), (True
 """(block-wise, rows, weight rows, warps)"""
 
 
-def _compile(fn, signature: dict, constants: dict, aligned, warps: int = 4):
+def _compile(fn, signature: dict, constants: dict, aligned, warps: int = 4, fp_fusion: bool = False):
+    """``fp_fusion``: as the kernel is launched (the GGUF kernels run without contraction)."""
     source = ASTSource(fn=fn, signature=signature, constexprs=constants,
                        attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "enable_fp_fusion": False})
+                          options={"num_warps": warps, "enable_fp_fusion": fp_fusion})
 
 
 def compiled(qtype: str, k: int, by_expert: bool, block_n: int, supers: int, rows_per: int, stages: int, x: str):

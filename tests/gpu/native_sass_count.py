@@ -28,10 +28,9 @@ import collections
 
 import triton
 import triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from ds4d.cuda import quant_kernels, quant_matmul
+from tests.gpu import gguf_sass_count
 from tests.gpu.gguf_sass_count import loop_and_registers
 
 KINDS = {"decode": ("LOP3", "SHF", "PRMT", "IMAD", "IADD3", "SEL", "LEA"), "widen": ("HADD2", "F2FP"),
@@ -79,9 +78,7 @@ def dot_scaled_rows_kernel(x_ptr, w_table, s_table, out_ptr, anchor_ptr, anchor,
 
 def _compile(fn, signature: dict, constants: dict, warps: int):
     aligned = [i for i, (name, kind) in enumerate(signature.items()) if kind != "constexpr" and name != "n"]
-    source = ASTSource(fn=fn, signature=signature, constexprs=constants,
-                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return gguf_sass_count._compile(fn, signature, constants, aligned, warps, fp_fusion=True)
 
 
 def counts(kernel, values_a_trip: float, trips: int) -> dict:
