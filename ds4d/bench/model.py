@@ -65,6 +65,9 @@ def add_parser(sub) -> None:
                    help="only the rows of every GPU path (and --lookahead's): no ablation rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="decode steps through torch.compile (inside the graphs)")
+    p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --compile: set an option of torch._inductor.config for every compiled path (repeat "
+                        "for several; e.g. combo_kernels=true, coordinate_descent_tuning=true)")
     p.add_argument("--lookahead", action="store_true",
                    help="also decode with the engine queueing each step behind the one before (decode_lookahead)")
     p.add_argument("--decode-kernel", action="store_true",
@@ -130,6 +133,37 @@ class Row:
 
 
 # ------------------------------------------------------------------ the two engines
+
+
+def inductor_options(pairs: list[str]) -> dict[str, object]:
+    """``KEY=VALUE`` strings -> {key: value}; a value is read as JSON where it parses (true, 4, 0.5, "x"),
+    else kept as the string."""
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"--inductor takes KEY=VALUE, not {pair!r}")
+        try:
+            options[key.strip()] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key.strip()] = text
+    return options
+
+
+def set_inductor_option(option: str, value: object) -> None:
+    """``torch._inductor.config.<option> = value`` (dotted names reach its sections: ``triton.cudagraphs``);
+    a name the config lacks is an error, not a new attribute."""
+    import torch._inductor.config as config
+
+    *sections, name = option.split(".")
+    target = config
+    for section in sections:
+        target = getattr(target, section, None)
+        if target is None:
+            raise SystemExit(f"torch._inductor.config has no section {section!r} (in {option!r})")
+    if not hasattr(target, name):
+        raise SystemExit(f"torch._inductor.config has no option {option!r}")
+    setattr(target, name, value)
 
 
 SAMPLED = {"sampled": {"temperature": 1.0}, "sampled-top-p": {"temperature": 1.0, "top_p": 0.95}}
@@ -247,6 +281,9 @@ def full_depth_layers(family: str) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.depth == "full":
         args.layers = full_depth_layers(args.family)
+    for option, value in inductor_options(args.inductor).items():
+        set_inductor_option(option, value)
+        say(f"torch._inductor.config.{option} = {value!r}")
     if args.family == "deepseek_v41":
         from ds4d.bench.dsv41 import run as run_v41
 

@@ -122,3 +122,21 @@ def test_profile_trace_writes_the_last_steps_kernels_in_the_order_they_ran(tmp_p
                                              "10.0\t4.5\t9.0\tc", "20.0\t1.0\t5.5\td"]
     _write_trace(SimpleNamespace(events=lambda: events), 0, path)  # none asked for: a header only
     assert path.read_text().splitlines() == ["start_us\ttime_us\tgap_us\tname"]
+
+
+def test_inductor_options_are_read_as_json_and_set_only_where_the_config_has_them(monkeypatch):
+    torch_config = pytest.importorskip("torch._inductor.config")
+    from ds4d.bench.model import inductor_options, set_inductor_option
+
+    options = inductor_options(["combo_kernels=true", "triton.cudagraphs=false", "max_fusion_size = 32", "x=plain"])
+    assert options == {"combo_kernels": True, "triton.cudagraphs": False, "max_fusion_size": 32, "x": "plain"}
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        inductor_options(["combo_kernels"])
+    monkeypatch.setattr(torch_config, "combo_kernels", False)
+    monkeypatch.setattr(torch_config.triton, "cudagraphs", True)
+    set_inductor_option("combo_kernels", True)
+    set_inductor_option("triton.cudagraphs", False)
+    assert torch_config.combo_kernels is True and torch_config.triton.cudagraphs is False
+    for missing in ("no_such_option", "no_section.cudagraphs"):
+        with pytest.raises(SystemExit, match="has no"):
+            set_inductor_option(missing, 1)
