@@ -21,6 +21,7 @@ source tree: ``PYTHONPATH=. python -m ds4d.cli bench model``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import itertools
 import json
@@ -67,7 +68,11 @@ def add_parser(sub) -> None:
     p.add_argument("--compile", action="store_true", help="decode steps through torch.compile (inside the graphs)")
     p.add_argument("--inductor", action="append", default=[], metavar="KEY=VALUE",
                    help="with --compile: set an option of torch._inductor.config for every compiled path (repeat "
-                        "for several; e.g. combo_kernels=true, coordinate_descent_tuning=true)")
+                        "for several; e.g. combo_kernels=true, triton.enable_pdl=true)")
+    p.add_argument("--pdl", action="store_true",
+                   help="also decode with the batch-1 FP8 and MXFP4 GEMVs as programmatic dependent launches "
+                        "(quant_matmul.TUNING['pdl'], compute capability 9 and up: each starts while the kernel "
+                        "before it drains), with --lookahead also queued ahead")
     p.add_argument("--lookahead", action="store_true",
                    help="also decode with the engine queueing each step behind the one before (decode_lookahead)")
     p.add_argument("--decode-kernel", action="store_true",
@@ -80,7 +85,8 @@ def add_parser(sub) -> None:
                    help="also decode sampling instead of greedy, steps queued ahead: temperature 1 (what a request "
                         "that sets nothing gets), and temperature 1 with top-p 0.95")
     p.add_argument("--profile", action="store_true",
-                   help="only profile decode at batch 1 (1K context) per path (with --decode-kernel also that "
+                   help="only profile decode at batch 1 (1K context) per path (with --decode-kernel, --shared-beside, "
+                        "--pdl also that "
                         "path): time and kernels per step, top kernels")
     p.add_argument("--profile-trace", default="",
                    help="with --profile: write each path's last profiled step, kernel by kernel in the order they "
@@ -153,7 +159,7 @@ def inductor_options(pairs: list[str]) -> dict[str, object]:
 def set_inductor_option(option: str, value: object) -> None:
     """``torch._inductor.config.<option> = value`` (dotted names reach its sections: ``triton.cudagraphs``);
     a name the config lacks is an error, not a new attribute."""
-    import torch._inductor.config as config
+    from torch._inductor import config
 
     *sections, name = option.split(".")
     target = config
@@ -266,7 +272,23 @@ PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
               "reference": " (reference path)", "decode-kernel": " (graphs, decode kernels)",
               "decode-kernel-lookahead": " (graphs, decode kernels, steps queued ahead)",
               "shared-beside": " (graphs, shared expert on a second stream)",
-              "shared-beside-lookahead": " (graphs, shared expert on a second stream, steps queued ahead)"}
+              "shared-beside-lookahead": " (graphs, shared expert on a second stream, steps queued ahead)",
+              "pdl": " (graphs, GEMVs as dependent launches)",
+              "pdl-lookahead": " (graphs, GEMVs as dependent launches, steps queued ahead)"}
+
+
+@contextlib.contextmanager
+def gemv_launches(path: str):
+    """While a row of ``path`` runs (and captures its graphs): the batch-1 GEMVs launched as programmatic
+    dependent launches for the ``pdl`` paths, plainly for the others."""
+    from ds4d.cuda import quant_matmul
+
+    before = quant_matmul.TUNING["pdl"]
+    quant_matmul.TUNING["pdl"] = path.startswith("pdl")
+    try:
+        yield
+    finally:
+        quant_matmul.TUNING["pdl"] = before
 
 
 def full_depth_layers(family: str) -> str:
@@ -326,9 +348,10 @@ def run(args: argparse.Namespace) -> int:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if args.profile:
         for path in ("graphs", *(["decode-kernel"] if args.decode_kernel else []),
-                     *(["shared-beside"] if args.shared_beside else []), "eager"):
+                     *(["shared-beside"] if args.shared_beside else []), *(["pdl"] if args.pdl else []), "eager"):
             trace = Path(args.profile_trace).with_suffix(f".{path}.tsv") if args.profile_trace else None
-            _profile_decode(torch, on_path(model, path, best), prompts(1, 1024)[0], path, sync, trace=trace)
+            with gemv_launches(path):
+                _profile_decode(torch, on_path(model, path, best), prompts(1, 1024)[0], path, sync, trace=trace)
         return 0
     check = _parity(torch, on_path(model, "eager", best), hf, prompts(1, 256)[0], device) if hf is not None \
         else "no HF peer"
@@ -365,9 +388,10 @@ def run(args: argparse.Namespace) -> int:
             chunk = min(args.prefill_chunk, max(128, 16384 // batch))
             label = f"decode b{batch} @{context // 1024}K" + PATH_NOTES[path]
             steps = n if path != "reference" else max(8, n // 4)
-            runs = lambda timed=timed, steps=steps, chunk=chunk, path=path: _ds4d(
-                torch, timed, ids, steps, chunk=chunk, sync=sync, sampling=SAMPLED.get(path), repeats=args.repeats,
-                lookahead=path in ("lookahead", "decode-kernel-lookahead", "shared-beside-lookahead", *SAMPLED))
+            def runs(timed=timed, steps=steps, chunk=chunk, path=path):
+                with gemv_launches(path):
+                    return _ds4d(torch, timed, ids, steps, chunk=chunk, sync=sync, sampling=SAMPLED.get(path),
+                                 repeats=args.repeats, lookahead=path.endswith("lookahead") or path in SAMPLED)
             got, spread = _rate(_guarded(torch, f"ds4d {label}", lambda runs=runs: median_rate(runs(), "decode_tok_s")))
             theirs = None
             if hf is not None and not hf_done:
@@ -384,6 +408,8 @@ def run(args: argparse.Namespace) -> int:
         ahead += ["decode-kernel"] + (["decode-kernel-lookahead"] if args.lookahead else [])
     if args.shared_beside:
         ahead += ["shared-beside"] + (["shared-beside-lookahead"] if args.lookahead else [])
+    if args.pdl:
+        ahead += ["pdl"] + (["pdl-lookahead"] if args.lookahead else [])
     for batch in batches:
         decode_case(batch, 1024, (paths[:1] + ahead + paths[1:]) if batch == 1 else ["graphs", *ahead])
     if args.long:

@@ -15,6 +15,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (Hopper on): absent from older Triton, never called with ``pdl`` off
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
 
 @triton.jit
 def e2m1_scaled(code):
@@ -75,25 +80,50 @@ def e8m0_scaled(byte):
 
 
 @triton.jit
+def _fp8_rows_tile(w_ptr, s_ptr, cols, live_cols, k0, k: tl.constexpr, swn, ssn, block_k: tl.constexpr,
+                   block: tl.constexpr):
+    """The ``block_n`` x ``block_k`` weight tile at input ``k0`` and its scales (one per ``block`` inputs)."""
+    ks = k0 + tl.arange(0, block_k)
+    ws = tl.load(w_ptr + cols[:, None] * swn + ks[None, :], mask=live_cols[:, None] & (ks[None, :] < k), other=0.0)
+    blocks = k0 // block + tl.arange(0, block_k // block)
+    scale = tl.load(s_ptr + (cols // block)[:, None] * ssn + blocks[None, :],
+                    mask=live_cols[:, None] & (blocks[None, :] * block < k), other=0.0)
+    return ws, scale
+
+
+@triton.jit
+def _fp8_rows_add(acc, x_ptr, row, sxm, ws, scale, k0, k: tl.constexpr, block_n: tl.constexpr,
+                  block_k: tl.constexpr, block: tl.constexpr):
+    """``acc`` plus the tile's products with the row's inputs from ``k0``, summed per scale block, scaled."""
+    ks = k0 + tl.arange(0, block_k)
+    xs = tl.load(x_ptr + row * sxm + ks, mask=ks < k, other=0.0).to(tl.float32)
+    part = tl.sum(tl.reshape(ws.to(tl.float32) * xs[None, :], [block_n, block_k // block, block]), axis=2)
+    return acc + tl.sum(part * scale, axis=1)
+
+
+@triton.jit
 def fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k: tl.constexpr, sxm, swn, ssn, som,
-                    block_n: tl.constexpr, block_k: tl.constexpr, block: tl.constexpr):
+                    block_n: tl.constexpr, block_k: tl.constexpr, block: tl.constexpr, pdl: tl.constexpr):
     """One row of x times ``block_n`` FP8 weight rows, with one scale per ``block`` x ``block`` weights
     (a divisor of ``block_k``); consecutive programs take the same weight rows for the next row of x,
-    so a few rows share each weight read through the cache."""
+    so a few rows share each weight read through the cache.
+
+    ``pdl`` (launched as a programmatic dependent launch): the first weight tile, which no earlier kernel
+    writes, is read before waiting for the kernel before to finish; nothing else is read or written
+    before that wait.  The next kernel may launch once every program has issued its last load."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
     live_cols = cols < n
-    acc = tl.zeros([block_n], dtype=tl.float32)
-    for k0 in range(0, k, block_k):
-        ks = k0 + tl.arange(0, block_k)
-        xs = tl.load(x_ptr + row * sxm + ks, mask=ks < k, other=0.0).to(tl.float32)
-        ws = tl.load(w_ptr + cols[:, None] * swn + ks[None, :], mask=live_cols[:, None] & (ks[None, :] < k),
-                     other=0.0).to(tl.float32)
-        part = tl.sum(tl.reshape(ws * xs[None, :], [block_n, block_k // block, block]), axis=2)
-        blocks = k0 // block + tl.arange(0, block_k // block)
-        scale = tl.load(s_ptr + (cols // block)[:, None] * ssn + blocks[None, :],
-                        mask=live_cols[:, None] & (blocks[None, :] * block < k), other=0.0)
-        acc += tl.sum(part * scale, axis=1)
+    ws, scale = _fp8_rows_tile(w_ptr, s_ptr, cols, live_cols, 0, k, swn, ssn, block_k, block)
+    if pdl:
+        gdc_wait()
+    acc = _fp8_rows_add(tl.zeros([block_n], dtype=tl.float32), x_ptr, row, sxm, ws, scale, 0, k, block_n, block_k,
+                        block)
+    for k0 in range(block_k, k, block_k):
+        ws, scale = _fp8_rows_tile(w_ptr, s_ptr, cols, live_cols, k0, k, swn, ssn, block_k, block)
+        acc = _fp8_rows_add(acc, x_ptr, row, sxm, ws, scale, k0, k, block_n, block_k, block)
+    if pdl:
+        gdc_launch_dependents()
     tl.store(out_ptr + row * som + cols, acc.to(out_ptr.dtype.element_ty), mask=live_cols)
 
 
@@ -138,7 +168,7 @@ def fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, n, k, swn, ssn, son, block: tl.con
 @triton.jit
 def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, anchor_ptr, anchor, expert_ptr, n, k: tl.constexpr,
                       sxr, swn, ssn, sor, block_n: tl.constexpr, block_b: tl.constexpr, ptx_decode: tl.constexpr,
-                      aligned: tl.constexpr):
+                      aligned: tl.constexpr, pdl: tl.constexpr):
     """One row times ``block_n`` rows of its expert's MXFP4 matrix, ``block_b`` bytes (2 x as many
     inputs) a step; byte j holds inputs 2j (low nibble) and 2j + 1, 16 bytes share a scale.  Each
     expert's packed bytes and scales are found through address tables (``w_table[e]``,
@@ -149,7 +179,12 @@ def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, anchor_ptr, anchor, expe
     address ``anchor``): the compiler tracks the alignment of a pointer argument plus an offset
     declared a multiple of 16 (``aligned``: the caller promises every address in the tables is
     one), and then reads the bytes in 16-byte vectors.  An address loaded from memory and turned
-    into a pointer is read one byte at a time (half the bandwidth, ``tests/gpu/mxfp4_ablation.py``)."""
+    into a pointer is read one byte at a time (half the bandwidth, ``tests/gpu/mxfp4_ablation.py``).
+
+    ``pdl`` (launched as a programmatic dependent launch): waits for the kernel before first (the experts
+    it reads are chosen by it); the next kernel may launch once every program has issued its last load."""
+    if pdl:
+        gdc_wait()
     row = tl.program_id(0)
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
     live_cols = cols < n
@@ -180,6 +215,8 @@ def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, anchor_ptr, anchor, expe
         scale = e8m0_scaled(tl.load(s_base + groups[None, :], mask=live_cols[:, None] & (groups[None, :] < k // 32),
                                     other=0))
         acc += tl.sum(tl.sum(tl.reshape(part, [block_n, block_b // 16, 16]), axis=2) * scale, axis=1)
+    if pdl:
+        gdc_launch_dependents()
     tl.store(out_ptr + row * sor + cols, acc.to(out_ptr.dtype.element_ty), mask=live_cols)
 
 

@@ -33,6 +33,8 @@ tensors: that is how the tests compare them with plain torch.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ds4d.cuda.devices import triton_can_launch
@@ -68,12 +70,24 @@ TUNING = {
     "mxfp4_rows": {"block_n": 32, "block_b": 256, "warps": 4, "ptx_decode": True},
     "mxfp4_rows_shapes": {},
     "mxfp4_grouped": {"block_m": 64, "block_n": 128, "block_b": 64, "warps": 4, "stages": 3},
+    "pdl": False,
 }
 """Tile shapes and launch settings (chosen by ``ds4d bench model --sweep`` on an H200).  ``*_shapes``: for
 a weight of N rows of K inputs (key ``"NxK"``), settings that replace the kernel's own
 (``tests/gpu/rows_shape_sweep.py``; ``--sweep`` sets them aside while it times the kernel's own).  On an
 H100 the FP8 ones took wq_b from 14.7 to 13.9 us, wo_b 16.8 to 14.9, the shared expert's w1 + w3 9.6 to
-8.4 and wq_a + wkv 6.3 to 4.8; no MXFP4 setting was 3% faster than the kernel's own."""
+8.4 and wq_a + wkv 6.3 to 4.8; no MXFP4 setting was 3% faster than the kernel's own.
+
+``pdl``: the batch-1 GEMVs (``fp8_rows_kernel``, ``mxfp4_rows_kernel``) launched as programmatic dependent
+launches on GPUs of compute capability 9 and up (:func:`pdl_launch`): each may start while the kernel
+before it drains, the FP8 one reading its first weight tile before it waits.  Off until timed."""
+
+
+def pdl_launch(x: torch.Tensor) -> bool:
+    """Whether a GEMV on ``x``'s device launches as a programmatic dependent launch (``TUNING["pdl"]``,
+    CUDA, compute capability 9 and up; never in Triton's interpreter)."""
+    return bool(TUNING["pdl"]) and x.is_cuda and torch.version.hip is None \
+        and os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.get_device_capability(x.device)[0] >= 9
 
 
 # ---------------------------------------------------------------------- FP8 linears
@@ -122,9 +136,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         rows = TUNING["fp8_rows_shapes"].get(f"{n}x{k}", rows)
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         grid = (m, triton.cdiv(n, rows["block_n"]))
+        pdl = pdl_launch(x)
         kernels.fp8_rows_kernel[grid](x, weight, scale, out, n, k, x.stride(0), weight.stride(0), scale.stride(0),
                                       out.stride(0), block_n=rows["block_n"], block_k=rows["block_k"],
-                                      block=block, num_warps=rows["warps"])
+                                      block=block, pdl=pdl, num_warps=rows["warps"], launch_pdl=pdl)
         return out
     tiles = TUNING["fp8_tiles"]
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -203,10 +218,12 @@ def mxfp4_rows_at(x: torch.Tensor, w_table: torch.Tensor, s_table: torch.Tensor,
         ptx = t["ptx_decode"] and x.is_cuda and torch.version.hip is None  # NVIDIA PTX: not the interpreter
         grid = (rows, triton.cdiv(n, t["block_n"]))
         anchor = out.view(-1).view(torch.uint8)  # a fresh allocation: aligned to the allocator's 512 bytes
+        pdl = pdl_launch(x)
         _kernels().mxfp4_rows_kernel[grid](x, w_table, s_table, out, anchor, anchor.data_ptr(), experts, n, k,
                                            x.stride(0), w_row_stride, s_row_stride, out.stride(0),
                                            block_n=t["block_n"], block_b=t["block_b"], ptx_decode=ptx,
-                                           aligned=aligned and anchor.data_ptr() % 16 == 0, num_warps=t["warps"])
+                                           aligned=aligned and anchor.data_ptr() % 16 == 0, pdl=pdl,
+                                           num_warps=t["warps"], launch_pdl=pdl)
     return out
 
 

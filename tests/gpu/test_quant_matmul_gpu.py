@@ -192,6 +192,40 @@ def test_native_graph_decode_equals_eager(models):
     assert (runs[0][1] - runs[1][1]).abs().max().item() < 1e-2 * runs[1][1].abs().max().item()
 
 
+
+def _decode_tokens_and_logits(model, steps: int = 8) -> tuple[list[int], torch.Tensor]:
+    driver = Driver(model, seed=1)
+    driver.start("a")
+    last = driver.prefill("a", [(i * 31) % 9000 + 10 for i in range(150)], chunk=150)[-1:]
+    tokens, logits = [], []
+    for _ in range(steps):
+        tokens.append(int(last[-1].argmax()))
+        last = driver.step([("a", tokens[-1:], 1)])[0]
+        logits.append(last)
+    return tokens, torch.cat(logits)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launch: compute capability 9 and up")
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_gemvs_launched_as_programmatic_dependents_decode_as_without(models, monkeypatch, compile_decode):
+    """``TUNING["pdl"]``: the batch-1 FP8 and MXFP4 GEMVs launched as programmatic dependent launches (each
+    waits for the kernel before it, the FP8 one after reading its first weight tile) give, replayed from CUDA
+    graphs, the same logits bit for bit as launched plainly; the kernels compiled for it carry the wait."""
+    native, _ = models
+    paths = native.paths.replace(decode_graphs="cuda", compile_decode=compile_decode, graph_fallback=False)
+    runs = {}
+    for pdl in (False, True):
+        monkeypatch.setitem(qm.TUNING, "pdl", pdl)
+        runs[pdl] = _decode_tokens_and_logits(native.with_paths(paths))
+    assert runs[True][0] == runs[False][0]
+    assert torch.equal(runs[True][1], runs[False][1])
+    for kernel in (qm._kernels().fp8_rows_kernel, qm._kernels().mxfp4_rows_kernel):
+        waits = [compiled.asm["ptx"].count("griddepcontrol.wait") for cache in kernel.device_caches.values()
+                 for compiled in cache[0].values()]
+        assert 1 in waits and 0 in waits, (kernel, waits)
+
+
 def test_gather_cold_reads_page_locked_host_memory():
     """Rows whose expert is on the host get its words from page-locked host memory (read by the
     kernel at the host address); rows of device experts are left alone; in a CUDA graph too."""
