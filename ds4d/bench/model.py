@@ -70,9 +70,9 @@ def add_parser(sub) -> None:
                    help="with --compile: set an option of torch._inductor.config for every compiled path (repeat "
                         "for several; e.g. combo_kernels=true, triton.enable_pdl=true)")
     p.add_argument("--pdl", action="store_true",
-                   help="also decode with the batch-1 FP8 and MXFP4 GEMVs as programmatic dependent launches "
-                        "(quant_matmul.TUNING['pdl'], compute capability 9 and up: each starts while the kernel "
-                        "before it drains), with --lookahead also queued ahead")
+                   help="also decode with the step's GEMVs (FP8, MXFP4, float32 rows) and hyper-connection boundary "
+                        "kernels as programmatic dependent launches (devices.LAUNCH['pdl'], compute capability 9 "
+                        "and up: each starts while the kernel before it drains), with --lookahead also queued ahead")
     p.add_argument("--lookahead", action="store_true",
                    help="also decode with the engine queueing each step behind the one before (decode_lookahead)")
     p.add_argument("--decode-kernel", action="store_true",
@@ -279,16 +279,17 @@ PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
 
 @contextlib.contextmanager
 def gemv_launches(path: str):
-    """While a row of ``path`` runs (and captures its graphs): the batch-1 GEMVs launched as programmatic
-    dependent launches for the ``pdl`` paths, plainly for the others."""
-    from ds4d.cuda import quant_matmul
+    """While a row of ``path`` runs (and captures its graphs): a decode step's GEMVs and hyper-connection
+    kernels launched as programmatic dependent launches (``devices.LAUNCH["pdl"]``) for the ``pdl`` paths,
+    plainly for the others."""
+    from ds4d.cuda import devices
 
-    before = quant_matmul.TUNING["pdl"]
-    quant_matmul.TUNING["pdl"] = path.startswith("pdl")
+    before = devices.LAUNCH["pdl"]
+    devices.LAUNCH["pdl"] = path.startswith("pdl")
     try:
         yield
     finally:
-        quant_matmul.TUNING["pdl"] = before
+        devices.LAUNCH["pdl"] = before
 
 
 def full_depth_layers(family: str) -> str:

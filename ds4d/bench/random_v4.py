@@ -244,8 +244,8 @@ def bench_paths(path: str, best):
     before (``decode_lookahead``); sampled, sampled-top-p: the same, sampling (``SAMPLED``) instead of greedy;
     decode-kernel (-lookahead): graphs (lookahead) with a decode step's compressors and attention in Triton kernels;
     shared-beside (-lookahead): graphs (lookahead) with the shared expert on a second stream (``shared_beside``);
-    pdl (-lookahead): graphs (lookahead); the bench launches the batch-1 GEMVs as programmatic dependent launches
-    (``quant_matmul.TUNING["pdl"]``) while it times these rows;
+    pdl (-lookahead): graphs (lookahead); the bench launches a step's GEMVs and hyper-connection kernels as
+    programmatic dependent launches (``devices.LAUNCH["pdl"]``) while it times these rows;
     plain-hc: without the fused hyper-connection kernels; numba-hc: the Numba kernel for decode steps
     too (not the Triton ones); triton-hc: a decode step's hyper-connection weights from the Triton
     kernels, the update, collapse and norm in torch (not ``hc_triton.hc_boundary_step``); torch-attention:

@@ -35,6 +35,24 @@ def triton_launches_on(tensor) -> bool:
     return tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+LAUNCH = {"pdl": False}
+"""``pdl``: a decode step's GEMVs (FP8, MXFP4, float32 rows) and hyper-connection boundary kernels launched as
+programmatic dependent launches where :func:`pdl_launch` allows: each may start while the kernel before it
+drains, waiting (``griddepcontrol.wait``) before it reads anything an earlier kernel wrote or writes anything;
+the GEMVs of fixed weights read their first weight tile before that wait.  The same arithmetic; off until
+timed (``ds4d bench model --pdl``)."""
+
+
+def pdl_launch(tensor) -> bool:
+    """Whether a kernel on ``tensor``'s device launches as a programmatic dependent launch: ``LAUNCH["pdl"]``
+    on, a CUDA device of compute capability 9 or more, not Triton's interpreter."""
+    if not LAUNCH["pdl"] or not tensor.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    import torch
+
+    return torch.version.hip is None and torch.cuda.get_device_capability(tensor.device)[0] >= 9
+
+
 def triton_can_launch(build: Callable[[], object]) -> bool:
     """``build()`` (importing Triton, defining kernels) succeeds and its kernels can launch here: on a
     CUDA device, or on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``)."""

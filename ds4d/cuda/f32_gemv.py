@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ds4d.cuda.devices import triton_can_launch
+from ds4d.cuda.devices import pdl_launch, triton_can_launch
 
 MAX_ROWS = 8
 """Rows up to which the float32 products of ``ops.linear_f32`` and the compressors take this kernel."""
@@ -36,9 +36,14 @@ def _kernel():
         import triton
         import triton.language as tl
 
+        try:  # programmatic dependent launch (Hopper on): absent from older Triton, never called with pdl off
+            from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+        except ImportError:  # pragma: no cover
+            gdc_launch_dependents = gdc_wait = None
+
         @triton.jit
         def rows_kernel(x_ptr, a_ptr, b_ptr, out_a, out_b, n_a, n_b, k: tl.constexpr, sx, sa, sb, soa, sob,
-                        blocks_a, block_n: tl.constexpr, block_k: tl.constexpr):
+                        blocks_a, block_n: tl.constexpr, block_k: tl.constexpr, pdl: tl.constexpr):
             row = tl.program_id(0).to(tl.int64)
             block = tl.program_id(1)
             second = block >= blocks_a  # the second weight's columns follow the first's
@@ -47,8 +52,15 @@ def _kernel():
             cols = tl.where(second, second_cols, first_cols)
             live_cols = cols < tl.where(second, n_b, n_a)
             w_rows = tl.where(second, b_ptr + cols[:, None] * sb, a_ptr + cols[:, None] * sa)
-            acc = tl.zeros([block_n], dtype=tl.float32)
-            for k0 in range(0, k, block_k):
+            # the first step's weights (which no kernel writes) before waiting for the kernel before (pdl)
+            ks = tl.arange(0, block_k)
+            ws = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & (ks[None, :] < k), other=0.0)
+            if pdl:
+                gdc_wait()
+                gdc_launch_dependents()
+            xs = tl.load(x_ptr + row * sx + ks, mask=ks < k, other=0.0).to(tl.float32)
+            acc = tl.sum(ws.to(tl.float32) * xs[None, :], axis=1)
+            for k0 in range(block_k, k, block_k):
                 ks = k0 + tl.arange(0, block_k)
                 xs = tl.load(x_ptr + row * sx + ks, mask=ks < k, other=0.0).to(tl.float32)
                 ws = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & (ks[None, :] < k), other=0.0)
@@ -90,8 +102,9 @@ def rows_f32(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor | None =
         block_n, block_k = t["block_n"], min(t["block_k"], triton.next_power_of_2(k))
         blocks = [triton.cdiv(w.shape[0], block_n) for w in weights]
         a, b = weights[0], weights[-1]
+        pdl = pdl_launch(x)
         _kernel()[(rows, sum(blocks))](x, a, b, outs[0], outs[-1], a.shape[0], b.shape[0], k, x.stride(0),
                                        a.stride(0), b.stride(0), outs[0].stride(0), outs[-1].stride(0), blocks[0],
-                                       block_n=block_n, block_k=block_k,
-                                       num_warps=t["warps_one_row"] if rows == 1 else t["warps"])
+                                       block_n=block_n, block_k=block_k, pdl=pdl,
+                                       num_warps=t["warps_one_row"] if rows == 1 else t["warps"], launch_pdl=pdl)
     return outs[0] if second is None else (outs[0], outs[1])

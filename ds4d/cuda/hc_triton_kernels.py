@@ -12,6 +12,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+try:  # programmatic dependent launch (Hopper on): absent from older Triton, never called with ``pdl`` off
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
 
 @triton.jit
 def pre_weights(pre, base, scale, hc_eps):
@@ -89,11 +94,15 @@ def weights_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, to
 @triton.jit(do_not_specialize=["tokens"])
 def boundary_mixes_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, dot_ptr, sq_ptr, tokens,
                           d: tl.constexpr, m: tl.constexpr, update: tl.constexpr, span: tl.constexpr,
-                          block_d: tl.constexpr, block_mix: tl.constexpr):
+                          block_d: tl.constexpr, block_mix: tl.constexpr, pdl: tl.constexpr):
     """One token's ``span`` columns of every stream (the second grid axis picks which): with ``update``
     the new streams ``post * output + comb^T streams`` (rounded where ``hyper.hc_post`` rounds) are
     written; then the partial sums of their squares and of their products with every row of ``fn``
-    (the mixing logits before the norm) go to ``sq[split, t]`` and ``dot[split, t, :]``."""
+    (the mixing logits before the norm) go to ``sq[split, t]`` and ``dot[split, t, :]``.  ``pdl``
+    (a programmatic dependent launch): first waits for the kernel before, then lets the next one launch."""
+    if pdl:
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     dtype = s_ptr.dtype.element_ty
@@ -130,12 +139,15 @@ def boundary_mixes_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, dot
 @triton.jit(do_not_specialize=["tokens"])
 def boundary_collapse_kernel(s_ptr, dot_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr, out_ptr, post_ptr, comb_ptr,
                              tokens, hc_eps, norm_eps, iters: tl.constexpr, d: tl.constexpr, m: tl.constexpr,
-                             splits: tl.constexpr, block_s: tl.constexpr, block_d: tl.constexpr):
+                             splits: tl.constexpr, block_s: tl.constexpr, block_d: tl.constexpr, pdl: tl.constexpr):
     """Two programs a token (the second grid axis), each adding up the partial sums of
     :func:`boundary_mixes_kernel` it needs into normed mixing logits.  The first collapses the streams
     by ``pre`` and RMS-norms them with ``w`` into the sub-layer's input; the second makes ``post`` and
     ``comb`` (the Sinkhorn iterations, a chain of small sums) for the update after the sub-layer, on
-    another SM at the same time."""
+    another SM at the same time.  ``pdl``: as in :func:`boundary_mixes_kernel`."""
+    if pdl:
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     width = (2 + m) * m
     s = tl.arange(0, block_s)

@@ -110,20 +110,19 @@ def fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k: tl.constexpr, sxm, swn, 
 
     ``pdl`` (launched as a programmatic dependent launch): the first weight tile, which no earlier kernel
     writes, is read before waiting for the kernel before to finish; nothing else is read or written
-    before that wait.  The next kernel may launch once every program has issued its last load."""
+    before that wait.  The next kernel may launch once every program is past it."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
     live_cols = cols < n
     ws, scale = _fp8_rows_tile(w_ptr, s_ptr, cols, live_cols, 0, k, swn, ssn, block_k, block)
     if pdl:
         gdc_wait()
+        gdc_launch_dependents()
     acc = _fp8_rows_add(tl.zeros([block_n], dtype=tl.float32), x_ptr, row, sxm, ws, scale, 0, k, block_n, block_k,
                         block)
     for k0 in range(block_k, k, block_k):
         ws, scale = _fp8_rows_tile(w_ptr, s_ptr, cols, live_cols, k0, k, swn, ssn, block_k, block)
         acc = _fp8_rows_add(acc, x_ptr, row, sxm, ws, scale, k0, k, block_n, block_k, block)
-    if pdl:
-        gdc_launch_dependents()
     tl.store(out_ptr + row * som + cols, acc.to(out_ptr.dtype.element_ty), mask=live_cols)
 
 
@@ -182,9 +181,10 @@ def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, anchor_ptr, anchor, expe
     into a pointer is read one byte at a time (half the bandwidth, ``tests/gpu/mxfp4_ablation.py``).
 
     ``pdl`` (launched as a programmatic dependent launch): waits for the kernel before first (the experts
-    it reads are chosen by it); the next kernel may launch once every program has issued its last load."""
+    it reads are chosen by it); the next kernel may launch once every program is past that wait."""
     if pdl:
         gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0)
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
     live_cols = cols < n
@@ -215,8 +215,6 @@ def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, anchor_ptr, anchor, expe
         scale = e8m0_scaled(tl.load(s_base + groups[None, :], mask=live_cols[:, None] & (groups[None, :] < k // 32),
                                     other=0))
         acc += tl.sum(tl.sum(tl.reshape(part, [block_n, block_b // 16, 16]), axis=2) * scale, axis=1)
-    if pdl:
-        gdc_launch_dependents()
     tl.store(out_ptr + row * sor + cols, acc.to(out_ptr.dtype.element_ty), mask=live_cols)
 
 

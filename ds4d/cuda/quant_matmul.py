@@ -33,11 +33,9 @@ tensors: that is how the tests compare them with plain torch.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from ds4d.cuda.devices import triton_can_launch
+from ds4d.cuda.devices import pdl_launch, triton_can_launch
 
 _state: dict[str, object] = {}
 
@@ -70,24 +68,12 @@ TUNING = {
     "mxfp4_rows": {"block_n": 32, "block_b": 256, "warps": 4, "ptx_decode": True},
     "mxfp4_rows_shapes": {},
     "mxfp4_grouped": {"block_m": 64, "block_n": 128, "block_b": 64, "warps": 4, "stages": 3},
-    "pdl": False,
 }
 """Tile shapes and launch settings (chosen by ``ds4d bench model --sweep`` on an H200).  ``*_shapes``: for
 a weight of N rows of K inputs (key ``"NxK"``), settings that replace the kernel's own
 (``tests/gpu/rows_shape_sweep.py``; ``--sweep`` sets them aside while it times the kernel's own).  On an
 H100 the FP8 ones took wq_b from 14.7 to 13.9 us, wo_b 16.8 to 14.9, the shared expert's w1 + w3 9.6 to
-8.4 and wq_a + wkv 6.3 to 4.8; no MXFP4 setting was 3% faster than the kernel's own.
-
-``pdl``: the batch-1 GEMVs (``fp8_rows_kernel``, ``mxfp4_rows_kernel``) launched as programmatic dependent
-launches on GPUs of compute capability 9 and up (:func:`pdl_launch`): each may start while the kernel
-before it drains, the FP8 one reading its first weight tile before it waits.  Off until timed."""
-
-
-def pdl_launch(x: torch.Tensor) -> bool:
-    """Whether a GEMV on ``x``'s device launches as a programmatic dependent launch (``TUNING["pdl"]``,
-    CUDA, compute capability 9 and up; never in Triton's interpreter)."""
-    return bool(TUNING["pdl"]) and x.is_cuda and torch.version.hip is None \
-        and os.environ.get("TRITON_INTERPRET", "0") != "1" and torch.cuda.get_device_capability(x.device)[0] >= 9
+8.4 and wq_a + wkv 6.3 to 4.8; no MXFP4 setting was 3% faster than the kernel's own."""
 
 
 # ---------------------------------------------------------------------- FP8 linears

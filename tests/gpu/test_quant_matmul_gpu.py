@@ -209,14 +209,17 @@ def _decode_tokens_and_logits(model, steps: int = 8) -> tuple[list[int], torch.T
                     reason="programmatic dependent launch: compute capability 9 and up")
 @pytest.mark.parametrize("compile_decode", [False, True])
 def test_gemvs_launched_as_programmatic_dependents_decode_as_without(models, monkeypatch, compile_decode):
-    """``TUNING["pdl"]``: the batch-1 FP8 and MXFP4 GEMVs launched as programmatic dependent launches (each
-    waits for the kernel before it, the FP8 one after reading its first weight tile) give, replayed from CUDA
-    graphs, the same logits bit for bit as launched plainly; the kernels compiled for it carry the wait."""
+    """``devices.LAUNCH["pdl"]``: a decode step's GEMVs and hyper-connection boundary kernels launched as
+    programmatic dependent launches (each waits for the kernel before it, the GEMVs of fixed weights after
+    reading their first weight tile) give, replayed from CUDA graphs, the same logits bit for bit as launched
+    plainly; the batch-1 FP8 and MXFP4 kernels compiled for it carry the wait."""
+    from ds4d.cuda import devices
+
     native, _ = models
     paths = native.paths.replace(decode_graphs="cuda", compile_decode=compile_decode, graph_fallback=False)
     runs = {}
     for pdl in (False, True):
-        monkeypatch.setitem(qm.TUNING, "pdl", pdl)
+        monkeypatch.setitem(devices.LAUNCH, "pdl", pdl)
         runs[pdl] = _decode_tokens_and_logits(native.with_paths(paths))
     assert runs[True][0] == runs[False][0]
     assert torch.equal(runs[True][1], runs[False][1])

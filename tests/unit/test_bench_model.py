@@ -145,16 +145,16 @@ def test_inductor_options_are_read_as_json_and_set_only_where_the_config_has_the
 def test_the_pdl_rows_launch_their_gemvs_as_dependents_and_the_others_plainly(monkeypatch):
     from ds4d.bench.model import PATH_NOTES, gemv_launches
     from ds4d.bench.random_v4 import GRAPH_PATHS
-    from ds4d.cuda import quant_matmul
+    from ds4d.cuda import devices
 
-    monkeypatch.setitem(quant_matmul.TUNING, "pdl", False)
+    monkeypatch.setitem(devices.LAUNCH, "pdl", False)
     for path, launched in (("pdl", True), ("pdl-lookahead", True), ("graphs", False), ("lookahead", False)):
         assert path in PATH_NOTES and path in GRAPH_PATHS
         with gemv_launches(path):
-            assert quant_matmul.TUNING["pdl"] is launched
-        assert quant_matmul.TUNING["pdl"] is False
-    monkeypatch.setitem(quant_matmul.TUNING, "pdl", True)
+            assert devices.LAUNCH["pdl"] is launched
+        assert devices.LAUNCH["pdl"] is False
+    monkeypatch.setitem(devices.LAUNCH, "pdl", True)
     with pytest.raises(RuntimeError), gemv_launches("graphs"):
-        assert quant_matmul.TUNING["pdl"] is False
+        assert devices.LAUNCH["pdl"] is False
         raise RuntimeError("a row that failed")
-    assert quant_matmul.TUNING["pdl"] is True
+    assert devices.LAUNCH["pdl"] is True
