@@ -53,6 +53,12 @@ def pdl_launch(tensor) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(tensor.device)[0] >= 9
 
 
+def pdl_options(pdl: bool) -> dict[str, bool]:
+    """The launch options of a kernel launched as a programmatic dependent launch (``pdl``), none otherwise:
+    a Triton whose backend lacks the option then never sees it."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def triton_can_launch(build: Callable[[], object]) -> bool:
     """``build()`` (importing Triton, defining kernels) succeeds and its kernels can launch here: on a
     CUDA device, or on CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``)."""

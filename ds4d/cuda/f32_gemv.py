@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ds4d.cuda.devices import pdl_launch, triton_can_launch
+from ds4d.cuda.devices import pdl_launch, pdl_options, triton_can_launch
 
 MAX_ROWS = 8
 """Rows up to which the float32 products of ``ops.linear_f32`` and the compressors take this kernel."""
@@ -106,5 +106,5 @@ def rows_f32(x: torch.Tensor, first: torch.Tensor, second: torch.Tensor | None =
         _kernel()[(rows, sum(blocks))](x, a, b, outs[0], outs[-1], a.shape[0], b.shape[0], k, x.stride(0),
                                        a.stride(0), b.stride(0), outs[0].stride(0), outs[-1].stride(0), blocks[0],
                                        block_n=block_n, block_k=block_k, pdl=pdl,
-                                       num_warps=t["warps_one_row"] if rows == 1 else t["warps"], launch_pdl=pdl)
+                                       num_warps=t["warps_one_row"] if rows == 1 else t["warps"], **pdl_options(pdl))
     return outs[0] if second is None else (outs[0], outs[1])

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ds4d.cuda.devices import pdl_launch, triton_can_launch
+from ds4d.cuda.devices import pdl_launch, pdl_options, triton_can_launch
 
 MAX_TOKENS = 64
 """:func:`hc_mixes` is used up to this many tokens (decode batches)."""
@@ -149,10 +149,10 @@ def hc_boundary_step(streams: torch.Tensor, output: torch.Tensor | None, post: t
         kernels.boundary_mixes_kernel[(tokens, splits)](
             streams, output, post, comb, new, fn, dots, squares, tokens, d=d, m=m, update=update, span=span,
             block_d=block_d, block_mix=triton.next_power_of_2(width), pdl=pdl, num_warps=t["boundary_warps"],
-            launch_pdl=pdl)
+            **pdl_options(pdl))
         kernels.boundary_collapse_kernel[(tokens, 2)](
             new, dots, squares, base.float().contiguous(), scale.float().contiguous(), norm.contiguous(), x, post_out,
             comb_out, tokens, hc_eps, norm_eps, iters, d=d, m=m, splits=splits,
             block_s=triton.next_power_of_2(splits), block_d=triton.next_power_of_2(d), pdl=pdl,
-            num_warps=t["collapse_warps"], launch_pdl=pdl)
+            num_warps=t["collapse_warps"], **pdl_options(pdl))
     return x, new, post_out, comb_out

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from ds4d.cuda.devices import pdl_launch, triton_can_launch
+from ds4d.cuda.devices import pdl_launch, pdl_options, triton_can_launch
 
 _state: dict[str, object] = {}
 
@@ -125,7 +125,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         pdl = pdl_launch(x)
         kernels.fp8_rows_kernel[grid](x, weight, scale, out, n, k, x.stride(0), weight.stride(0), scale.stride(0),
                                       out.stride(0), block_n=rows["block_n"], block_k=rows["block_k"],
-                                      block=block, pdl=pdl, num_warps=rows["warps"], launch_pdl=pdl)
+                                      block=block, pdl=pdl, num_warps=rows["warps"], **pdl_options(pdl))
         return out
     tiles = TUNING["fp8_tiles"]
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -209,7 +209,7 @@ def mxfp4_rows_at(x: torch.Tensor, w_table: torch.Tensor, s_table: torch.Tensor,
                                            x.stride(0), w_row_stride, s_row_stride, out.stride(0),
                                            block_n=t["block_n"], block_b=t["block_b"], ptx_decode=ptx,
                                            aligned=aligned and anchor.data_ptr() % 16 == 0, pdl=pdl,
-                                           num_warps=t["warps"], launch_pdl=pdl)
+                                           num_warps=t["warps"], **pdl_options(pdl))
     return out
 
 
