@@ -110,7 +110,7 @@ def mxfp4_rows(n: int, k: int, fn=None, t: dict | None = None, pdl: bool = False
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dot-scaled", action="store_true", help="also the tl.dot_scaled GEMV (MXFP4 shapes)")
-    parser.add_argument("--pdl", action="store_true", help="the GEMVs as launched with quant_matmul.TUNING['pdl']")
+    parser.add_argument("--pdl", action="store_true", help="the GEMVs as launched with devices.LAUNCH['pdl']")
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_90")
     print("| weight | kernel, launch | instructions a value | decode | widen | math | shuffles | loads | registers "

@@ -174,26 +174,8 @@ def test_native_against_decoded(models):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
 
 
-def test_native_graph_decode_equals_eager(models):
-    native, _ = models
-    prompt = [(i * 31) % 9000 + 10 for i in range(150)]
-    runs = []
-    for graphs in ("cuda", "off"):
-        driver = Driver(native.with_paths(native.paths.replace(decode_graphs=graphs)), seed=1)
-        driver.start("a")
-        last = driver.prefill("a", prompt, chunk=150)[-1:]
-        tokens, logits = [], []
-        for _ in range(8):
-            tokens.append(int(last[-1].argmax()))
-            last = driver.step([("a", tokens[-1:], 1)])[0]
-            logits.append(last)
-        runs.append((tokens, torch.cat(logits)))
-    assert runs[0][0] == runs[1][0]
-    assert (runs[0][1] - runs[1][1]).abs().max().item() < 1e-2 * runs[1][1].abs().max().item()
-
-
-
 def _decode_tokens_and_logits(model, steps: int = 8) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and logits of ``steps`` decode steps after a 150-token prompt."""
     driver = Driver(model, seed=1)
     driver.start("a")
     last = driver.prefill("a", [(i * 31) % 9000 + 10 for i in range(150)], chunk=150)[-1:]
@@ -203,6 +185,14 @@ def _decode_tokens_and_logits(model, steps: int = 8) -> tuple[list[int], torch.T
         last = driver.step([("a", tokens[-1:], 1)])[0]
         logits.append(last)
     return tokens, torch.cat(logits)
+
+
+def test_native_graph_decode_equals_eager(models):
+    native, _ = models
+    runs = [_decode_tokens_and_logits(native.with_paths(native.paths.replace(decode_graphs=graphs)))
+            for graphs in ("cuda", "off")]
+    assert runs[0][0] == runs[1][0]
+    assert (runs[0][1] - runs[1][1]).abs().max().item() < 1e-2 * runs[1][1].abs().max().item()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
