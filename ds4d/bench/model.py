@@ -85,9 +85,8 @@ def add_parser(sub) -> None:
                    help="also decode sampling instead of greedy, steps queued ahead: temperature 1 (what a request "
                         "that sets nothing gets), and temperature 1 with top-p 0.95")
     p.add_argument("--profile", action="store_true",
-                   help="only profile decode at batch 1 (1K context) per path (with --decode-kernel, --shared-beside, "
-                        "--pdl also that "
-                        "path): time and kernels per step, top kernels")
+                   help="only profile decode at batch 1 (1K context) per path (with --decode-kernel, --shared-beside "
+                        "or --pdl also that path): time and kernels per step, top kernels")
     p.add_argument("--profile-trace", default="",
                    help="with --profile: write each path's last profiled step, kernel by kernel in the order they "
                         "ran (start, time, gap before it, name), to this file's stem + the path + .tsv")
