@@ -231,8 +231,8 @@ def build(torch, args, device, offload_options=None):
 
 
 BENCH_PATHS = ("graphs", "lookahead", "sampled", "sampled-top-p", "decode-kernel", "decode-kernel-lookahead",
-               "shared-beside", "shared-beside-lookahead", "pdl", "pdl-lookahead", "plain-hc", "numba-hc", "triton-hc", "torch-attention",
-               "torch-token-wise", "all-rows", "eager", "reference")
+               "shared-beside", "shared-beside-lookahead", "pdl", "pdl-lookahead", "plain-hc", "numba-hc", "triton-hc",
+               "torch-attention", "torch-token-wise", "all-rows", "eager", "reference")
 GRAPH_PATHS = tuple(p for p in BENCH_PATHS if p not in ("eager", "reference"))
 """The paths that decode through CUDA graphs (where the device has them)."""
 
