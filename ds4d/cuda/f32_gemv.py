@@ -36,11 +36,6 @@ def _kernel():
         import triton
         import triton.language as tl
 
-        try:  # programmatic dependent launch (Hopper on): absent from older Triton, never called with pdl off
-            from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-        except ImportError:  # pragma: no cover
-            gdc_launch_dependents = gdc_wait = None
-
         @triton.jit
         def rows_kernel(x_ptr, a_ptr, b_ptr, out_a, out_b, n_a, n_b, k: tl.constexpr, sx, sa, sb, soa, sob,
                         blocks_a, block_n: tl.constexpr, block_k: tl.constexpr, pdl: tl.constexpr):
@@ -55,9 +50,9 @@ def _kernel():
             # the first step's weights (which no kernel writes) before waiting for the kernel before (pdl)
             ks = tl.arange(0, block_k)
             ws = tl.load(w_rows + ks[None, :], mask=live_cols[:, None] & (ks[None, :] < k), other=0.0)
-            if pdl:
-                gdc_wait()
-                gdc_launch_dependents()
+            if pdl:  # pdl_kernels.wait_then_release: a name local to _kernel() the interpreter would not find
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
             xs = tl.load(x_ptr + row * sx + ks, mask=ks < k, other=0.0).to(tl.float32)
             acc = tl.sum(ws.to(tl.float32) * xs[None, :], axis=1)
             for k0 in range(block_k, k, block_k):

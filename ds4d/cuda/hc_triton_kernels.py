@@ -12,10 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch (Hopper on): absent from older Triton, never called with ``pdl`` off
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
+from ds4d.cuda.pdl_kernels import wait_then_release
 
 
 @triton.jit
@@ -100,9 +97,7 @@ def boundary_mixes_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, dot
     written; then the partial sums of their squares and of their products with every row of ``fn``
     (the mixing logits before the norm) go to ``sq[split, t]`` and ``dot[split, t, :]``.  ``pdl``
     (a programmatic dependent launch): first waits for the kernel before, then lets the next one launch."""
-    if pdl:
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_then_release(pdl)
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     dtype = s_ptr.dtype.element_ty
@@ -145,9 +140,7 @@ def boundary_collapse_kernel(s_ptr, dot_ptr, sq_ptr, base_ptr, scale_ptr, w_ptr,
     by ``pre`` and RMS-norms them with ``w`` into the sub-layer's input; the second makes ``post`` and
     ``comb`` (the Sinkhorn iterations, a chain of small sums) for the update after the sub-layer, on
     another SM at the same time.  ``pdl``: as in :func:`boundary_mixes_kernel`."""
-    if pdl:
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_then_release(pdl)
     t = tl.program_id(0).to(tl.int64)
     width = (2 + m) * m
     s = tl.arange(0, block_s)

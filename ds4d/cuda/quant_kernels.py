@@ -15,10 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-try:  # programmatic dependent launch (Hopper on): absent from older Triton, never called with ``pdl`` off
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
+from ds4d.cuda.pdl_kernels import wait_then_release
 
 
 @triton.jit
@@ -115,9 +112,7 @@ def fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k: tl.constexpr, sxm, swn, 
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
     live_cols = cols < n
     ws, scale = _fp8_rows_tile(w_ptr, s_ptr, cols, live_cols, 0, k, swn, ssn, block_k, block)
-    if pdl:
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_then_release(pdl)
     acc = _fp8_rows_add(tl.zeros([block_n], dtype=tl.float32), x_ptr, row, sxm, ws, scale, 0, k, block_n, block_k,
                         block)
     for k0 in range(block_k, k, block_k):
@@ -182,9 +177,7 @@ def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, anchor_ptr, anchor, expe
 
     ``pdl`` (launched as a programmatic dependent launch): waits for the kernel before first (the experts
     it reads are chosen by it); the next kernel may launch once every program is past that wait."""
-    if pdl:
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_then_release(pdl)
     row = tl.program_id(0)
     cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
     live_cols = cols < n

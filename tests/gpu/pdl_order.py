@@ -16,11 +16,8 @@ from __future__ import annotations
 import json
 import re
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 from ds4d.cuda import f32_gemv, hc_triton_kernels, quant_kernels
+from tests.gpu.gguf_sass_count import _compile
 from tests.gpu.native_sass_count import FP8_SIGNATURE, MXFP4_SIGNATURE
 
 F32_SIGNATURE = {"x_ptr": "*bf16", "a_ptr": "*fp32", "b_ptr": "*fp32", "out_a": "*fp32", "out_b": "*fp32",
@@ -99,8 +96,7 @@ def main() -> None:
     for name, (fn, signature, constants, warps) in kernels().items():
         pointer_args = [arg for arg, kind in signature.items() if kind.startswith("*")]
         for pdl in (False, True):
-            source = ASTSource(fn=fn, signature=signature, constexprs={**constants, "pdl": pdl})
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+            compiled = _compile(fn, signature, {**constants, "pdl": pdl}, (), warps, fp_fusion=True)
             print(json.dumps({"kernel": name, "pdl": pdl, **order(compiled.asm["ttir"], pointer_args)}), flush=True)
 
 
