@@ -76,8 +76,10 @@ def add_parser(sub) -> None:
     p.add_argument("--lookahead", action="store_true",
                    help="also decode with the engine queueing each step behind the one before (decode_lookahead)")
     p.add_argument("--decode-kernel", action="store_true",
-                   help="also decode with the compressor steps and the attention in Triton kernels "
-                        "(ForwardPaths.decode_kernel), with --lookahead also queued ahead")
+                   help="also decode with the other decode attention than the device's default "
+                        "(ForwardPaths.decode_kernel: the compressor steps and the attention in Triton kernels, on "
+                        "by default on CUDA): rows in torch's operators where the kernels are the default, else "
+                        "rows with the kernels; with --lookahead also queued ahead")
     p.add_argument("--shared-beside", action="store_true",
                    help="also decode with the shared expert on a second CUDA stream (ForwardPaths.shared_beside), "
                         "with --lookahead also queued ahead")
@@ -270,6 +272,8 @@ PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
               "triton-hc": " (graphs, Triton hyper-connection weights only)", "eager": " (no graphs)",
               "reference": " (reference path)", "decode-kernel": " (graphs, decode kernels)",
               "decode-kernel-lookahead": " (graphs, decode kernels, steps queued ahead)",
+              "torch-decode": " (graphs, torch decode attention)",
+              "torch-decode-lookahead": " (graphs, torch decode attention, steps queued ahead)",
               "shared-beside": " (graphs, shared expert on a second stream)",
               "shared-beside-lookahead": " (graphs, shared expert on a second stream, steps queued ahead)",
               "pdl": " (graphs, GEMVs as dependent launches)",
@@ -346,8 +350,9 @@ def run(args: argparse.Namespace) -> int:
         return torch.randint(100, cfg.vocab_size, (batch, length), generator=gen).tolist()
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    other_decode = "torch-decode" if best.decode_kernel else "decode-kernel"  # --decode-kernel's rows
     if args.profile:
-        for path in ("graphs", *(["decode-kernel"] if args.decode_kernel else []),
+        for path in ("graphs", *([other_decode] if args.decode_kernel else []),
                      *(["shared-beside"] if args.shared_beside else []), *(["pdl"] if args.pdl else []), "eager"):
             trace = Path(args.profile_trace).with_suffix(f".{path}.tsv") if args.profile_trace else None
             with gemv_launches(path):
@@ -405,7 +410,7 @@ def run(args: argparse.Namespace) -> int:
     batches = [int(b) for b in args.batches.split(",") if b]
     ahead = (["lookahead"] if args.lookahead else []) + (list(SAMPLED) if args.sampled else [])
     if args.decode_kernel:
-        ahead += ["decode-kernel"] + (["decode-kernel-lookahead"] if args.lookahead else [])
+        ahead += [other_decode] + ([f"{other_decode}-lookahead"] if args.lookahead else [])
     if args.shared_beside:
         ahead += ["shared-beside"] + (["shared-beside-lookahead"] if args.lookahead else [])
     if args.pdl:

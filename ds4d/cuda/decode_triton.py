@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ds4d.cuda.devices import triton_can_launch
+
 DECODE_TUNING = {"block_heads": 16, "block_keys": 32, "block_d": 64, "d_out": 64, "chunk": 32, "warps": 4,
                  "stages": 1}
 """Heads per program, keys or entries per tile, columns of a score summed at a time, output columns per
@@ -39,6 +41,13 @@ def _kernels():
 
         _state["kernels"] = decode_kernels
     return _state["kernels"]
+
+
+def available() -> bool:
+    """Triton is importable and the kernels can launch here (a CUDA device, or the interpreter)."""
+    if "available" not in _state:
+        _state["available"] = triton_can_launch(_kernels)
+    return bool(_state["available"])
 
 
 def decode_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,

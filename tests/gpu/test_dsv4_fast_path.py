@@ -90,9 +90,8 @@ def test_decode_attention_in_one_kernel_matches_the_torch_decode_path(checkpoint
     interpreter on the CPU) give the torch decode path's logits, with padded rows too (``padded``: the buckets
     the CUDA graphs replay; ``compiled``: those graphs captured, through ``torch.compile``).  In float32 within
     1e-4 of the largest logit, the same greedy tokens.  In bfloat16 (CUDA) the torch path rounds its scores to
-    bfloat16 and the kernel keeps them in float32, so each is compared with the float32 torch path: the kernel's
-    largest difference at most 1.5x the torch path's, its greedy tokens the float32 ones at least as often less
-    5 points."""
+    bfloat16 and the kernel keeps them in float32, so each is compared with the float32 torch path
+    (:func:`_assert_decodes_as_the_torch_path`)."""
     model = load_model(checkpoint, dtype=dtype, device=device)
     assert model.cfg.index_topk < 100 // 4 and model.cfg.sliding_window == 128
     _assert_decodes_as_the_torch_path(checkpoint, model, _base_paths(graphs), {"decode_kernel": True})
@@ -106,8 +105,12 @@ def _base_paths(graphs: str) -> ForwardPaths:
 def _assert_decodes_as_the_torch_path(checkpoint, model, base: ForwardPaths, change: dict) -> None:
     """``base.replace(**change)`` against ``base`` on :func:`_decode_logits`: in float32 within 1e-4 of the
     largest logit and the same greedy tokens; in bfloat16 each against the float32 fast path, the changed
-    path's largest difference at most 1.5x ``base``'s and its greedy tokens the float32 ones at least as
-    often less 5 points."""
+    path's largest difference at most 1.5x ``base``'s and its mean difference at most 1.25x ``base``'s.
+
+    Greedy tokens are not compared in bfloat16: in this random tiny model 88 of the 121 rows have their two
+    largest float32 logits less than 0.25 apart (46 less than 0.1; float32 on the CPU), while either bfloat16
+    path is up to about 2 off, so which rows keep their greedy token is chance (on an H100 the torch path kept
+    118 and the decode kernels 111, the kernels' largest difference the smaller, 1.66 against 2.06)."""
     torch_path = _decode_logits(model, base)
     changed = _decode_logits(model, base.replace(**change))
     if model.dtype == torch.float32:
@@ -116,11 +119,10 @@ def _assert_decodes_as_the_torch_path(checkpoint, model, base: ForwardPaths, cha
         return
     exact = _decode_logits(load_model(checkpoint, dtype=torch.float32, device=model.device),
                            ForwardPaths(fast_path=True))
-    errors = {name: (got - exact).abs().max().item() for name, got in (("torch", torch_path), ("changed", changed))}
-    agree = {name: (got.argmax(-1) == exact.argmax(-1)).float().mean().item()
-             for name, got in (("torch", torch_path), ("changed", changed))}
-    assert errors["changed"] <= 1.5 * errors["torch"], (errors, agree)
-    assert agree["changed"] >= agree["torch"] - 0.05, (errors, agree)
+    largest = {name: (got - exact).abs().max().item() for name, got in (("torch", torch_path), ("changed", changed))}
+    mean = {name: (got - exact).abs().mean().item() for name, got in (("torch", torch_path), ("changed", changed))}
+    assert largest["changed"] <= 1.5 * largest["torch"], (largest, mean)
+    assert mean["changed"] <= 1.25 * mean["torch"], (largest, mean)
 
 
 @pytest.mark.parametrize(("device", "dtype", "graphs"), KERNEL_CASES)

@@ -40,9 +40,9 @@ class ForwardPaths:
     """Decode steps run each compressor's step and their attention in Triton kernels (``decode_triton``: one
     launch a compressor, two for the attention over the window ring and entry blocks read in place) instead of
     torch's indexing, gathers and batched matmuls, and the projections' norms and RoPE in place as a prompt
-    step's (``prefill_triton.head_norm_rope``).  Off by default: on an H100 it decoded 1.03-1.05x faster at
-    batch 1 and even at batch 8 (``ds4d bench model --decode-kernel`` compares the two); not yet run on an
-    H200 or through the daemon."""
+    step's (``prefill_triton.head_norm_rope``).  On by default where the kernels can launch on CUDA
+    (:meth:`for_device`): on an H100, 16 layers of V4-Flash widths decoded 1.04-1.06x faster at batch 1 with it and
+    even at batch 8 (``ds4d bench model --decode-kernel`` adds the rows of the other path)."""
     shared_beside: bool = False
     """Decode steps run the shared expert on a second CUDA stream (``ds4d.cuda.streams``), beside the routing and
     the routed experts (in a CUDA graph, two branches the GPU runs at once).  Off by default until measured
@@ -83,11 +83,12 @@ class ForwardPaths:
         installed and CUDA graphs; elsewhere the reference path (kept exact on the CPU)."""
         if torch.device(device).type != "cuda":
             return cls()
-        from ds4d.cuda import attention_triton, hc_kernels, hc_triton, prefill_triton
+        from ds4d.cuda import attention_triton, decode_triton, hc_kernels, hc_triton, prefill_triton
 
         hc = ("boundary" if hc_triton.available() else "numba") if hc_kernels.available() else "torch"
         return cls(fast_path=True, hc_kernels=hc, fused_attention=attention_triton.available(),
                    fused_prefill=hc_triton.available() and prefill_triton.available(), decode_graphs="cuda",
+                   decode_kernel=decode_triton.available() and prefill_triton.available(),
                    compile_decode=compile_decode)
 
     def replace(self, **changes) -> ForwardPaths:
