@@ -57,6 +57,19 @@ def test_the_bench_rows_name_the_hyper_connection_paths_they_run():
     assert bench_paths("triton-hc", best.replace(hc_kernels="numba")).hc_kernels == "numba"
 
 
+def test_the_bench_rows_keep_the_default_decode_attention_but_their_own():
+    """Every row decodes with the device's default decode attention (``decode_kernel``, on for CUDA) except the
+    rows that name the other: ``torch-decode`` rows in torch's operators, ``decode-kernel`` rows in the kernels."""
+    for default in (True, False):
+        best = ForwardPaths(fast_path=True, hc_kernels="boundary", decode_graphs="cuda", decode_kernel=default)
+        rows = {path: bench_paths(path, best).decode_kernel
+                for path in ("graphs", "lookahead", "pdl", "shared-beside", "torch-decode", "torch-decode-lookahead",
+                             "decode-kernel", "decode-kernel-lookahead")}
+        assert rows == {"graphs": default, "lookahead": default, "pdl": default, "shared-beside": default,
+                        "torch-decode": False, "torch-decode-lookahead": False, "decode-kernel": True,
+                        "decode-kernel-lookahead": True}
+
+
 def test_a_model_with_other_paths_shares_the_weights(model):
     grouped = model.with_paths(ForwardPaths(fast_path=True))
     assert grouped.weights is model.weights and grouped.paths.fast_path and not model.paths.fast_path
