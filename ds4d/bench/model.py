@@ -507,6 +507,11 @@ def _write_trace(prof, count: int, path: Path) -> None:
         end = stop
     path.write_text("\n".join(lines) + "\n")
     say(f"trace of the last step's {len(kernels)} kernels: {path}")
+    if kernels:
+        from ds4d.bench import trace_layers
+
+        say("by layer and kind, us (kernels split at every second hyper-connection boundary):\n"
+            + trace_layers.table(trace_layers.layers(trace_layers.read(str(path)))))
 
 
 def _parity(torch, model, hf, ids, device) -> str:

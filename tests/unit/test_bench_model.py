@@ -104,9 +104,10 @@ def test_a_row_timed_several_times_is_their_median_with_the_lowest_and_highest_b
     assert median_rate(runs[1:2], "decode_tok_s") == (20.0, {})  # one run: its rate, no spread
 
 
-def test_profile_trace_writes_the_last_steps_kernels_in_the_order_they_ran(tmp_path):
+def test_profile_trace_writes_the_last_steps_kernels_in_the_order_they_ran(tmp_path, capsys):
     """``--profile-trace``: the last ``count`` device kernels the profiler saw, by start time, with each one's
-    time and the gap after the one before (host events and zero-length records left out)."""
+    time and the gap after the one before (host events and zero-length records left out), and prints them by
+    layer and kind (``trace_layers``: here no boundary kernel, so one segment)."""
     from types import SimpleNamespace
 
     from ds4d.bench.model import _write_trace
@@ -121,6 +122,9 @@ def test_profile_trace_writes_the_last_steps_kernels_in_the_order_they_ran(tmp_p
     _write_trace(SimpleNamespace(events=lambda: events), 3, path)
     assert path.read_text().splitlines() == ["start_us\ttime_us\tgap_us\tname", "0.0\t1.0\t0.0\tb",
                                              "10.0\t4.5\t9.0\tc", "20.0\t1.0\t5.5\td"]
+    printed = capsys.readouterr().out
+    assert "| other, each under 2.2 us | 2.0 |" in printed and "| other: c | 4.5 |" in printed
+    assert "| gaps | 14.5 |" in printed and "| kernels: count, us | 3, 6.5 |" in printed
     _write_trace(SimpleNamespace(events=lambda: events), 0, path)  # none asked for: a header only
     assert path.read_text().splitlines() == ["start_us\ttime_us\tgap_us\tname"]
 

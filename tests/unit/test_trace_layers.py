@@ -1,9 +1,9 @@
-"""``tests/gpu/layer_breakdown.py`` splits a profiled decode step's trace into layers at every second
+"""``ds4d.bench.trace_layers`` splits a profiled decode step's trace into layers at every second
 hyper-connection boundary and sums each layer's kernels by kind."""
 
 from __future__ import annotations
 
-from tests.gpu.layer_breakdown import layers, read, table
+from ds4d.bench.trace_layers import layers, read, table
 
 LAYER = [("boundary_mixes_kernel", 4.0), ("boundary_collapse_kernel", 6.0), ("fp8_rows_kernel", 13.0),
          ("triton_poi_fused_rope_0", 1.5), ("nvjet_sm90_tst_64x8", 25.0), ("boundary_mixes_kernel", 3.5),

@@ -5,10 +5,11 @@ kernel in the order they ran, with its start, time and the gap before it, in mic
 A layer starts at its first hyper-connection boundary (``boundary_mixes_kernel``; each layer has two, before
 its attention and before its feed-forward), so the trace of a path without the two-launch boundary is one
 segment.  The kernels before the first layer (the embedding, the step's inputs) are left out; the last
-segment holds the last layer with the head and the token's choice after it.  Reads no GPU: run it where the
-trace was copied to.
+segment holds the last layer with the head and the token's choice after it.  ``bench model --profile
+--profile-trace`` prints this table after each trace it writes; it reads no GPU, so it also runs where a trace was
+copied to:
 
-    python3 tests/gpu/layer_breakdown.py out/trace.graphs.tsv [--small 2.2]
+    python3 -m ds4d.bench.trace_layers out/trace.graphs.tsv [--small 2.2]
 """
 
 from __future__ import annotations
