@@ -83,12 +83,15 @@ def add_parser(sub) -> None:
     p.add_argument("--shared-beside", action="store_true",
                    help="also decode with the shared expert on a second CUDA stream (ForwardPaths.shared_beside), "
                         "with --lookahead also queued ahead")
+    p.add_argument("--route-kernel", action="store_true",
+                   help="also decode with each token's routing after the router's logits in one Triton launch "
+                        "(ForwardPaths.route_kernel), with --lookahead also queued ahead")
     p.add_argument("--sampled", action="store_true",
                    help="also decode sampling instead of greedy, steps queued ahead: temperature 1 (what a request "
                         "that sets nothing gets), and temperature 1 with top-p 0.95")
     p.add_argument("--profile", action="store_true",
-                   help="only profile decode at batch 1 (1K context) per path (with --decode-kernel, --shared-beside "
-                        "or --pdl also that path): time and kernels per step, top kernels")
+                   help="only profile decode at batch 1 (1K context) per path (with --decode-kernel, --shared-beside, "
+                        "--route-kernel or --pdl also that path): time and kernels per step, top kernels")
     p.add_argument("--profile-trace", default="",
                    help="with --profile: write each path's last profiled step, kernel by kernel in the order they "
                         "ran (start, time, gap before it, name), to this file's stem + the path + .tsv")
@@ -274,6 +277,8 @@ PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
               "decode-kernel-lookahead": " (graphs, decode kernels, steps queued ahead)",
               "torch-decode": " (graphs, torch decode attention)",
               "torch-decode-lookahead": " (graphs, torch decode attention, steps queued ahead)",
+              "route-kernel": " (graphs, routing in one kernel)",
+              "route-kernel-lookahead": " (graphs, routing in one kernel, steps queued ahead)",
               "shared-beside": " (graphs, shared expert on a second stream)",
               "shared-beside-lookahead": " (graphs, shared expert on a second stream, steps queued ahead)",
               "pdl": " (graphs, GEMVs as dependent launches)",
@@ -353,7 +358,8 @@ def run(args: argparse.Namespace) -> int:
     other_decode = "torch-decode" if best.decode_kernel else "decode-kernel"  # --decode-kernel's rows
     if args.profile:
         for path in ("graphs", *([other_decode] if args.decode_kernel else []),
-                     *(["shared-beside"] if args.shared_beside else []), *(["pdl"] if args.pdl else []), "eager"):
+                     *(["shared-beside"] if args.shared_beside else []), *(["route-kernel"] if args.route_kernel else []),
+                     *(["pdl"] if args.pdl else []), "eager"):
             trace = Path(args.profile_trace).with_suffix(f".{path}.tsv") if args.profile_trace else None
             with gemv_launches(path):
                 _profile_decode(torch, on_path(model, path, best), prompts(1, 1024)[0], path, sync, trace=trace)
@@ -413,6 +419,8 @@ def run(args: argparse.Namespace) -> int:
         ahead += [other_decode] + ([f"{other_decode}-lookahead"] if args.lookahead else [])
     if args.shared_beside:
         ahead += ["shared-beside"] + (["shared-beside-lookahead"] if args.lookahead else [])
+    if args.route_kernel:
+        ahead += ["route-kernel"] + (["route-kernel-lookahead"] if args.lookahead else [])
     if args.pdl:
         ahead += ["pdl"] + (["pdl-lookahead"] if args.lookahead else [])
     for batch in batches:

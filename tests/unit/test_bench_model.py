@@ -18,17 +18,18 @@ def test_decode_rows_report_their_time_and_floor_per_layer(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "ds4d.cli", "bench", "model", "--tiny", "--device", "cpu", "--dtype", "float32",
          "--no-hf", "--no-reference", "--main-only", "--batches", "1,2", "--decode-tokens", "3", "--layers", "0,4",
-         "--decode-kernel", "--pdl", "--repeats", "2", "--json", str(out)],
+         "--decode-kernel", "--route-kernel", "--pdl", "--repeats", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     decode = [row for row in result["rows"] if row["case"].startswith("decode")]
     kernel = " (graphs, decode kernels)"  # the rows of decode_triton's kernels (Triton's interpreter here)
+    route = " (graphs, routing in one kernel)"  # route_triton's kernel, in the interpreter too
     pdl = " (graphs, GEMVs as dependent launches)"  # launched plainly on the CPU: the rows' names and runs
-    assert [row["case"] for row in decode] == ["decode b1 @1K", f"decode b1 @1K{kernel}", f"decode b1 @1K{pdl}",
-                                               "decode b2 @1K", f"decode b2 @1K{kernel}", f"decode b2 @1K{pdl}"]
+    assert [row["case"] for row in decode] == [
+        f"decode b{b} @1K{note}" for b in (1, 2) for note in ("", kernel, route, pdl)]
     assert all(row["ds4d"] > 0 for row in decode)
-    decode = [row for row in decode if kernel not in row["case"] and pdl not in row["case"]]
+    decode = [row for row in decode if row["case"] in ("decode b1 @1K", "decode b2 @1K")]
     for row, batch in zip(decode, (1, 2), strict=True):
         extra = row["extra"]
         # what the step takes beyond its layers' share is the same for the measured time and for the floor:

@@ -68,6 +68,9 @@ def test_the_bench_rows_keep_the_default_decode_attention_but_their_own():
         assert rows == {"graphs": default, "lookahead": default, "pdl": default, "shared-beside": default,
                         "torch-decode": False, "torch-decode-lookahead": False, "decode-kernel": True,
                         "decode-kernel-lookahead": True}
+    best = ForwardPaths(fast_path=True, decode_graphs="cuda")
+    assert not bench_paths("graphs", best).route_kernel and bench_paths("route-kernel-lookahead", best).route_kernel
+    assert bench_paths("graphs", best.replace(route_kernel=True)).route_kernel
 
 
 def test_a_model_with_other_paths_shares_the_weights(model):

@@ -390,6 +390,7 @@ class DeepseekV4Model:
         decode = isinstance(step, DecodeInputs)
         paths = self.paths
         kernels = not decode and paths.fast_path and paths.fused_prefill
+        route_kernel = decode and paths.fast_path and paths.route_kernel
         if decode:
             attend = partial(decode_attention, kernel=paths.fast_path and paths.decode_kernel)
         else:
@@ -416,11 +417,12 @@ class DeepseekV4Model:
                 offload.fetch_ahead(index + 1, x, partial(predicted_experts, x, token_ids, layers[index + 1].ffn, cfg))
             if offload is not None:
                 output = offload.moe_forward(index, x, token_ids, layer.ffn, cfg, decode=decode,
-                                             tally=None if tally is None else tally.layer(index))
+                                             tally=None if tally is None else tally.layer(index),
+                                             route_kernel=route_kernel)
             else:
                 output = moe_forward(x, token_ids, layer.ffn, cfg, grouped=paths.fast_path, kernels=kernels,
                                      tally=None if tally is None else tally.layer(index),
-                                     beside=decode and paths.shared_beside)
+                                     beside=decode and paths.shared_beside, route_kernel=route_kernel)
         return hc_post(output, streams, post, comb)
 
 

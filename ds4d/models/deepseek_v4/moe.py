@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds4d.cuda import gguf_matmul, moe_gemv, prefill_triton, quant_matmul, streams
+from ds4d.cuda import gguf_matmul, moe_gemv, prefill_triton, quant_matmul, route_triton, streams
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.ops import linear, linear_f32, linear_pair
 from ds4d.models.deepseek_v4.stored import (
@@ -69,11 +69,17 @@ def _scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
 
 
 def route(
-    x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config, *, split: bool = False
+    x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config, *, split: bool = False,
+    kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, D]`` -> (expert weights ``[T, k]`` float32, expert ids ``[T, k]``); ``split``: the
-    router's logits from ``weights.gate_split`` where set (``ops.linear_f32``)."""
-    scores = _scores(linear_f32(x, weights.gate, weights.gate_split if split else None), cfg.scoring_func)
+    router's logits from ``weights.gate_split`` where set (``ops.linear_f32``); ``kernel``: what follows the
+    logits in one Triton launch (``route_triton.route``: the ids in the order picked, largest first)."""
+    logits = linear_f32(x, weights.gate, weights.gate_split if split else None)
+    if kernel and route_triton.usable(logits, cfg.scoring_func):
+        return route_triton.route(logits, cfg.num_experts_per_tok, cfg.scoring_func, cfg.routed_scaling_factor,
+                                  cfg.norm_topk_prob, weights.bias, weights.tid2eid, token_ids)
+    scores = _scores(logits, cfg.scoring_func)
     if weights.tid2eid is not None:
         indices = weights.tid2eid[token_ids]
     else:
@@ -233,17 +239,18 @@ def _shared(x: torch.Tensor, weights: MoEWeights, limit: float, kernels: bool) -
 
 def moe_forward(
     x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config, *, grouped: bool = False,
-    kernels: bool = False, tally: torch.Tensor | None = None, beside: bool = False,
+    kernels: bool = False, tally: torch.Tensor | None = None, beside: bool = False, route_kernel: bool = False,
 ) -> torch.Tensor:
     """``kernels`` (with ``grouped``): SwiGLU and the routed experts' weighted sum in Triton
     (``ds4d.cuda.prefill_triton``) and the router's logits from its split weight, for steps of many tokens.
     ``beside`` (with ``grouped``): the shared expert on a second stream (``ds4d.cuda.streams``), its SwiGLU
-    in Triton, while the routing and the routed experts run on the current one."""
+    in Triton, while the routing and the routed experts run on the current one.  ``route_kernel``: the
+    routing after the router's logits in one Triton launch (:func:`route`)."""
     limit = cfg.swiglu_limit
     beside = beside and grouped
     if beside:  # queued first, so it starts with the router
         shared = streams.beside(_shared, x.device, x, weights, limit, True)
-    expert_weights, indices = route(x, token_ids, weights, cfg, split=kernels and grouped)
+    expert_weights, indices = route(x, token_ids, weights, cfg, split=kernels and grouped, kernel=route_kernel)
     tally_routing(tally, indices)
     if beside:
         routed = _routed_grouped(x, expert_weights, indices, weights, limit, kernels)

@@ -349,10 +349,11 @@ class ExpertOffload:
 
     def moe_forward(
         self, layer: int, x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config,
-        *, decode: bool = False, tally: torch.Tensor | None = None,
+        *, decode: bool = False, tally: torch.Tensor | None = None, route_kernel: bool = False,
     ) -> torch.Tensor:
-        """``moe.moe_forward(grouped=True)`` with this layer's routed experts wherever they sit."""
-        expert_weights, indices = route(x, token_ids, weights, cfg)
+        """``moe.moe_forward(grouped=True)`` with this layer's routed experts wherever they sit (``route_kernel``:
+        as there)."""
+        expert_weights, indices = route(x, token_ids, weights, cfg, kernel=route_kernel)
         tally_routing(tally, indices)
         limit = cfg.swiglu_limit
         shared = _swiglu(x, weights.shared_w1, weights.shared_w3, weights.shared_w2, limit, w13=weights.shared_w13)

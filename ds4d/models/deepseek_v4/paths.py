@@ -7,7 +7,7 @@ can run (:meth:`ForwardPaths.for_device`), the CPU keeps the exact reference
 path, and a benchmark or test that wants another mix builds a model with it
 (``DeepseekV4Model.with_paths``: same weights, its own cache and graphs).
 
-The kernel paths (``hc_kernels``, ``fused_attention``, ``decode_kernel``, ``fused_prefill``)
+The kernel paths (``hc_kernels``, ``fused_attention``, ``decode_kernel``, ``route_kernel``, ``fused_prefill``)
 and the decode graphs apply only with ``fast_path``.
 """
 
@@ -47,6 +47,10 @@ class ForwardPaths:
     """Decode steps run the shared expert on a second CUDA stream (``ds4d.cuda.streams``), beside the routing and
     the routed experts (in a CUDA graph, two branches the GPU runs at once).  Off by default until measured
     (``ds4d bench model --shared-beside`` compares the two)."""
+    route_kernel: bool = False
+    """Decode steps route each token in one Triton launch after the router's logits (``route_triton``: scores,
+    the pick of ``k`` experts or a hash layer's table row, their weights) instead of torch's four or five (the
+    top-k's the longest).  Off by default until measured (``ds4d bench model --route-kernel`` compares the two)."""
     fused_prefill: bool = False
     """The token-wise work of steps that are not pure decode (hyper-connections, norms, RoPE, SwiGLU,
     the experts' weighted sum) goes through ``ds4d.cuda.prefill_triton``, and (bf16 models) the float32
