@@ -331,6 +331,8 @@ def run(args: argparse.Namespace) -> int:
     from ds4d.models.deepseek_v41.paths import ForwardPaths
 
     paths = ForwardPaths.for_device(device).replace(compile_decode=bool(getattr(args, "compile", False)))
+    if getattr(args, "route_kernel", False):  # the whole run: compare with a run without it
+        paths = paths.replace(route_kernel=True)
     fraction = _fraction(getattr(args, "expert_gpu_fraction", ""))
     offload = None
     if fraction is not None:

@@ -87,3 +87,26 @@ def test_usable_for_float32_logits_of_a_known_scoring():
     assert not route_triton.usable(torch.zeros(2, 256), "noaux")
     assert not route_triton.usable(torch.zeros(2, route_triton.MAX_EXPERTS + 1), "sigmoid")
     assert not route_triton.usable(torch.zeros(256, 2).t(), "sigmoid")
+
+
+def test_the_kernel_compiles_for_sm90_without_spills():
+    """``tests/gpu/route_compile.py`` in a process of its own (the tests run Triton's interpreter, which compiles
+    nothing): at V4-Flash's and V4.1-Flash's expert counts, score-routed and hash-routed, no register spills."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    triton = pytest.importorskip("triton")
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")):
+        pytest.skip("this Triton carries no NVIDIA tools")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, str(root / "tests" / "gpu" / "route_compile.py")], env=env,
+                         capture_output=True, text=True, check=True, timeout=600).stdout
+    cases = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert {(c["experts"], c["hashed"]) for c in cases} == {(256, False), (256, True), (384, False)}
+    for c in cases:
+        assert c["spills"] == 0 and 0 < c["registers"] <= 255 and c["instructions"] > 0, c

@@ -282,10 +282,11 @@ class DeepseekV41Model:
         x = rms_norm(collapse(streams, attn_pre), w.ffn_norm, eps)
         if ahead and layer + 1 < len(self.weights.layers):
             offload.fetch_ahead(layer + 1, x, partial(predicted_experts, x, self.weights.layers[layer + 1].ffn, cfg))
+        route_kernel = decode and paths.route_kernel
         if offload is not None:
-            ffn = offloaded_forward(x, w.ffn, cfg, offload, layer, decode)
+            ffn = offloaded_forward(x, w.ffn, cfg, offload, layer, decode, route_kernel)
         else:
-            ffn = moe_forward(x, w.ffn, cfg, paths.expert_rows, paths.grouped_experts)
+            ffn = moe_forward(x, w.ffn, cfg, paths.expert_rows, paths.grouped_experts, route_kernel)
         return expand(ffn, streams, post, comb), ffn_pre
 
     def _attention_rows(self, x: torch.Tensor, layer: int, sequences: Sequence[tuple[SequenceState, StepShared]],

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ds4d.cuda import moe_gemv, quant_matmul
+from ds4d.cuda import moe_gemv, quant_matmul, route_triton
 from ds4d.models.deepseek_v4.offload import ExpertOffload
 from ds4d.models.deepseek_v4.ops import linear
 from ds4d.models.deepseek_v4.stored import Mxfp4Matrices
@@ -45,18 +45,29 @@ def expert_forward(x: torch.Tensor, w: ExpertWeights, limit: float, weight: torc
     return linear(hidden.to(x.dtype), w.w2)
 
 
-def route(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights ``[N, k]``, expert ids ``[N, k]``) for the rows ``x [N, D]``."""
-    logits = F.linear(x.float(), w.gate) / cfg.gate_temp
+def route(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, kernel: bool = False,
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights ``[N, k]``, expert ids ``[N, k]``) for the rows ``x [N, D]``; ``kernel``: what follows the
+    router's product in one Triton launch (``route_triton.route``, V4's, the logits divided by ``gate_temp``
+    there)."""
+    k = cfg.num_experts_per_tok
+    if kernel:
+        logits = F.linear(x.float(), w.gate)
+        if route_triton.usable(logits, cfg.scoring_func):
+            return route_triton.route(logits, k, cfg.scoring_func, cfg.routed_scaling_factor,
+                                      cfg.norm_topk_prob and k > 1, w.bias, temperature=cfg.gate_temp)
+        logits = logits / cfg.gate_temp
+    else:
+        logits = F.linear(x.float(), w.gate) / cfg.gate_temp
     if cfg.scoring_func == "sqrtsoftplus":
         scores = F.softplus(logits).sqrt()
     elif cfg.scoring_func == "sigmoid":
         scores = logits.sigmoid()
     else:
         scores = logits.softmax(dim=-1)
-    experts = (scores + w.bias).topk(cfg.num_experts_per_tok, dim=-1)[1]
+    experts = (scores + w.bias).topk(k, dim=-1)[1]
     weights = scores.gather(1, experts)
-    if cfg.norm_topk_prob and cfg.num_experts_per_tok > 1:
+    if cfg.norm_topk_prob and k > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * cfg.routed_scaling_factor, experts
 
@@ -81,13 +92,14 @@ def grouped_available(x: torch.Tensor, banks: ExpertBanks | None = None) -> bool
 
 
 def moe_forward(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, expert_rows: bool = False,
-                grouped: bool = False) -> torch.Tensor:
+                grouped: bool = False, route_kernel: bool = False) -> torch.Tensor:
     """The feed-forward of the rows ``x [N, D]``: by default one routed expert at a time over its rows.
 
     ``expert_rows``: while the (row, expert) pairs fit the kernel, each pair as an expert-indexed GEMV
     (:func:`routed_rows`); ``grouped``: otherwise the pairs sorted by expert, each projection one
-    grouped matmul over the bank (:func:`grouped_rows`).  Neither waits for the host."""
-    weights, experts = route(x, w, cfg)
+    grouped matmul over the bank (:func:`grouped_rows`).  Neither waits for the host.  ``route_kernel``:
+    the routing in one launch (:func:`route`)."""
+    weights, experts = route(x, w, cfg, route_kernel)
     if expert_rows and experts.numel() <= moe_gemv.MAX_ROWS:
         out = routed_rows(x, w, cfg, weights, experts)
     elif grouped and grouped_available(x, w.banks):
@@ -103,10 +115,10 @@ def moe_forward(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, expert_r
 
 
 def offloaded_forward(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, offload: ExpertOffload, layer: int,
-                      decode: bool = False) -> torch.Tensor:
+                      decode: bool = False, route_kernel: bool = False) -> torch.Tensor:
     """:func:`moe_forward` with ``layer``'s routed experts wherever ``offload`` keeps them (device bank,
     staging, host threads; ``offload.py``); the same arithmetic per (row, expert) pair."""
-    weights, experts = route(x, w, cfg)
+    weights, experts = route(x, w, cfg, route_kernel)
     out = offload.routed(layer, x, weights, experts, limit=cfg.swiglu_limit, decode=decode)
     out += expert_forward(x, w.shared, cfg.swiglu_limit).float()
     return out.to(x.dtype)

@@ -7,7 +7,7 @@ can run (on the CPU the reference path, which the float32 goldens pin), and a
 test or benchmark that wants another mix passes its own.
 
 The kernels are V4's (``ds4d.cuda.hc_triton``, ``ds4d.cuda.moe_gemv``,
-``ds4d.cuda.attention_triton``, torch's ``grouped_mm``): V4.1's hyper-connection
+``ds4d.cuda.attention_triton``, ``ds4d.cuda.route_triton``, torch's ``grouped_mm``): V4.1's hyper-connection
 weights are V4's formulas, its routed experts are SwiGLUs over one bank per
 projection as V4's are, and its window attention (sink, keys that are also the
 values, compressed entries behind an additive mask) is V4's.
@@ -42,6 +42,10 @@ class ForwardPaths:
     (``DeepseekV41Model.decode_many``): every projection, norm, hyper-connection and expert sees all
     their rows at once, only the attention core (each sequence's window and compressed entries) runs
     per sequence."""
+    route_kernel: bool = False
+    """Steps of one token a sequence route each row in one Triton launch after the router's product (V4's
+    ``route_triton``: scores, the pick by score plus bias, the weights) instead of torch's few.  Off by default
+    until measured (``ds4d bench model --family deepseek_v41 --route-kernel``)."""
     decode_graphs: str = "off"
     """How the engine's one-token chunks run: ``off``, as above; ``padded``, the fixed-shape step of
     ``decode.py`` (every row's attention batched, state in the slots' arrays and the block pool) at
@@ -73,7 +77,7 @@ class ForwardPaths:
     def all_kernels(cls) -> ForwardPaths:
         """Every path on, wherever the kernels can run (the CPU through Triton's interpreter)."""
         return cls(fused_hyper=True, expert_rows=True, grouped_experts=True, window_kernel=True,
-                   batched_decode=True)
+                   batched_decode=True, route_kernel=True)
 
     def replace(self, **changes) -> ForwardPaths:
         return dataclasses.replace(self, **changes)
