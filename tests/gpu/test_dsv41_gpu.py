@@ -47,7 +47,10 @@ def per_position(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (got - want).abs().amax(-1) / want.abs().amax(-1)
 
 
-PATHS = {"reference": ForwardPaths(), "device": ForwardPaths.for_device("cuda")}
+PATHS = {"reference": ForwardPaths(), "device": ForwardPaths.for_device("cuda"),
+         "route-kernel": ForwardPaths.for_device("cuda").replace(route_kernel=True)}
+"""``route-kernel``: the device's paths with a decode step's routing in one launch (``route_triton``, off by
+default)."""
 
 
 def run(directory: Path, dtype: torch.dtype, golden: dict, paths: str = "device") -> tuple[torch.Tensor, list[int]]:
