@@ -331,8 +331,6 @@ def run(args: argparse.Namespace) -> int:
     from ds4d.models.deepseek_v41.paths import ForwardPaths
 
     paths = ForwardPaths.for_device(device).replace(compile_decode=bool(getattr(args, "compile", False)))
-    if getattr(args, "route_kernel", False):  # the whole run: compare with a run without it
-        paths = paths.replace(route_kernel=True)
     fraction = _fraction(getattr(args, "expert_gpu_fraction", ""))
     offload = None
     if fraction is not None:
@@ -375,6 +373,17 @@ def run(args: argparse.Namespace) -> int:
         rows.append(Row(f"decode b{batch} @{context}", ds4d=rate, floor=floors.decode(batch, moved, link),
                         note=f"{moved / 1e9:.2f} GB over the link per step" if model.expert_offload else ""))
         _say(f"decode b{batch}: {rate:.1f} tok/s")
+    if getattr(args, "route_kernel", False):  # the same weights, each decode step's routing in one launch
+        routed = DeepseekV41Model(cfg, model.weights, model.hasher, device=device, dtype=dtype,
+                                  paths=model.paths.replace(route_kernel=True), expert_offload=model.expert_offload)
+        routed_serving = DeepseekV41Serving(routed, tokenizer, parameter_bytes=0)
+        routed_serving.allocate_cache(per_seq * max(batches + [1]), max(batches + [1]))
+        for batch in batches:
+            prompts = torch.randint(100, cfg.vocab_size, (batch, context), generator=gen).tolist()
+            rate, moved = _decode_rate(torch, device, routed_serving, prompts, args.decode_tokens, lambda: _moved(routed))
+            rows.append(Row(f"decode b{batch} @{context} (routing in one kernel)", ds4d=rate,
+                            floor=floors.decode(batch, moved, link)))
+            _say(f"decode b{batch}, routing in one kernel: {rate:.1f} tok/s")
     prompt = torch.randint(100, cfg.vocab_size, (prefill_tokens,), generator=gen).tolist()
     rate, moved = _prefill_rate(torch, device, model, prompt)
     last = model.prefill(model.new_state(), prompt, last_only=True)[-1].float().cpu()

@@ -85,8 +85,8 @@ def add_parser(sub) -> None:
                         "with --lookahead also queued ahead")
     p.add_argument("--route-kernel", action="store_true",
                    help="also decode with each token's routing after the router's logits in one Triton launch "
-                        "(ForwardPaths.route_kernel), with --lookahead also queued ahead; with --family deepseek_v41 "
-                        "every row of the run routes so (compare with a run without it)")
+                        "(ForwardPaths.route_kernel), with --lookahead also queued ahead (--family deepseek_v41: "
+                        "its decode rows again, on the same weights)")
     p.add_argument("--sampled", action="store_true",
                    help="also decode sampling instead of greedy, steps queued ahead: temperature 1 (what a request "
                         "that sets nothing gets), and temperature 1 with top-p 0.95")

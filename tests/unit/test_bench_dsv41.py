@@ -15,15 +15,17 @@ def test_the_tiny_benchmark_runs_and_reports_every_row(tmp_path):
     out = tmp_path / "v41.json"
     run = subprocess.run(
         [sys.executable, "-m", "ds4d.cli", "bench", "model", "--family", "deepseek_v41", "--tiny", "--device", "cpu",
-         "--dtype", "float32", "--decode-tokens", "2", "--batches", "1,2", "--json", str(out)],
+         "--dtype", "float32", "--decode-tokens", "2", "--batches", "1,2", "--route-kernel", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     cases = [row["case"] for row in result["rows"]]
-    assert cases[:3] == ["decode b1 @64", "decode b2 @64", "prefill 128 (triangle)"]
+    routed = " (routing in one kernel)"  # --route-kernel: route_triton's kernel (Triton's interpreter here)
+    assert cases[:5] == ["decode b1 @64", "decode b2 @64", f"decode b1 @64{routed}", f"decode b2 @64{routed}",
+                         "prefill 128 (triangle)"]
     assert sum(case.startswith("engram lookup") for case in cases) == 6
     assert all(row["ds4d"] > 0 for row in result["rows"])
-    assert all(row["floor"] > 0 for row in result["rows"][:3])
+    assert all(row["floor"] > 0 for row in result["rows"][:5])
     assert result["layers"] == [0, 0, 2, 2, 1, 1] and result["family"] == "deepseek_v41"
     assert "| decode b1 @64 |" in run.stdout
 
