@@ -62,10 +62,11 @@ def test_the_family_is_detected_and_the_engram_choice_logged(served):
     if stats["model"]["device"].startswith("cuda"):  # the GPU memory plan ran (its profiling step included)
         assert stats["memory_plan"] is not None and "GPU memory plan skipped" not in daemon.log
         assert paths == {"fused_hyper": True, "expert_rows": True, "grouped_experts": True, "window_kernel": True,
-                         "batched_decode": True, "decode_graphs": "cuda", "compile_decode": False}
+                         "batched_decode": True, "route_kernel": False, "decode_graphs": "cuda",
+                         "compile_decode": False}
     else:
         assert stats["memory_plan"] is None
-        assert paths.pop("decode_graphs") == "off" and not any(paths.values()) and len(paths) == 6
+        assert paths.pop("decode_graphs") == "off" and not any(paths.values()) and len(paths) == 7
     assert "decode_graph_fallback" in stats["model"] and stats["model"]["decode_graph_fallback"] is None
 
 
