@@ -367,23 +367,19 @@ def run(args: argparse.Namespace) -> int:
              f"{link / 1e9:.1f} GB/s; zero-copy decode {offloaded.zero_copy}")
     gen = torch.Generator().manual_seed(args.seed)
     rows: list[Row] = []
-    for batch in batches:
-        prompts = torch.randint(100, cfg.vocab_size, (batch, context), generator=gen).tolist()
-        rate, moved = _decode_rate(torch, device, serving, prompts, args.decode_tokens, lambda: _moved(model))
-        rows.append(Row(f"decode b{batch} @{context}", ds4d=rate, floor=floors.decode(batch, moved, link),
-                        note=f"{moved / 1e9:.2f} GB over the link per step" if model.expert_offload else ""))
-        _say(f"decode b{batch}: {rate:.1f} tok/s")
+    decoders = [(serving, "")]
     if getattr(args, "route_kernel", False):  # the same weights, each decode step's routing in one launch
         routed = DeepseekV41Model(cfg, model.weights, model.hasher, device=device, dtype=dtype,
                                   paths=model.paths.replace(route_kernel=True), expert_offload=model.expert_offload)
-        routed_serving = DeepseekV41Serving(routed, tokenizer, parameter_bytes=0)
-        routed_serving.allocate_cache(per_seq * max(batches + [1]), max(batches + [1]))
+        decoders.append((DeepseekV41Serving(routed, tokenizer, parameter_bytes=0), " (routing in one kernel)"))
+        decoders[-1][0].allocate_cache(per_seq * max(batches + [1]), max(batches + [1]))
+    for decoder, label in decoders:
         for batch in batches:
             prompts = torch.randint(100, cfg.vocab_size, (batch, context), generator=gen).tolist()
-            rate, moved = _decode_rate(torch, device, routed_serving, prompts, args.decode_tokens, lambda: _moved(routed))
-            rows.append(Row(f"decode b{batch} @{context} (routing in one kernel)", ds4d=rate,
-                            floor=floors.decode(batch, moved, link)))
-            _say(f"decode b{batch}, routing in one kernel: {rate:.1f} tok/s")
+            rate, moved = _decode_rate(torch, device, decoder, prompts, args.decode_tokens, lambda: _moved(model))
+            rows.append(Row(f"decode b{batch} @{context}{label}", ds4d=rate, floor=floors.decode(batch, moved, link),
+                            note=f"{moved / 1e9:.2f} GB over the link per step" if model.expert_offload else ""))
+            _say(f"decode b{batch}{label}: {rate:.1f} tok/s")
     prompt = torch.randint(100, cfg.vocab_size, (prefill_tokens,), generator=gen).tolist()
     rate, moved = _prefill_rate(torch, device, model, prompt)
     last = model.prefill(model.new_state(), prompt, last_only=True)[-1].float().cpu()

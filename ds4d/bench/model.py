@@ -509,18 +509,20 @@ def _write_trace(prof, count: int, path: Path) -> None:
                      key=lambda e: e.time_range.start)
     kernels = kernels[max(len(kernels) - count, 0):]
     lines, begin, end = ["start_us\ttime_us\tgap_us\tname"], kernels[0].time_range.start if kernels else 0, None
+    rows = []  # (time, gap, name) as written
     for e in kernels:
         start, stop = e.time_range.start, e.time_range.end
-        gap = 0.0 if end is None else start - end
-        lines.append(f"{start - begin:.1f}\t{stop - start:.1f}\t{gap:.1f}\t{e.name}")
+        time_us, gap_us = f"{stop - start:.1f}", f"{0.0 if end is None else start - end:.1f}"
+        lines.append(f"{start - begin:.1f}\t{time_us}\t{gap_us}\t{e.name}")
+        rows.append((float(time_us), float(gap_us), e.name))
         end = stop
     path.write_text("\n".join(lines) + "\n")
     say(f"trace of the last step's {len(kernels)} kernels: {path}")
-    if kernels:
+    if rows:
         from ds4d.bench import trace_layers
 
         say("by layer and kind, us (kernels split at every second hyper-connection boundary):\n"
-            + trace_layers.table(trace_layers.layers(trace_layers.read(str(path)))))
+            + trace_layers.table(trace_layers.layers(rows)))
 
 
 def _parity(torch, model, hf, ids, device) -> str:

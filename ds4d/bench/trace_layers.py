@@ -47,15 +47,15 @@ def kind_of(name: str, time_us: float, small_us: float) -> str:
 
 
 def read(path: str) -> list[tuple[float, float, str]]:
-    """(time, gap before, name) of each kernel of the trace, memory copies left out."""
+    """(time, gap before, name) of each line of the trace."""
     with open(path, newline="") as f:
-        return [(float(row["time_us"]), float(row["gap_us"]), row["name"]) for row in csv.DictReader(f, delimiter="\t")
-                if not row["name"].startswith("Memcpy")]
+        return [(float(row["time_us"]), float(row["gap_us"]), row["name"]) for row in csv.DictReader(f, delimiter="\t")]
 
 
 def layers(rows: list[tuple[float, float, str]], small_us: float = 2.2) -> list[Segment]:
-    """The trace's kernels split into layers (every second boundary starts one; the whole step where there is
-    none), each with its kernels' count, time, the gaps before them and the time of each kind."""
+    """The trace's kernels (memory copies left out) split into layers (every second boundary starts one; the whole
+    step where there is none), each with its kernels' count, time, the gaps before them and the time of each kind."""
+    rows = [row for row in rows if not row[2].startswith("Memcpy")]
     starts = [i for i, (_, _, name) in enumerate(rows) if name.startswith(LAYER_START)][::2] or [0]
     segments = []
     for begin, end in zip(starts, starts[1:] + [len(rows)]):

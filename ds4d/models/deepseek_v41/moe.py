@@ -51,14 +51,11 @@ def route(x: torch.Tensor, w: MoEWeights, cfg: DeepseekV41Config, kernel: bool =
     router's product in one Triton launch (``route_triton.route``, V4's, the logits divided by ``gate_temp``
     there)."""
     k = cfg.num_experts_per_tok
-    if kernel:
-        logits = F.linear(x.float(), w.gate)
-        if route_triton.usable(logits, cfg.scoring_func):
-            return route_triton.route(logits, k, cfg.scoring_func, cfg.routed_scaling_factor,
-                                      cfg.norm_topk_prob and k > 1, w.bias, temperature=cfg.gate_temp)
-        logits = logits / cfg.gate_temp
-    else:
-        logits = F.linear(x.float(), w.gate) / cfg.gate_temp
+    logits = F.linear(x.float(), w.gate)
+    if kernel and route_triton.usable(logits, cfg.scoring_func):
+        return route_triton.route(logits, k, cfg.scoring_func, cfg.routed_scaling_factor,
+                                  cfg.norm_topk_prob and k > 1, w.bias, temperature=cfg.gate_temp)
+    logits = logits / cfg.gate_temp
     if cfg.scoring_func == "sqrtsoftplus":
         scores = F.softplus(logits).sqrt()
     elif cfg.scoring_func == "sigmoid":
