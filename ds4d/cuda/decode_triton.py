@@ -1,7 +1,7 @@
 """A DeepSeek-V4 decode step's attention-layer work in Triton kernels (``ds4d.cuda.decode_kernels``), for the
 batched decode path of ``ds4d.models.deepseek_v4.decode`` (``ForwardPaths.decode_kernel``).
 
-Both take the step's device tensors as they are (positions, state slots and block table may be strided
+They take the step's device tensors as they are (positions, state slots and block table may be strided
 columns of the packed rows), read no value back to the host and launch a grid fixed by the batch, so a
 decode step that uses them is captured in a CUDA graph like the torch path.  With ``TRITON_INTERPRET=1``
 they run on CPU tensors: that is how the tests compare them with the torch path.
@@ -9,6 +9,8 @@ they run on CPU tensors: that is how the tests compare them with the torch path.
 * :func:`decode_attention`: the scores, softmax (with the per-head sink) and weighted sum over a row's
   window ring and compressed entries (every visible one, or the indexer's picks), read where they sit, the
   keys split into parts over programs and the parts merged by a second kernel;
+* :func:`decode_qkv_norms`: the query's and the KV's norms after their low-rank projections, the KV's RoPE and
+  its write into the window ring;
 * :func:`decode_compress`: a compressor's step: the token's projections into its tail ring, and the entry
   of a window the token closes pooled, normed, rotated and written to the row's block.
 """
@@ -27,6 +29,8 @@ program, keys per part (a program's share of a row's keys), launch settings of :
 a decode row's 64 heads of 512 columns are 32 programs for each part of its keys."""
 COMBINE_TUNING = {"block_heads": 4, "d_out": 128, "block_parts": 8, "warps": 4}
 """Heads and output columns per program of the merge of the parts, parts a load, warps."""
+QKV_TUNING = {"warps": 4}
+"""Warps of :func:`decode_qkv_norms`'s programs (not swept)."""
 COMPRESS_TUNING = {"chunk": 8, "warps": 4, "stages": 1}
 """Ring slots pooled at a time and warps of :func:`decode_compress`'s one program a row."""
 NO_ENTRIES, EVERY_ENTRY, PICKED_ENTRIES = 0, 1, 2
@@ -53,7 +57,8 @@ def available() -> bool:
 def decode_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                      sink: torch.Tensor, scale: float, pool: torch.Tensor | None = None,
                      table: torch.Tensor | None = None, ratio: int = 0, picks: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None,
+                     unrotate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """A decode step's attention in two launches: a program per row, block of heads, block of output columns and
     part of the row's keys (``DECODE_TUNING["chunk"]`` of them) writes the part's softmax state to a float32
     scratch; a second merges the parts with the sink into the output.
@@ -64,8 +69,10 @@ def decode_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, p
     (a compressor's entries), ``table [B, MB]`` (each row's blocks) and ``ratio``: the row also sees entries
     ``0 .. (p + 1) // ratio - 1`` of its blocks, all of them, or with ``picks [B, k]`` those picked (ids of
     the row's entry slots; one past the visible ones is left out).  Keys are the values; scores and sums in
-    float32, the probabilities meeting the keys in ``q``'s dtype.  Fixed shapes and no host reads: it can be
-    captured in a CUDA graph."""
+    float32, the probabilities meeting the keys in ``q``'s dtype.  ``unrotate`` (``cos``, ``sin`` ``[B, r / 2]``
+    float32): the output's last ``r`` columns, once rounded to its dtype, are rotated back pairwise in the second
+    launch, as ``prefill_triton.head_norm_rope(inverse=True)`` would after it.  Fixed shapes and no host reads: it
+    can be captured in a CUDA graph."""
     batch, heads, d = q.shape
     q = q if q.stride(2) == 1 else q.contiguous()
     out = torch.empty_like(q) if out is None else out
@@ -105,10 +112,43 @@ def decode_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, p
         precision="ieee" if q.dtype == torch.float32 else "tf32", num_warps=t["warps"], num_stages=t["stages"])
     c = COMBINE_TUNING
     c_out = min(c["d_out"], d)
+    cos = sin = m  # unread without ``unrotate``
+    if unrotate is not None:
+        cos, sin = (t.float() for t in unrotate)
+        if cos.shape != sin.shape or cos.shape[0] != batch or not 0 < 2 * cos.shape[1] <= d \
+                or cos.stride(1) != 1 or sin.stride() != cos.stride():
+            raise ValueError(f"decode_attention: cos/sin {tuple(cos.shape)} to unrotate {batch} rows of {d}")
     k.combine_kernel[(batch, -(-heads // c["block_heads"]), d // c_out)](
-        o, m, s, sink, out, heads, parts, out.stride(0), out.stride(1), d=d, block_h=c["block_heads"], d_out=c_out,
-        block_p=c["block_parts"], num_warps=c["warps"])
+        o, m, s, sink, out, cos, sin, heads, parts, out.stride(0), out.stride(1), cos.stride(0), d=d,
+        block_h=c["block_heads"], d_out=c_out, block_p=c["block_parts"],
+        rope_pairs=0 if unrotate is None else cos.shape[1], num_warps=c["warps"])
     return out
+
+
+def decode_qkv_norms(q_low: torch.Tensor, kv_low: torch.Tensor, q_norm: torch.Tensor, kv_norm: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor,
+                     positions: torch.Tensor, eps: float) -> torch.Tensor:
+    """A decode step's query and KV after their low-rank projections, in one launch: returns the query's
+    ``rms_norm(q_low [B, R], q_norm)`` (``q_low``'s dtype), and writes ``apply_rope(rms_norm(kv_low [B, d],
+    kv_norm), cos, sin)`` (``cos``/``sin`` ``[B, r / 2]`` float32, the last ``r`` columns rotated) to slot
+    ``positions[b] % window`` of ring ``slots[b]`` of ``ring [S, window, d]``, each rounded where ``ops`` rounds.
+    Two programs a row, one for each; fixed shapes and no host reads."""
+    batch, rank = q_low.shape
+    d = kv_low.shape[1]
+    cos, sin = (t.float() for t in (cos, sin))
+    if q_low.stride(1) != 1 or kv_low.stride(1) != 1 or ring.stride(2) != 1 or d & (d - 1) or ring.shape[2] != d:
+        raise ValueError("decode_qkv_norms takes rows of contiguous values and a power-of-two KV width")
+    if cos.shape != sin.shape or cos.shape[0] != batch or not 0 < 2 * cos.shape[1] <= d or cos.stride(1) != 1 \
+            or sin.stride() != cos.stride():
+        raise ValueError(f"decode_qkv_norms: cos/sin {tuple(cos.shape)} for {batch} rows of {d}")
+    q_residual = torch.empty(batch, rank, dtype=q_low.dtype, device=q_low.device)
+    if batch:
+        _kernels().qkv_norms_kernel[(batch, 2)](
+            q_low, kv_low, q_norm, kv_norm, cos, sin, ring, slots, positions, q_residual, ring.shape[1], float(eps),
+            q_low.stride(0), kv_low.stride(0), cos.stride(0), q_residual.stride(0), ring.stride(0), ring.stride(1),
+            positions.stride(0), slots.stride(0), rank=rank, block_r=1 << (rank - 1).bit_length(), d=d,
+            rope_pairs=cos.shape[1], num_warps=QKV_TUNING["warps"])
+    return q_residual
 
 
 def decode_compress(kv: torch.Tensor, score: torch.Tensor, tail_kv: torch.Tensor, tail_score: torch.Tensor,

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("triton")
 
 from ds4d.cuda import decode_triton
+from ds4d.models.deepseek_v4.ops import apply_rope, rms_norm
 
 HEADS, D, WINDOW, PER_BLOCK, RATIO = 16, 64, 128, 32, 4
 POSITIONS = (2, 133, 300, 700)
@@ -81,3 +82,59 @@ def test_parts_of_other_sizes_give_the_same_output(monkeypatch):
                                                    ratio=RATIO).cpu())
     for out in outs[1:]:
         assert (out - outs[0]).abs().max().item() < 1e-5 * outs[0].abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * torch.cuda.is_available())
+def test_the_output_rotated_back_in_the_merge_equals_the_inverse_rope_after_it(dtype):
+    """``unrotate``: the merge rounds the output to its dtype and rotates its last columns back, the same values
+    bit for bit as the output without it passed through ``ops.apply_rope(out, cos, -sin)``.  bfloat16 on a GPU
+    only: Triton's interpreter does not run the attention's bfloat16 products."""
+    gen = torch.Generator().manual_seed(11)
+    rows, pairs = 3, 8
+    q = torch.randn(rows, HEADS, D, generator=gen).to(dtype)
+    ring = torch.randn(rows, WINDOW, D, generator=gen).to(dtype)
+    args = [t.to(device()) for t in (q, ring, torch.tensor([2, 0, 1]), torch.tensor([5, 140, 700]),
+                                     torch.randn(HEADS, generator=gen))]
+    angles = torch.rand(rows, pairs, generator=gen) * 6
+    cos, sin = angles.cos().to(device()), angles.sin().to(device())
+    plain = decode_triton.decode_attention(*args, D**-0.5)
+    got = decode_triton.decode_attention(*args, D**-0.5, unrotate=(cos, sin))
+    want = apply_rope(plain, cos, -sin)
+    assert torch.equal(got[..., : D - 2 * pairs], plain[..., : D - 2 * pairs])
+    assert torch.equal(got.cpu(), want.cpu())
+    assert not torch.equal(got.cpu(), plain.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * torch.cuda.is_available())
+def test_the_query_and_kv_norms_in_one_launch_equal_the_operators(dtype):
+    """``decode_qkv_norms``: the query's low-rank projection normed (returned) and the KV normed, rotated and
+    written to its ring slot, against ``ops.rms_norm`` and ``ops.apply_rope`` (float32: within 1e-5 of the
+    largest; bfloat16: nine values in ten the operators' and the others a step or two from them, the two taking
+    the norm's inverse square root their own ways; on a GPU only: Triton's interpreter rounds to bfloat16 toward
+    zero); nothing else in the rings changes."""
+    gen = torch.Generator().manual_seed(12)
+    rows, rank, pairs, eps = 3, 96, 8, 1e-6
+    q_low = torch.randn(rows, rank, generator=gen).to(dtype)
+    kv_low = (torch.randn(rows, D, generator=gen) * 3).to(dtype)
+    q_norm, kv_norm = torch.rand(rank, generator=gen) + 0.5, torch.rand(D, generator=gen) + 0.5
+    angles = torch.rand(rows, pairs, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    ring = torch.randn(4, WINDOW, D, generator=gen).to(dtype)
+    slots, positions = torch.tensor([3, 0, 2]), torch.tensor([7, 300, 128])
+    on = [t.to(device()) for t in (q_low, kv_low, q_norm, kv_norm, cos, sin, ring.clone(), slots, positions)]
+    got_q = decode_triton.decode_qkv_norms(*on, eps).cpu()
+    got_ring = on[6].cpu()
+    want_q = rms_norm(q_low, q_norm, eps)
+    want_kv = apply_rope(rms_norm(kv_low, kv_norm, eps), cos, sin)
+    want_ring = ring.clone()
+    want_ring[slots, positions % WINDOW] = want_kv
+    written = torch.zeros(ring.shape[:2], dtype=torch.bool)
+    written[slots, positions % WINDOW] = True
+    assert torch.equal(got_ring[~written], ring[~written])
+    for got, want, steps in ((got_q.float(), want_q.float(), 1), (got_ring[written].float(), want_ring[written].float(), 2)):
+        if dtype == torch.float32:
+            assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+        else:  # a bfloat16 step of x is at most 2**-7 |x|; a rotated value mixes two normed ones
+            assert ((got - want).abs() <= steps * 2**-7 * torch.maximum(got.abs(), want.abs())).all()
+            assert (got == want).float().mean().item() >= 0.9
+    assert (got_ring[written] != ring[written]).any()

@@ -349,11 +349,14 @@ def project_qkv(
 
 def project_out(
     out: torch.Tensor, weights: AttentionWeights, cos: torch.Tensor, sin: torch.Tensor, cfg: DeepseekV4Config,
-    *, kernels: bool = False,
+    *, kernels: bool = False, unrotated: bool = False,
 ) -> torch.Tensor:
     """Per-head attention output ``[T, H, d]``: undo the value RoPE, then the grouped low-rank projection;
-    ``kernels``: the inverse RoPE in place, on the rotated channels only (``out`` is spent)."""
-    if kernels and prefill_triton.rope_usable(out, 2 * cos.shape[-1]):
+    ``kernels``: the inverse RoPE in place, on the rotated channels only (``out`` is spent); ``unrotated``: the
+    RoPE is undone already (``decode_triton.decode_attention(unrotate=...)``)."""
+    if unrotated:
+        pass
+    elif kernels and prefill_triton.rope_usable(out, 2 * cos.shape[-1]):
         prefill_triton.head_norm_rope(out, cos, sin, norm=False, inverse=True)
     else:
         out = apply_rope(out, cos, -sin)

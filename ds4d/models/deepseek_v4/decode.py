@@ -29,12 +29,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds4d.cuda import decode_triton
+from ds4d.cuda import decode_triton, prefill_triton
 from ds4d.models.deepseek_v4.attention import project_out, project_qkv
 from ds4d.models.deepseek_v4.cache import CompressorState, LayerCache
 from ds4d.models.deepseek_v4.compressor import project
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
-from ds4d.models.deepseek_v4.ops import Rope, apply_rope, linear, rms_norm
+from ds4d.models.deepseek_v4.ops import Rope, apply_rope, linear, linear_pair, rms_norm
 from ds4d.models.deepseek_v4.weights import AttentionWeights, CompressorWeights, IndexerWeights
 
 
@@ -143,17 +143,18 @@ def decode_attention(
     kernel: bool = False,
 ) -> torch.Tensor:
     """``x [B, D]`` (normed sub-layer input, one token per sequence) -> attention output ``[B, D]``.
-    ``kernel``: each compressor's step in one Triton kernel (``decode_triton.decode_compress``) and the scores,
-    softmax and weighted sum in another (``decode_triton.decode_attention``: the rings and entry blocks read
-    where they sit, no gathered keys, masks or scores in memory) instead of torch's indexing, gathers,
-    concatenations and batched matmuls, and the queries' and KV's norms and RoPE (and the output's inverse
-    RoPE) in place in ``prefill_triton``'s kernels, as a prompt step's; the step's KV write and the indexer's
-    pick are the same either way."""
+    ``kernel``: the step's work between its projections in Triton kernels instead of torch's operators,
+    indexing, gathers, concatenations and batched matmuls: the query's and KV's norms, the KV's RoPE and its
+    ring write in one (``decode_triton.decode_qkv_norms``), the queries' norm and RoPE in place
+    (``prefill_triton.head_norm_rope``), each compressor's step in one (``decode_triton.decode_compress``), the
+    scores, softmax, weighted sum and the output's inverse RoPE in two (``decode_triton.decode_attention``: the
+    rings and entry blocks read where they sit, no gathered keys, masks or scores in memory); the indexer's
+    pick is the same either way."""
     cos, sin = dec.rope_compress if weights.ratio else dec.rope_main
-    q_residual, q, kv = project_qkv(x, weights, cos, sin, cfg, kernels=kernel)
     if kernel:
-        return project_out(_attend_in_kernel(x, q_residual, q, kv, dec, weights, cache, cfg, rope_compress),
-                           weights, cos, sin, cfg, kernels=True)
+        return project_out(_attend_in_kernel(x, dec, weights, cache, cfg, rope_compress), weights, cos, sin, cfg,
+                           unrotated=True)
+    q_residual, q, kv = project_qkv(x, weights, cos, sin, cfg)
     keys, mask = _window(cache.window, kv, dec)
     if weights.compressor is not None:
         picked, valid = _compressors(x, q_residual, dec, weights, cache, cfg, rope_compress, kernel=False)
@@ -170,18 +171,25 @@ def decode_attention(
     return project_out(out, weights, cos, sin, cfg)
 
 
-def _attend_in_kernel(x: torch.Tensor, q_residual: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
-                      dec: DecodeInputs, weights: AttentionWeights, cache: LayerCache, cfg: DeepseekV4Config,
-                      rope_compress: Rope) -> torch.Tensor:
-    """:func:`decode_attention` with its compressors' steps and its attention in ``decode_triton``'s kernels."""
-    ring = cache.window
-    ring[dec.slots, dec.positions % ring.shape[1]] = kv.to(ring.dtype)
+def _attend_in_kernel(x: torch.Tensor, dec: DecodeInputs, weights: AttentionWeights, cache: LayerCache,
+                      cfg: DeepseekV4Config, rope_compress: Rope) -> torch.Tensor:
+    """:func:`decode_attention` up to the output's projection with its norms, RoPE, compressors' steps and
+    attention in ``decode_triton``'s and ``prefill_triton``'s kernels: the per-head output ``[B, H, d]`` with its
+    RoPE already undone."""
+    cos, sin = dec.rope_compress if weights.ratio else dec.rope_main
+    eps, ring = cfg.rms_norm_eps, cache.window
+    q_low, kv_low = linear_pair(x, weights.wq_a, weights.wkv, weights.wq_a_wkv)
+    q_residual = decode_triton.decode_qkv_norms(q_low, kv_low, weights.q_norm, weights.kv_norm, cos, sin, ring,
+                                                dec.slots, dec.positions, eps)
+    q = linear(q_residual, weights.wq_b).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
+    prefill_triton.head_norm_rope(q, cos, sin, eps)
     pool = table = picks = None
     if weights.compressor is not None:
         picks, _ = _compressors(x, q_residual, dec, weights, cache, cfg, rope_compress, kernel=True)
         pool, table = cache.compressor.pool, dec.block_table
     return decode_triton.decode_attention(q, ring, dec.slots, dec.positions, weights.sink, cfg.head_dim**-0.5,
-                                          pool=pool, table=table, ratio=weights.ratio, picks=picks)
+                                          pool=pool, table=table, ratio=weights.ratio, picks=picks,
+                                          unrotate=(cos, sin))
 
 
 def _compressors(x: torch.Tensor, q_residual: torch.Tensor, dec: DecodeInputs, weights: AttentionWeights,
