@@ -196,7 +196,7 @@ def _routed_grouped(
     gate_up, down = bank.native if bank.native is not None else bank.dense()
     flat = indices.reshape(-1)
     if _row_by_row(x, gate_up, flat.shape[0]):  # no sort, no group ends: row t * k + j is token t's j-th expert
-        out = expert_ffn(x.repeat_interleave(k, dim=0), gate_up, down, None, flat, limit)
+        out = expert_ffn(_pair_rows(x, k, gate_up), gate_up, down, None, flat, limit)
         weighted = out.float() * expert_weights.reshape(-1, 1)
         return weighted.view(tokens, k, -1).sum(dim=1).to(x.dtype)  # the sum of combine_sorted, in slot order
     expert_of_row, order = torch.sort(flat, stable=True)
@@ -207,6 +207,14 @@ def _routed_grouped(
     if kernels and prefill_triton.usable(out):
         return prefill_triton.combine(out, order, expert_weights, x.dtype)
     return combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
+
+
+def _pair_rows(x: torch.Tensor, k: int, gate_up) -> torch.Tensor:
+    """Row ``t * k + j`` is token ``t``'s row of ``x``: for one token and MXFP4 experts (whose GEMV reads its
+    input rows by stride) a view of ``x``'s row, nothing copied; else ``x``'s rows repeated."""
+    if x.shape[0] == 1 and isinstance(gate_up, (Mxfp4Matrices, Mxfp4Addresses)):
+        return x.expand(k, -1)
+    return x.repeat_interleave(k, dim=0)
 
 
 class RoutingTally:
