@@ -25,7 +25,8 @@ KINDS = (  # (kind, kernel name prefixes), the first that matches names the kind
     ("GGUF GEMV", ("gemv_kernel", "iq2_xxs_kernel", "q2_k_kernel", "q8_0_kernel", "quantize_kernel")),
     ("cuBLAS", ("nvjet", "void cutlass", "void cublas", "sm90_", "ampere_")),
     ("hyper-connection boundary", ("boundary_mixes_kernel", "boundary_collapse_kernel")),
-    ("decode kernels", ("decode_attention_kernel", "combine_kernel", "compress_kernel", "norm_rope_kernel")),
+    ("decode kernels", ("decode_attention_kernel", "combine_kernel", "compress_kernel", "norm_rope_kernel",
+                        "qkv_norms_kernel")),
     ("routing kernel", ("route_kernel",)),
 )
 LAYER_START = "boundary_mixes_kernel"
