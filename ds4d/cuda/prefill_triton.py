@@ -132,16 +132,20 @@ def _kernels():
             tl.store(out_ptr + row * so + c, (silu * u).to(dtype), mask=live)
 
         @triton.jit
-        def combine_kernel(rows_ptr, slot_ptr, w_ptr, out_ptr, d, k: tl.constexpr, block: tl.constexpr):
+        def combine_kernel(rows_ptr, slot_ptr, w_ptr, add_ptr, out_ptr, d, k: tl.constexpr, block: tl.constexpr,
+                           in_order: tl.constexpr, add: tl.constexpr):
             t = tl.program_id(0).to(tl.int64)
             c = tl.program_id(1) * block + tl.arange(0, block)
             live = c < d
             acc = tl.zeros([block], dtype=tl.float32)
             for j in tl.static_range(k):
-                row = tl.load(slot_ptr + t * k + j).to(tl.int64)
+                row = t * k + j if in_order else tl.load(slot_ptr + t * k + j).to(tl.int64)
                 value = tl.load(rows_ptr + row * d + c, mask=live, other=0.0).to(tl.float32)
                 acc += value * tl.load(w_ptr + t * k + j)
-            tl.store(out_ptr + t * d + c, acc.to(out_ptr.dtype.element_ty), mask=live)
+            dtype = out_ptr.dtype.element_ty
+            if add:  # the sum rounded to the output's dtype, then the other term added
+                acc = acc.to(dtype).to(tl.float32) + tl.load(add_ptr + t * d + c, mask=live, other=0.0).to(tl.float32)
+            tl.store(out_ptr + t * d + c, acc.to(dtype), mask=live)
 
         _state["kernels"] = {"update": update_kernel, "collapse_norm": collapse_norm_kernel,
                              "norm_rope": norm_rope_kernel, "swiglu": swiglu_kernel, "combine": combine_kernel}
@@ -251,16 +255,25 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return out
 
 
-def combine(rows: torch.Tensor, order: torch.Tensor, expert_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def combine(rows: torch.Tensor, order: torch.Tensor | None, expert_weights: torch.Tensor, dtype: torch.dtype,
+            add: torch.Tensor | None = None) -> torch.Tensor:
     """``moe.combine_sorted``: ``rows [T * k, D]`` are the experts' outputs of the (token, slot) pairs
-    in ``order``; each token's ``k`` of them weighted by ``expert_weights [T, k]`` and summed, ``[T, D]``."""
+    in ``order`` (None: row ``t * k + j`` is token ``t``'s slot ``j``); each token's ``k`` of them weighted by
+    ``expert_weights [T, k]`` and summed, ``[T, D]`` in ``dtype``; ``add`` (``[T, D]``): plus it, as
+    ``combine(...) + add`` would."""
     tokens, k = expert_weights.shape
     d = rows.shape[1]
-    slot = torch.empty_like(order)
-    slot[order] = torch.arange(order.shape[0], device=order.device, dtype=order.dtype)
+    slot = rows  # unread with the rows in order
+    if order is not None:
+        slot = torch.empty_like(order)
+        slot[order] = torch.arange(order.shape[0], device=order.device, dtype=order.dtype)
     rows, weights = _contiguous(rows, expert_weights.float())
     out = torch.empty(tokens, d, dtype=dtype, device=rows.device)
+    if add is not None and (add.shape != out.shape or add.dtype != dtype):
+        raise ValueError(f"combine: add {tuple(add.shape)} {add.dtype} to {tuple(out.shape)} {dtype}")
     if tokens:
         block = min(TUNING["block_cols"], _pow2(d))
-        _kernels()["combine"][(tokens, -(-d // block))](rows, slot, weights, out, d, k=k, block=block, num_warps=4)
+        _kernels()["combine"][(tokens, -(-d // block))](
+            rows, slot, weights, out if add is None else add.contiguous(), out, d, k=k, block=block,
+            in_order=order is None, add=add is not None, num_warps=4)
     return out

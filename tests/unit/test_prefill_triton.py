@@ -159,3 +159,20 @@ def test_combine_is_combine_sorted(dtype):
     want = combine_sorted(rows, order, weights, tokens, k, dtype)
     got = prefill_triton.combine(rows, order, weights, dtype)
     assert _ulps(got, want) <= _bound(dtype, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_combine_of_rows_in_slot_order_plus_a_term(dtype):
+    """``order=None`` (row ``t * k + j`` is token ``t``'s slot ``j``, a decode step's pairs) with ``add``: the sum
+    rounded to ``dtype``, then the term added, as ``combine_sorted(...) + add``."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, k, d = 3, 6, 70
+    rows = torch.randn(tokens * k, d, generator=gen).to(DEVICE, dtype)
+    weights = torch.rand(tokens, k, generator=gen).to(DEVICE)
+    add = torch.randn(tokens, d, generator=gen).to(DEVICE, dtype)
+    in_order = torch.arange(tokens * k, device=DEVICE)
+    routed = combine_sorted(rows, in_order, weights, tokens, k, dtype)
+    got = prefill_triton.combine(rows, None, weights, dtype, add=add)
+    assert _ulps(prefill_triton.combine(rows, None, weights, dtype), routed) <= _bound(dtype, 1)
+    assert _ulps(got, routed + add) <= _bound(dtype, 2)
+    assert _ulps(got, routed) > _bound(dtype, 2)

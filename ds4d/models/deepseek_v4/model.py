@@ -422,7 +422,8 @@ class DeepseekV4Model:
             else:
                 output = moe_forward(x, token_ids, layer.ffn, cfg, grouped=paths.fast_path, kernels=kernels,
                                      tally=None if tally is None else tally.layer(index),
-                                     beside=decode and paths.shared_beside, route_kernel=route_kernel)
+                                     beside=decode and paths.shared_beside, route_kernel=route_kernel,
+                                     decode_kernels=decode and paths.fast_path and paths.decode_kernel)
         return hc_post(output, streams, post, comb)
 
 

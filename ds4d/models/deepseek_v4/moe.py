@@ -189,24 +189,30 @@ def _row_by_row(x: torch.Tensor, weight, step_rows: int) -> bool:
 
 def _routed_grouped(
     x: torch.Tensor, expert_weights: torch.Tensor, indices: torch.Tensor, weights: MoEWeights, limit: float,
-    kernels: bool = False,
+    kernels: bool = False, plus: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """The routed experts' weighted sum ``[T, D]`` in ``x``'s dtype (``plus``: then plus it); ``kernels``: the
+    SwiGLU, the sum and ``plus`` in Triton (``prefill_triton``) where it launches."""
     tokens, k = indices.shape
     bank = weights.experts
     gate_up, down = bank.native if bank.native is not None else bank.dense()
     flat = indices.reshape(-1)
     if _row_by_row(x, gate_up, flat.shape[0]):  # no sort, no group ends: row t * k + j is token t's j-th expert
-        out = expert_ffn(_pair_rows(x, k, gate_up), gate_up, down, None, flat, limit)
+        out = expert_ffn(_pair_rows(x, k, gate_up), gate_up, down, None, flat, limit, kernels=kernels)
+        if kernels and prefill_triton.usable(out):
+            return prefill_triton.combine(out, None, expert_weights, x.dtype, add=plus)
         weighted = out.float() * expert_weights.reshape(-1, 1)
-        return weighted.view(tokens, k, -1).sum(dim=1).to(x.dtype)  # the sum of combine_sorted, in slot order
+        routed = weighted.view(tokens, k, -1).sum(dim=1).to(x.dtype)  # the sum of combine_sorted, in slot order
+        return routed if plus is None else routed + plus
     expert_of_row, order = torch.sort(flat, stable=True)
     counts = torch.zeros(bank.weights["w2"].shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat.to(torch.int64), torch.ones_like(flat, dtype=torch.int32))
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
     out = expert_ffn(x[order // k], gate_up, down, offsets, expert_of_row, limit, kernels=kernels)
     if kernels and prefill_triton.usable(out):
-        return prefill_triton.combine(out, order, expert_weights, x.dtype)
-    return combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
+        return prefill_triton.combine(out, order, expert_weights, x.dtype, add=plus)
+    routed = combine_sorted(out, order, expert_weights, tokens, k, x.dtype)
+    return routed if plus is None else routed + plus
 
 
 def _pair_rows(x: torch.Tensor, k: int, gate_up) -> torch.Tensor:
@@ -248,9 +254,12 @@ def _shared(x: torch.Tensor, weights: MoEWeights, limit: float, kernels: bool) -
 def moe_forward(
     x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config, *, grouped: bool = False,
     kernels: bool = False, tally: torch.Tensor | None = None, beside: bool = False, route_kernel: bool = False,
+    decode_kernels: bool = False,
 ) -> torch.Tensor:
     """``kernels`` (with ``grouped``): SwiGLU and the routed experts' weighted sum in Triton
     (``ds4d.cuda.prefill_triton``) and the router's logits from its split weight, for steps of many tokens.
+    ``decode_kernels`` (with ``grouped``): the SwiGLUs, and the routed experts' weighted sum with the shared
+    expert's output added, in Triton, for a decode step's few rows (the router as without).
     ``beside`` (with ``grouped``): the shared expert on a second stream (``ds4d.cuda.streams``), its SwiGLU
     in Triton, while the routing and the routed experts run on the current one.  ``route_kernel``: the
     routing after the router's logits in one Triton launch (:func:`route`)."""
@@ -264,8 +273,8 @@ def moe_forward(
         routed = _routed_grouped(x, expert_weights, indices, weights, limit, kernels)
         return routed + streams.rejoin(shared, x.device)
     if grouped:
-        shared = _shared(x, weights, limit, kernels)
-        return _routed_grouped(x, expert_weights, indices, weights, limit, kernels) + shared
+        tail = kernels or decode_kernels
+        return _routed_grouped(x, expert_weights, indices, weights, limit, tail, plus=_shared(x, weights, limit, tail))
     routed = torch.zeros_like(x)
     for expert in torch.unique(indices).tolist():
         token_idx, slot = torch.where(indices == expert)
