@@ -22,14 +22,50 @@ import triton.language as tl
 
 
 @triton.jit
+def _query_norm(q_row, eps, d: tl.constexpr, block_h: tl.constexpr, block_d: tl.constexpr):
+    """``[block_h, 1]``: each query's inverse RMS over its ``d`` columns, rounded to the queries' dtype (as
+    ``ops.unweighted_rms_norm`` rounds it)."""
+    cols = tl.arange(0, block_d)
+    squares = tl.zeros([block_h], dtype=tl.float32)
+    for c in range(d // block_d):
+        part = tl.load(q_row + c * block_d + cols[None, :]).to(tl.float32)
+        squares += tl.sum(part * part, axis=1)
+    return (1.0 / tl.sqrt(squares / d + eps)).to(q_row.dtype.element_ty).to(tl.float32)[:, None]
+
+
+@triton.jit
+def _rotated_piece(q_row, r, cos_row, sin_row, d: tl.constexpr, block_d: tl.constexpr, rope_pairs: tl.constexpr):
+    """The queries' last ``block_d`` columns (which hold the ``2 * rope_pairs`` rotated ones) normed by ``r`` and
+    rotated by ``cos_row``/``sin_row``, each rounded to the queries' dtype (as ``prefill_triton.head_norm_rope``
+    writes them): each column meets its pair's other, read a second time."""
+    dtype = q_row.dtype.element_ty
+    cols = d - block_d + tl.arange(0, block_d)
+    x = (tl.load(q_row + cols[None, :]).to(tl.float32) * r).to(dtype).to(tl.float32)
+    partner = (tl.load(q_row + (cols ^ 1)[None, :]).to(tl.float32) * r).to(dtype).to(tl.float32)
+    rotated = cols >= d - 2 * rope_pairs
+    pair = cols // 2 - (d // 2 - rope_pairs)
+    cos = tl.load(cos_row + pair, mask=rotated, other=1.0)[None, :]
+    sin = tl.load(sin_row + pair, mask=rotated, other=0.0)[None, :]
+    turned = tl.where((cols % 2 == 0)[None, :], x * cos - partner * sin, x * cos + partner * sin)
+    return tl.where(rotated[None, :], turned, x).to(dtype)
+
+
+@triton.jit
 def _scores(q_row, k_rows, live, scale, d: tl.constexpr, block_h: tl.constexpr, block_k: tl.constexpr,
-            block_d: tl.constexpr, precision: tl.constexpr):
-    """``[block_h, block_k]`` float32 scores of the queries at ``q_row [block_h, 1]`` (pointers to their rows)
-    against the keys at ``k_rows [block_k, 1]``, over ``d`` columns ``block_d`` at a time; -inf where not live."""
+            block_d: tl.constexpr, precision: tl.constexpr, r, last, rope_pairs: tl.constexpr):
+    """``[block_h, block_k]`` float32 scores of the queries at ``q_row [block_h, 1]`` (pointers to their rows;
+    with ``rope_pairs`` normed by ``r`` as read, their last ``block_d`` columns ``last``, normed and rotated:
+    :func:`_rotated_piece`) against the keys at ``k_rows [block_k, 1]``, over ``d`` columns ``block_d`` at a
+    time; -inf where not live."""
     cols = tl.arange(0, block_d)
     logits = tl.zeros([block_h, block_k], dtype=tl.float32)
     for c in range(d // block_d):  # a loop, not unrolled: one piece's loads live at a time
         q_part = tl.load(q_row + c * block_d + cols[None, :])
+        if rope_pairs > 0:
+            if c == d // block_d - 1:
+                q_part = last
+            else:
+                q_part = (q_part.to(tl.float32) * r).to(q_part.dtype)
         k_part = tl.load(k_rows + c * block_d + cols[None, :], mask=live[:, None], other=0.0).to(q_part.dtype)
         logits = tl.dot(q_part, tl.trans(k_part), logits, input_precision=precision)
     # float32 whatever ``scale`` came as: torch.compile hands a Python float to a user kernel as float64
@@ -49,17 +85,21 @@ def _online(logits, v_tile, m, s_sum, acc, precision: tl.constexpr):
 
 @triton.jit
 def decode_attention_kernel(q_ptr, ring_ptr, slots_ptr, pos_ptr, pool_ptr, table_ptr, picks_ptr, o_ptr, m_ptr,
-                            l_ptr, heads, window, ratio, per_block, n_slots, n_picks, window_parts, scale, sqb, sqh,
-                            sps, sss, srs, srw, spb, spp, stb, spk, d: tl.constexpr, block_h: tl.constexpr,
-                            block_k: tl.constexpr, block_d: tl.constexpr, d_out: tl.constexpr,
-                            chunk: tl.constexpr, entries: tl.constexpr, precision: tl.constexpr):
+                            l_ptr, cos_ptr, sin_ptr, heads, window, ratio, per_block, n_slots, n_picks, window_parts,
+                            scale, q_eps, sqb, sqh, sps, sss, srs, srw, spb, spp, stb, spk, sc, d: tl.constexpr,
+                            block_h: tl.constexpr, block_k: tl.constexpr, block_d: tl.constexpr, d_out: tl.constexpr,
+                            chunk: tl.constexpr, entries: tl.constexpr, precision: tl.constexpr,
+                            rope_pairs: tl.constexpr):
     """Row ``program_id(0)``; heads ``(program_id(1) // (d / d_out)) * block_h ..`` and output columns
     ``(program_id(1) % (d / d_out)) * d_out ..``; part ``program_id(2)`` of the row's keys, ``chunk`` of them:
     parts ``0 .. window_parts - 1`` are the window ring's slots, the rest the entries (``entries`` 1: every
     visible one of the row's blocks in id order; 2: the picked ones).  Writes the part's softmax state, its
     largest score ``m``, sum ``l`` of exp(score - m) and weighted sum ``o`` of the values' columns, to
     ``[rows, parts, heads(, d)]`` float32 (a part with no live key: m = -1e30, l = 0, o = 0); ``combine_kernel``
-    merges the parts and the sink.  Heads past ``heads`` read head 0's query and are not stored."""
+    merges the parts and the sink.  Heads past ``heads`` read head 0's query and are not stored.  With
+    ``rope_pairs`` the queries are read as stored before their norm and RoPE: each is RMS-normed (``q_eps``) and
+    its last ``2 * rope_pairs`` columns rotated by the row's ``cos``/``sin`` as it is read (:func:`_rotated_piece`:
+    the rotated columns must lie in the last ``block_d``)."""
     row = tl.program_id(0)
     col_blocks: tl.constexpr = d // d_out
     part = tl.program_id(2)
@@ -68,6 +108,11 @@ def decode_attention_kernel(q_ptr, ring_ptr, slots_ptr, pos_ptr, pool_ptr, table
     live_h = h < heads
     cols = (tl.program_id(1) % col_blocks) * d_out + tl.arange(0, d_out)
     q_row = q_ptr + row * sqb + tl.where(live_h, h, 0)[:, None] * sqh
+    r = tl.full([block_h, 1], 1.0, tl.float32)
+    last = tl.zeros([block_h, block_d], dtype=q_ptr.dtype.element_ty)  # unread without ``rope_pairs``
+    if rope_pairs > 0:
+        r = _query_norm(q_row, q_eps, d, block_h, block_d)
+        last = _rotated_piece(q_row, r, cos_ptr + row * sc, sin_ptr + row * sc, d, block_d, rope_pairs)
     m = tl.full([block_h], -1e30, tl.float32)  # finite: a part whose keys are all masked stays at l = 0
     s_sum = tl.zeros([block_h], dtype=tl.float32)
     acc = tl.zeros([block_h, d_out], dtype=tl.float32)
@@ -79,7 +124,8 @@ def decode_attention_kernel(q_ptr, ring_ptr, slots_ptr, pos_ptr, pool_ptr, table
             held = pos - ((pos - j) % window + window) % window
             live = (j < window) & (held >= 0)
             k_rows = ring + tl.where(live, j, 0)[:, None] * srw
-            logits = _scores(q_row, k_rows, live, scale, d, block_h, block_k, block_d, precision)
+            logits = _scores(q_row, k_rows, live, scale, d, block_h, block_k, block_d, precision, r, last,
+                              rope_pairs)
             v_tile = tl.load(k_rows + cols[None, :], mask=live[:, None], other=0.0)
             m, s_sum, acc = _online(logits, v_tile.to(q_ptr.dtype.element_ty), m, s_sum, acc, precision)
     if entries != 0:
@@ -96,7 +142,8 @@ def decode_attention_kernel(q_ptr, ring_ptr, slots_ptr, pos_ptr, pool_ptr, table
                     live = live & (entry < visible)
                 block = tl.load(table_ptr + row * stb + entry // per_block, mask=live, other=0)
                 e_rows = pool_ptr + block[:, None] * spb + (entry % per_block)[:, None] * spp
-                logits = _scores(q_row, e_rows, live, scale, d, block_h, block_k, block_d, precision)
+                logits = _scores(q_row, e_rows, live, scale, d, block_h, block_k, block_d, precision, r, last,
+                                  rope_pairs)
                 v_tile = tl.load(e_rows + cols[None, :], mask=live[:, None], other=0.0)
                 m, s_sum, acc = _online(logits, v_tile.to(q_ptr.dtype.element_ty), m, s_sum, acc, precision)
     state = (row * parts + part) * heads + h  # [block_h] offsets into m and l; times d into o

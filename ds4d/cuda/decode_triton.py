@@ -58,7 +58,8 @@ def decode_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, p
                      sink: torch.Tensor, scale: float, pool: torch.Tensor | None = None,
                      table: torch.Tensor | None = None, ratio: int = 0, picks: torch.Tensor | None = None,
                      out: torch.Tensor | None = None,
-                     unrotate: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                     unrotate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     norm_rope: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """A decode step's attention in two launches: a program per row, block of heads, block of output columns and
     part of the row's keys (``DECODE_TUNING["chunk"]`` of them) writes the part's softmax state to a float32
     scratch; a second merges the parts with the sink into the output.
@@ -71,8 +72,10 @@ def decode_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, p
     the row's entry slots; one past the visible ones is left out).  Keys are the values; scores and sums in
     float32, the probabilities meeting the keys in ``q``'s dtype.  ``unrotate`` (``cos``, ``sin`` ``[B, r / 2]``
     float32): the output's last ``r`` columns, once rounded to its dtype, are rotated back pairwise in the second
-    launch, as ``prefill_triton.head_norm_rope(inverse=True)`` would after it.  Fixed shapes and no host reads: it
-    can be captured in a CUDA graph."""
+    launch, as ``prefill_triton.head_norm_rope(inverse=True)`` would after it.  ``norm_rope`` (``cos``, ``sin``,
+    ``eps``): ``q`` as projected, each query RMS-normed and rotated as it is read, the values
+    ``prefill_triton.head_norm_rope(q, cos, sin, eps)`` would write (``q`` itself is left as it is).  Fixed shapes
+    and no host reads: it can be captured in a CUDA graph."""
     batch, heads, d = q.shape
     q = q if q.stride(2) == 1 else q.contiguous()
     out = torch.empty_like(q) if out is None else out
@@ -103,26 +106,38 @@ def decode_attention(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, p
     o = torch.empty(batch, parts, heads, d, dtype=torch.float32, device=q.device)
     m = torch.empty(batch, parts, heads, dtype=torch.float32, device=q.device)
     s = torch.empty_like(m)
+    block_d = min(t["block_d"], d)
+    q_cos, q_sin, q_eps = m, m, 0.0  # unread without ``norm_rope``
+    if norm_rope is not None:
+        (q_cos, q_sin), q_eps = _rope_rows(*norm_rope[:2], batch, d), norm_rope[2]
+        if d % block_d or 2 * q_cos.shape[1] > block_d:
+            raise ValueError(f"decode_attention: queries of {d} with {2 * q_cos.shape[1]} rotated columns read "
+                             f"{block_d} columns at a time (the rotated ones must lie in the last of them)")
     k = _kernels()
     k.decode_attention_kernel[(batch, -(-heads // block_h) * (d // d_out), parts)](
-        q, ring, slots, positions, pool, table, picks, o, m, s, heads, window, max(ratio, 1), per_block, n_slots,
-        n_picks, window_parts, float(scale), q.stride(0), q.stride(1), positions.stride(0), slots.stride(0),
-        ring.stride(0), ring.stride(1), pool.stride(0), pool.stride(1), table.stride(0), picks.stride(0), d=d,
-        block_h=block_h, block_k=block_k, block_d=min(t["block_d"], d), d_out=d_out, chunk=chunk, entries=entries,
-        precision="ieee" if q.dtype == torch.float32 else "tf32", num_warps=t["warps"], num_stages=t["stages"])
+        q, ring, slots, positions, pool, table, picks, o, m, s, q_cos, q_sin, heads, window, max(ratio, 1), per_block,
+        n_slots, n_picks, window_parts, float(scale), float(q_eps), q.stride(0), q.stride(1), positions.stride(0),
+        slots.stride(0), ring.stride(0), ring.stride(1), pool.stride(0), pool.stride(1), table.stride(0),
+        picks.stride(0), q_cos.stride(0), d=d, block_h=block_h, block_k=block_k, block_d=block_d, d_out=d_out,
+        chunk=chunk, entries=entries, precision="ieee" if q.dtype == torch.float32 else "tf32",
+        rope_pairs=0 if norm_rope is None else q_cos.shape[1], num_warps=t["warps"], num_stages=t["stages"])
     c = COMBINE_TUNING
     c_out = min(c["d_out"], d)
-    cos = sin = m  # unread without ``unrotate``
-    if unrotate is not None:
-        cos, sin = (t.float() for t in unrotate)
-        if cos.shape != sin.shape or cos.shape[0] != batch or not 0 < 2 * cos.shape[1] <= d \
-                or cos.stride(1) != 1 or sin.stride() != cos.stride():
-            raise ValueError(f"decode_attention: cos/sin {tuple(cos.shape)} to unrotate {batch} rows of {d}")
+    cos, sin = (m, m) if unrotate is None else _rope_rows(*unrotate, batch, d)  # unread without ``unrotate``
     k.combine_kernel[(batch, -(-heads // c["block_heads"]), d // c_out)](
         o, m, s, sink, out, cos, sin, heads, parts, out.stride(0), out.stride(1), cos.stride(0), d=d,
         block_h=c["block_heads"], d_out=c_out, block_p=c["block_parts"],
         rope_pairs=0 if unrotate is None else cos.shape[1], num_warps=c["warps"])
     return out
+
+
+def _rope_rows(cos: torch.Tensor, sin: torch.Tensor, batch: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` as float32 ``[batch, r / 2]`` rows of contiguous values, sharing strides, for rows of ``d``."""
+    cos, sin = cos.float(), sin.float()
+    if cos.shape != sin.shape or cos.shape[0] != batch or not 0 < 2 * cos.shape[1] <= d or cos.stride(1) != 1 \
+            or sin.stride() != cos.stride():
+        raise ValueError(f"cos/sin {tuple(cos.shape)} for {batch} rows of {d} columns")
+    return cos, sin
 
 
 def decode_qkv_norms(q_low: torch.Tensor, kv_low: torch.Tensor, q_norm: torch.Tensor, kv_norm: torch.Tensor,
@@ -135,12 +150,9 @@ def decode_qkv_norms(q_low: torch.Tensor, kv_low: torch.Tensor, q_norm: torch.Te
     Two programs a row, one for each; fixed shapes and no host reads."""
     batch, rank = q_low.shape
     d = kv_low.shape[1]
-    cos, sin = (t.float() for t in (cos, sin))
     if q_low.stride(1) != 1 or kv_low.stride(1) != 1 or ring.stride(2) != 1 or d & (d - 1) or ring.shape[2] != d:
         raise ValueError("decode_qkv_norms takes rows of contiguous values and a power-of-two KV width")
-    if cos.shape != sin.shape or cos.shape[0] != batch or not 0 < 2 * cos.shape[1] <= d or cos.stride(1) != 1 \
-            or sin.stride() != cos.stride():
-        raise ValueError(f"decode_qkv_norms: cos/sin {tuple(cos.shape)} for {batch} rows of {d}")
+    cos, sin = _rope_rows(cos, sin, batch, d)
     q_residual = torch.empty(batch, rank, dtype=q_low.dtype, device=q_low.device)
     if batch:
         _kernels().qkv_norms_kernel[(batch, 2)](

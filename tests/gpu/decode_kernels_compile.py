@@ -1,6 +1,7 @@
 """Compile the decode kernels (``ds4d.cuda.decode_kernels``) for an H200 (sm_90) on any machine, with the ptxas
 Triton's wheel carries, at the launches ``ds4d.cuda.decode_triton`` sets: the attention for each kind of entries
-(none, every visible one, the indexer's picks) at V4-Flash's head width, and the compressor step for V4-Flash's
+(none, every visible one, the indexer's picks) at V4-Flash's head width (its queries normed and rotated as read;
+and once as stored), and the compressor step for V4-Flash's
 three compressors (CSA's 512-wide and its indexer's 128-wide with overlapping windows of 4, HCA's 512-wide
 windows of 128), the merge of the attention's parts with and without its inverse RoPE, and the query's and
 KV's norms, in bfloat16 and float32.  One JSON line a case: its registers a thread, its local memory (spilled
@@ -23,20 +24,22 @@ from ds4d.cuda.decode_triton import COMBINE_TUNING, COMPRESS_TUNING, DECODE_TUNI
 from tests.gpu.gguf_sass_count import _sass
 
 INTS = ("heads", "window", "ratio", "per_block", "n_slots", "n_picks", "window_parts")
-STRIDES = ("sqb", "sqh", "sps", "sss", "srs", "srw", "spb", "spp", "stb", "spk")
+STRIDES = ("sqb", "sqh", "sps", "sss", "srs", "srw", "spb", "spp", "stb", "spk", "sc")
 COMPRESS_STRIDES = ("skb", "ssb", "sts", "str_", "sps", "sss", "stb", "spb", "spp")
 QKV_STRIDES = ("sqb", "skb", "sc", "srb", "srs", "srw", "sps", "sss")
 
 
-def compiled(entries: int, dtype: str, d: int = 512, window: int = 128):
+def compiled(entries: int, dtype: str, d: int = 512, window: int = 128, rope_pairs: int = 32):
+    """The attention for ``entries``, queries of ``dtype`` (``rope_pairs``: normed and rotated as read)."""
     values = f"*{dtype}"
     signature = {"q_ptr": values, "ring_ptr": values, "slots_ptr": "*i64", "pos_ptr": "*i64", "pool_ptr": values,
                  "table_ptr": "*i64", "picks_ptr": "*i64", "o_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
-                 **dict.fromkeys(INTS, "i32"), "scale": "fp32", **dict.fromkeys(STRIDES, "i32")}
+                 "cos_ptr": "*fp32", "sin_ptr": "*fp32", **dict.fromkeys(INTS, "i32"), "scale": "fp32",
+                 "q_eps": "fp32", **dict.fromkeys(STRIDES, "i32")}
     t = DECODE_TUNING
     constants = {"d": d, "block_h": t["block_heads"], "block_k": t["block_keys"], "block_d": t["block_d"],
                  "d_out": t["d_out"], "chunk": -(-t["chunk"] // t["block_keys"]) * t["block_keys"],
-                 "entries": entries, "precision": "ieee" if dtype == "fp32" else "tf32"}
+                 "entries": entries, "precision": "ieee" if dtype == "fp32" else "tf32", "rope_pairs": rope_pairs}
     signature.update(dict.fromkeys(constants, "constexpr"))
     return _compile(decode_attention_kernel, signature, constants, t["warps"], t["stages"])
 
@@ -95,6 +98,8 @@ def main() -> int:
         for entries in (0, 1, 2):
             print(json.dumps({"kernel": "attention", "entries": entries, "dtype": dtype,
                               **facts(compiled(entries, dtype))}), flush=True)
+        print(json.dumps({"kernel": "attention", "entries": 0, "rope": 0, "dtype": dtype,
+                          **facts(compiled(0, dtype, rope_pairs=0))}), flush=True)
         print(json.dumps({"kernel": "combine", "dtype": dtype, **facts(compiled_combine(dtype))}), flush=True)
         print(json.dumps({"kernel": "combine", "rope": 32, "dtype": dtype, **facts(compiled_combine(dtype, rope_pairs=32))}),
               flush=True)

@@ -138,3 +138,34 @@ def test_the_query_and_kv_norms_in_one_launch_equal_the_operators(dtype):
             assert ((got - want).abs() <= steps * 2**-7 * torch.maximum(got.abs(), want.abs())).all()
             assert (got == want).float().mean().item() >= 0.9
     assert (got_ring[written] != ring[written]).any()
+
+
+@pytest.mark.parametrize(("entries", "d"), [("none", D), ("picked", D), ("none", 4 * D), ("picked", 4 * D)])
+def test_queries_normed_and_rotated_as_read_equal_those_written_first(entries, d):
+    """``norm_rope``: the attention over queries as projected, each normed and rotated as the kernel reads it,
+    against the attention over the queries ``prefill_triton.head_norm_rope`` wrote first (float32: within the
+    order of the norm's sums); the queries themselves are left as they were.  Heads of ``4 * D`` columns are
+    read in four pieces, only the last of which holds rotated columns."""
+    from ds4d.cuda import prefill_triton
+
+    gen = torch.Generator().manual_seed(13)
+    rows, pairs, eps = 2, 8, 1e-6
+    q = (torch.randn(rows, HEADS, d, generator=gen) * 4).to(device())
+    ring = torch.randn(rows, WINDOW, d, generator=gen).to(device())
+    slots, positions = torch.tensor([1, 0]).to(device()), torch.tensor([140, 700]).to(device())
+    sink = torch.randn(HEADS, generator=gen).to(device())
+    angles = torch.rand(rows, pairs, generator=gen) * 6
+    cos, sin = angles.cos().to(device()), angles.sin().to(device())
+    extra = {}
+    if entries == "picked":
+        extra = {"pool": torch.randn(12, PER_BLOCK, d, generator=gen).to(device()), "ratio": RATIO,
+                 "table": torch.arange(12).view(2, 6).to(device()),
+                 "picks": torch.stack([torch.randperm(192, generator=gen)[:48] for _ in range(rows)]).to(device())}
+    before = q.clone()
+    got = decode_triton.decode_attention(q, ring, slots, positions, sink, d**-0.5, norm_rope=(cos, sin, eps), **extra)
+    assert torch.equal(q, before)
+    want = decode_triton.decode_attention(prefill_triton.head_norm_rope(q.clone(), cos, sin, eps), ring, slots,
+                                          positions, sink, d**-0.5, **extra)
+    plain = decode_triton.decode_attention(q, ring, slots, positions, sink, d**-0.5, **extra)
+    assert (got - want).abs().max().item() < 1e-5 * want.abs().max().item()
+    assert (plain - want).abs().max().item() > 1e-2 * want.abs().max().item()

@@ -27,11 +27,13 @@ def test_the_decode_kernels_compile_for_sm90_without_spills():
     out = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu" / "decode_kernels_compile.py")], env=env,
                          capture_output=True, text=True, check=True, timeout=600).stdout
     cases = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    kinds = {(c["kernel"], c.get("entries", c.get("ratio", c.get("rope"))), c.get("dim"), c["dtype"]) for c in cases}
-    assert kinds == {(kernel, kind, dim, dtype) for dtype in ("bf16", "fp32")
-                     for kernel, kind, dim in (("attention", 0, None), ("attention", 1, None), ("attention", 2, None),
-                                               ("combine", None, None), ("combine", 32, None), ("qkv", None, None),
-                                               ("compress", 4, 512), ("compress", 4, 128), ("compress", 128, 512))}
+    kinds = {(c["kernel"], c.get("entries", c.get("ratio")), c.get("rope"), c.get("dim"), c["dtype"]) for c in cases}
+    assert kinds == {(kernel, kind, rope, dim, dtype) for dtype in ("bf16", "fp32")
+                     for kernel, kind, rope, dim in (
+                         ("attention", 0, None, None), ("attention", 1, None, None), ("attention", 2, None, None),
+                         ("attention", 0, 0, None), ("combine", None, None, None), ("combine", None, 32, None),
+                         ("qkv", None, None, None), ("compress", 4, None, 512), ("compress", 4, None, 128),
+                         ("compress", 128, None, 512))}
     for case in cases:
         assert case["spilled_bytes"] == 0 and 0 < case["registers"] <= 255, case
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ds4d.cuda import decode_triton, prefill_triton
+from ds4d.cuda import decode_triton
 from ds4d.models.deepseek_v4.attention import project_out, project_qkv
 from ds4d.models.deepseek_v4.cache import CompressorState, LayerCache
 from ds4d.models.deepseek_v4.compressor import project
@@ -145,9 +145,9 @@ def decode_attention(
     """``x [B, D]`` (normed sub-layer input, one token per sequence) -> attention output ``[B, D]``.
     ``kernel``: the step's work between its projections in Triton kernels instead of torch's operators,
     indexing, gathers, concatenations and batched matmuls: the query's and KV's norms, the KV's RoPE and its
-    ring write in one (``decode_triton.decode_qkv_norms``), the queries' norm and RoPE in place
-    (``prefill_triton.head_norm_rope``), each compressor's step in one (``decode_triton.decode_compress``), the
-    scores, softmax, weighted sum and the output's inverse RoPE in two (``decode_triton.decode_attention``: the
+    ring write in one (``decode_triton.decode_qkv_norms``), each compressor's step in one
+    (``decode_triton.decode_compress``), the queries' norm and RoPE, the scores, softmax, weighted sum and the
+    output's inverse RoPE in two (``decode_triton.decode_attention``: the queries normed and rotated as read, the
     rings and entry blocks read where they sit, no gathered keys, masks or scores in memory); the indexer's
     pick is the same either way."""
     cos, sin = dec.rope_compress if weights.ratio else dec.rope_main
@@ -174,7 +174,7 @@ def decode_attention(
 def _attend_in_kernel(x: torch.Tensor, dec: DecodeInputs, weights: AttentionWeights, cache: LayerCache,
                       cfg: DeepseekV4Config, rope_compress: Rope) -> torch.Tensor:
     """:func:`decode_attention` up to the output's projection with its norms, RoPE, compressors' steps and
-    attention in ``decode_triton``'s and ``prefill_triton``'s kernels: the per-head output ``[B, H, d]`` with its
+    attention in ``decode_triton``'s kernels: the per-head output ``[B, H, d]`` with its
     RoPE already undone."""
     cos, sin = dec.rope_compress if weights.ratio else dec.rope_main
     eps, ring = cfg.rms_norm_eps, cache.window
@@ -182,14 +182,13 @@ def _attend_in_kernel(x: torch.Tensor, dec: DecodeInputs, weights: AttentionWeig
     q_residual = decode_triton.decode_qkv_norms(q_low, kv_low, weights.q_norm, weights.kv_norm, cos, sin, ring,
                                                 dec.slots, dec.positions, eps)
     q = linear(q_residual, weights.wq_b).view(x.shape[0], cfg.num_attention_heads, cfg.head_dim)
-    prefill_triton.head_norm_rope(q, cos, sin, eps)
     pool = table = picks = None
     if weights.compressor is not None:
         picks, _ = _compressors(x, q_residual, dec, weights, cache, cfg, rope_compress, kernel=True)
         pool, table = cache.compressor.pool, dec.block_table
     return decode_triton.decode_attention(q, ring, dec.slots, dec.positions, weights.sink, cfg.head_dim**-0.5,
                                           pool=pool, table=table, ratio=weights.ratio, picks=picks,
-                                          unrotate=(cos, sin))
+                                          unrotate=(cos, sin), norm_rope=(cos, sin, eps))
 
 
 def _compressors(x: torch.Tensor, q_residual: torch.Tensor, dec: DecodeInputs, weights: AttentionWeights,

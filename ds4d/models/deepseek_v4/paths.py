@@ -39,12 +39,13 @@ class ForwardPaths:
     decode_kernel: bool = False
     """Decode steps run each compressor's step and their attention in Triton kernels (``decode_triton``: one
     launch a compressor, two for the attention over the window ring and entry blocks read in place) instead of
-    torch's indexing, gathers and batched matmuls, the projections' norms, RoPE and the KV's ring write in two
-    more (``decode_triton.decode_qkv_norms``, ``prefill_triton.head_norm_rope``), and the feed-forward's SwiGLUs
-    and its routed experts' weighted sum with the shared expert's output in ``prefill_triton``'s kernels (with
-    the experts on the device).  On by default where the kernels can launch on CUDA
-    (:meth:`for_device`): on an H100, 16 layers of V4-Flash widths decoded 1.04-1.06x faster at batch 1 with it and
-    even at batch 8 (``ds4d bench model --decode-kernel`` adds the rows of the other path)."""
+    torch's indexing, gathers and batched matmuls (the queries' norm and RoPE as the attention reads them), the
+    KV's norm, RoPE and ring write with the query's low-rank norm in one more (``decode_triton.decode_qkv_norms``),
+    and the feed-forward's SwiGLUs and its routed experts' weighted sum with the shared expert's output in
+    ``prefill_triton``'s kernels (with the experts on the device).  On by default where the kernels can launch on
+    CUDA (:meth:`for_device`): on an H100, 16 layers of V4-Flash widths decoded 1.04-1.06x faster at batch 1 with
+    the attention's kernels and even at batch 8 (``ds4d bench model --decode-kernel`` adds the rows of the other
+    path)."""
     shared_beside: bool = False
     """Decode steps run the shared expert on a second CUDA stream (``ds4d.cuda.streams``), beside the routing and
     the routed experts (in a CUDA graph, two branches the GPU runs at once).  Off by default until measured
