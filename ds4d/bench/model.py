@@ -84,9 +84,11 @@ def add_parser(sub) -> None:
                    help="also decode with the shared expert on a second CUDA stream (ForwardPaths.shared_beside), "
                         "with --lookahead also queued ahead")
     p.add_argument("--route-kernel", action="store_true",
-                   help="also decode with each token's routing after the router's logits in one Triton launch "
-                        "(ForwardPaths.route_kernel), with --lookahead also queued ahead (--family deepseek_v41: "
-                        "its decode rows again, on the same weights)")
+                   help="also decode with the other routing than the device's default (ForwardPaths.route_kernel: "
+                        "each token's routing after the router's logits in one Triton launch, on by default on CUDA "
+                        "for V4): rows in torch's operators where the kernel is the default, else rows with it; with "
+                        "--lookahead also queued ahead (--family deepseek_v41: its decode rows again with the kernel, "
+                        "on the same weights)")
     p.add_argument("--sampled", action="store_true",
                    help="also decode sampling instead of greedy, steps queued ahead: temperature 1 (what a request "
                         "that sets nothing gets), and temperature 1 with top-p 0.95")
@@ -280,6 +282,8 @@ PATH_NOTES = {"graphs": "", "lookahead": " (graphs, steps queued ahead)",
               "torch-decode-lookahead": " (graphs, torch decode attention, steps queued ahead)",
               "route-kernel": " (graphs, routing in one kernel)",
               "route-kernel-lookahead": " (graphs, routing in one kernel, steps queued ahead)",
+              "torch-route": " (graphs, routing in torch's operators)",
+              "torch-route-lookahead": " (graphs, routing in torch's operators, steps queued ahead)",
               "shared-beside": " (graphs, shared expert on a second stream)",
               "shared-beside-lookahead": " (graphs, shared expert on a second stream, steps queued ahead)",
               "pdl": " (graphs, GEMVs as dependent launches)",
@@ -357,9 +361,10 @@ def run(args: argparse.Namespace) -> int:
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     other_decode = "torch-decode" if best.decode_kernel else "decode-kernel"  # --decode-kernel's rows
+    other_route = "torch-route" if best.route_kernel else "route-kernel"  # --route-kernel's rows
     if args.profile:
         for path in ("graphs", *([other_decode] if args.decode_kernel else []),
-                     *(["shared-beside"] if args.shared_beside else []), *(["route-kernel"] if args.route_kernel else []),
+                     *(["shared-beside"] if args.shared_beside else []), *([other_route] if args.route_kernel else []),
                      *(["pdl"] if args.pdl else []), "eager"):
             trace = Path(args.profile_trace).with_suffix(f".{path}.tsv") if args.profile_trace else None
             with gemv_launches(path):
@@ -421,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
     if args.shared_beside:
         ahead += ["shared-beside"] + (["shared-beside-lookahead"] if args.lookahead else [])
     if args.route_kernel:
-        ahead += ["route-kernel"] + (["route-kernel-lookahead"] if args.lookahead else [])
+        ahead += [other_route] + ([f"{other_route}-lookahead"] if args.lookahead else [])
     if args.pdl:
         ahead += ["pdl"] + (["pdl-lookahead"] if args.lookahead else [])
     for batch in batches:

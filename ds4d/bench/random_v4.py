@@ -231,7 +231,8 @@ def build(torch, args, device, offload_options=None):
 
 
 BENCH_PATHS = ("graphs", "lookahead", "sampled", "sampled-top-p", "decode-kernel", "decode-kernel-lookahead",
-               "torch-decode", "torch-decode-lookahead", "route-kernel", "route-kernel-lookahead",
+               "torch-decode", "torch-decode-lookahead", "route-kernel", "route-kernel-lookahead", "torch-route",
+               "torch-route-lookahead",
                "shared-beside", "shared-beside-lookahead", "pdl", "pdl-lookahead", "plain-hc", "numba-hc", "triton-hc",
                "torch-attention", "torch-token-wise", "all-rows", "eager", "reference")
 GRAPH_PATHS = tuple(p for p in BENCH_PATHS if p not in ("eager", "reference"))
@@ -246,6 +247,7 @@ def bench_paths(path: str, best):
     decode-kernel (-lookahead): graphs (lookahead) with a decode step's compressors and attention in Triton kernels;
     torch-decode (-lookahead): graphs (lookahead) with them in torch's operators (every other path: ``best``'s);
     route-kernel (-lookahead): graphs (lookahead) with a decode step's routing in one Triton launch (``route_kernel``);
+    torch-route (-lookahead): graphs (lookahead) with it in torch's operators;
     shared-beside (-lookahead): graphs (lookahead) with the shared expert on a second stream (``shared_beside``);
     pdl (-lookahead): graphs (lookahead); the bench launches a step's GEMVs and hyper-connection kernels as
     programmatic dependent launches (``devices.LAUNCH["pdl"]``) while it times these rows;
@@ -269,7 +271,7 @@ def bench_paths(path: str, best):
         last_layer_rows_only=path != "all-rows",
         decode_kernel=path.startswith("decode-kernel") or best.decode_kernel and not path.startswith("torch-decode"),
         shared_beside=path.startswith("shared-beside"),
-        route_kernel=best.route_kernel or path.startswith("route-kernel"),
+        route_kernel=path.startswith("route-kernel") or best.route_kernel and not path.startswith("torch-route"),
     )
 
 

@@ -86,9 +86,10 @@ def test_parts_of_other_sizes_give_the_same_output(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * torch.cuda.is_available())
 def test_the_output_rotated_back_in_the_merge_equals_the_inverse_rope_after_it(dtype):
-    """``unrotate``: the merge rounds the output to its dtype and rotates its last columns back, the same values
-    bit for bit as the output without it passed through ``ops.apply_rope(out, cos, -sin)``.  bfloat16 on a GPU
-    only: Triton's interpreter does not run the attention's bfloat16 products."""
+    """``unrotate``: the merge rounds the output to its dtype and rotates its last columns back, the values of the
+    output without it passed through ``ops.apply_rope(out, cos, -sin)`` (bit for bit in bfloat16; float32 within
+    its rounding: on a GPU the two may contract a product and a sum differently).  bfloat16 on a GPU only:
+    Triton's interpreter does not run the attention's bfloat16 products."""
     gen = torch.Generator().manual_seed(11)
     rows, pairs = 3, 8
     q = torch.randn(rows, HEADS, D, generator=gen).to(dtype)
@@ -101,8 +102,11 @@ def test_the_output_rotated_back_in_the_merge_equals_the_inverse_rope_after_it(d
     got = decode_triton.decode_attention(*args, D**-0.5, unrotate=(cos, sin))
     want = apply_rope(plain, cos, -sin)
     assert torch.equal(got[..., : D - 2 * pairs], plain[..., : D - 2 * pairs])
-    assert torch.equal(got.cpu(), want.cpu())
-    assert not torch.equal(got.cpu(), plain.cpu())
+    if dtype == torch.float32:
+        assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item()
+    else:
+        assert torch.equal(got.cpu(), want.cpu())
+    assert (got - plain).abs().max().item() > 1e-2 * plain.abs().max().item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32] + [torch.bfloat16] * torch.cuda.is_available())

@@ -68,9 +68,13 @@ def test_the_bench_rows_keep_the_default_decode_attention_but_their_own():
         assert rows == {"graphs": default, "lookahead": default, "pdl": default, "shared-beside": default,
                         "torch-decode": False, "torch-decode-lookahead": False, "decode-kernel": True,
                         "decode-kernel-lookahead": True}
-    best = ForwardPaths(fast_path=True, decode_graphs="cuda")
-    assert not bench_paths("graphs", best).route_kernel and bench_paths("route-kernel-lookahead", best).route_kernel
-    assert bench_paths("graphs", best.replace(route_kernel=True)).route_kernel
+    for default in (True, False):  # the same for the routing (``route_kernel``, on for CUDA)
+        best = ForwardPaths(fast_path=True, decode_graphs="cuda", route_kernel=default)
+        rows = {path: bench_paths(path, best).route_kernel
+                for path in ("graphs", "lookahead", "torch-decode", "torch-route", "torch-route-lookahead",
+                             "route-kernel", "route-kernel-lookahead")}
+        assert rows == {"graphs": default, "lookahead": default, "torch-decode": default, "torch-route": False,
+                        "torch-route-lookahead": False, "route-kernel": True, "route-kernel-lookahead": True}
 
 
 def test_a_model_with_other_paths_shares_the_weights(model):
