@@ -159,45 +159,13 @@ def combine_kernel(o_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, hea
                    rope_pairs: tl.constexpr):
     """Row ``program_id(0)``, heads ``program_id(1) * block_h ..``, columns ``program_id(2) * d_out ..``: the
     parts' softmax states (``block_p`` parts a load) and the sink (a key whose value is zero) merged into the
-    attention output.  With ``rope_pairs``, the output's last ``2 * rope_pairs`` columns, rounded to its dtype,
-    are rotated back pairwise by the row's ``cos``/``sin`` (``ops.apply_rope(out, cos, -sin)``)."""
+    attention output.  The columns are held as (even, odd) pairs, so that with ``rope_pairs`` a pair's two values
+    meet in registers: the output's last ``2 * rope_pairs`` columns, rounded to its dtype, are then rotated back
+    pairwise by the row's ``cos``/``sin`` (``ops.apply_rope(out, cos, -sin)``)."""
     row = tl.program_id(0)
     h = tl.program_id(1) * block_h + tl.arange(0, block_h)
     live_h = h < heads
-    if rope_pairs > 0:  # the columns as (even, odd) pairs, so that a pair's two values meet in registers
-        cols = tl.program_id(2) * d_out + tl.arange(0, d_out // 2)[:, None] * 2 + tl.arange(0, 2)[None, :]
-        _combine_pairs(o_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, row, h, live_h, cols, heads, parts,
-                       sob, soh, sc, d, block_h, d_out, block_p, rope_pairs)
-        return
-    cols = tl.program_id(2) * d_out + tl.arange(0, d_out)
-    top = tl.load(sink_ptr + h, mask=live_h, other=0.0).to(tl.float32)
-    sink = top
-    for first in range(0, parts, block_p):
-        p = first + tl.arange(0, block_p)
-        live = (p < parts)[:, None] & live_h[None, :]
-        m = tl.load(m_ptr + (row * parts + p)[:, None] * heads + h[None, :], mask=live, other=-1e30)
-        top = tl.maximum(top, tl.max(m, axis=0))
-    total = tl.exp(sink - top)
-    acc = tl.zeros([block_h, d_out], dtype=tl.float32)
-    for first in range(0, parts, block_p):
-        p = first + tl.arange(0, block_p)
-        live = (p < parts)[:, None] & live_h[None, :]
-        state = (row * parts + p)[:, None] * heads + h[None, :]  # [block_p, block_h]
-        weight = tl.exp(tl.load(m_ptr + state, mask=live, other=-1e30) - top[None, :])
-        total += tl.sum(tl.load(l_ptr + state, mask=live, other=0.0) * weight, axis=0)
-        o = tl.load(o_ptr + state.to(tl.int64)[:, :, None] * d + cols[None, None, :], mask=live[:, :, None],
-                    other=0.0)
-        acc += tl.sum(o * weight[:, :, None], axis=0)
-    tl.store(out_ptr + row * sob + h[:, None] * soh + cols[None, :], (acc / total[:, None]).to(out_ptr.dtype.element_ty),
-             mask=live_h[:, None])
-
-
-@triton.jit
-def _combine_pairs(o_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, row, h, live_h, cols, heads, parts,
-                   sob, soh, sc, d: tl.constexpr, block_h: tl.constexpr, d_out: tl.constexpr, block_p: tl.constexpr,
-                   rope_pairs: tl.constexpr):
-    """:func:`combine_kernel` over columns ``cols [d_out / 2, 2]`` (pairs), the pairs past ``d / 2 - rope_pairs``
-    rotated back after the output is rounded to its dtype, as ``prefill_triton.head_norm_rope(inverse=True)``."""
+    cols = tl.program_id(2) * d_out + tl.arange(0, d_out // 2)[:, None] * 2 + tl.arange(0, 2)[None, :]
     top = tl.load(sink_ptr + h, mask=live_h, other=0.0).to(tl.float32)
     sink = top
     for first in range(0, parts, block_p):
@@ -217,15 +185,16 @@ def _combine_pairs(o_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, cos_ptr, sin_ptr, row
                     mask=live[:, :, None, None], other=0.0)
         acc += tl.sum(o * weight[:, :, None, None], axis=0)
     dtype = out_ptr.dtype.element_ty
-    out = (acc / total[:, None, None]).to(dtype).to(tl.float32)
-    even, odd = tl.split(out)  # [block_h, d_out / 2]
-    pair = tl.program_id(2) * (d_out // 2) + tl.arange(0, d_out // 2)
-    rotated = pair >= d // 2 - rope_pairs
-    cos = tl.load(cos_ptr + row * sc + pair - (d // 2 - rope_pairs), mask=rotated, other=1.0)[None, :]
-    sin = -tl.load(sin_ptr + row * sc + pair - (d // 2 - rope_pairs), mask=rotated, other=0.0)[None, :]
-    out = tl.join(tl.where(rotated[None, :], even * cos - odd * sin, even),
-                  tl.where(rotated[None, :], odd * cos + even * sin, odd))
-    tl.store(out_ptr + row * sob + h[:, None, None] * soh + cols[None, :, :], out.to(dtype), mask=live_h[:, None, None])
+    out = (acc / total[:, None, None]).to(dtype)
+    if rope_pairs > 0:
+        even, odd = tl.split(out.to(tl.float32))  # [block_h, d_out / 2]
+        pair = tl.program_id(2) * (d_out // 2) + tl.arange(0, d_out // 2)
+        rotated = pair >= d // 2 - rope_pairs
+        cos = tl.load(cos_ptr + row * sc + pair - (d // 2 - rope_pairs), mask=rotated, other=1.0)[None, :]
+        sin = -tl.load(sin_ptr + row * sc + pair - (d // 2 - rope_pairs), mask=rotated, other=0.0)[None, :]
+        out = tl.join(tl.where(rotated[None, :], even * cos - odd * sin, even),
+                      tl.where(rotated[None, :], odd * cos + even * sin, odd)).to(dtype)
+    tl.store(out_ptr + row * sob + h[:, None, None] * soh + cols[None, :, :], out, mask=live_h[:, None, None])
 
 
 @triton.jit
