@@ -10,6 +10,8 @@ wrappers and contracts; this module imports Triton, so it is imported only when 
   over the head width ``block_d`` columns at a time, in a loop (so only one piece of the query and of the keys
   is in registers at once), and multiplies the probabilities by its own columns of the keys only.  The
   programs of one row, head block and part compute the same scores and softmax, each for its columns.
+* :func:`qkv_norms_kernel`: the query's and the KV's RMS norms after their low-rank projections, the KV's RoPE and
+  its write into the window ring (the queries' own norm and RoPE happen as the attention kernel reads them);
 * :func:`compress_kernel`: a compressor's decode step for one row: the token's projections into its tail ring
   and, when the token closes a window, the window's entry pooled from the ring, normed, rotated and written
   into the row's block.
