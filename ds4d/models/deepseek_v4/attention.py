@@ -354,12 +354,11 @@ def project_out(
     """Per-head attention output ``[T, H, d]``: undo the value RoPE, then the grouped low-rank projection;
     ``kernels``: the inverse RoPE in place, on the rotated channels only (``out`` is spent); ``unrotated``: the
     RoPE is undone already (``decode_triton.decode_attention(unrotate=...)``)."""
-    if unrotated:
-        pass
-    elif kernels and prefill_triton.rope_usable(out, 2 * cos.shape[-1]):
-        prefill_triton.head_norm_rope(out, cos, sin, norm=False, inverse=True)
-    else:
-        out = apply_rope(out, cos, -sin)
+    if not unrotated:
+        if kernels and prefill_triton.rope_usable(out, 2 * cos.shape[-1]):
+            prefill_triton.head_norm_rope(out, cos, sin, norm=False, inverse=True)
+        else:
+            out = apply_rope(out, cos, -sin)
     groups = cfg.o_groups
     grouped = out.reshape(out.shape[0], groups, -1).transpose(0, 1)  # [G, T, k]
     wo_a = weights.wo_a.view(groups, cfg.o_lora_rank, -1).transpose(1, 2)  # [G, k, r]

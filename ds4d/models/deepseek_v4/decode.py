@@ -152,8 +152,8 @@ def decode_attention(
     pick is the same either way."""
     cos, sin = dec.rope_compress if weights.ratio else dec.rope_main
     if kernel:
-        return project_out(_attend_in_kernel(x, dec, weights, cache, cfg, rope_compress), weights, cos, sin, cfg,
-                           unrotated=True)
+        return project_out(_attend_in_kernel(x, dec, weights, cache, cfg, rope_compress, cos, sin), weights, cos,
+                           sin, cfg, unrotated=True)
     q_residual, q, kv = project_qkv(x, weights, cos, sin, cfg)
     keys, mask = _window(cache.window, kv, dec)
     if weights.compressor is not None:
@@ -172,11 +172,10 @@ def decode_attention(
 
 
 def _attend_in_kernel(x: torch.Tensor, dec: DecodeInputs, weights: AttentionWeights, cache: LayerCache,
-                      cfg: DeepseekV4Config, rope_compress: Rope) -> torch.Tensor:
-    """:func:`decode_attention` up to the output's projection with its norms, RoPE, compressors' steps and
-    attention in ``decode_triton``'s kernels: the per-head output ``[B, H, d]`` with its
+                      cfg: DeepseekV4Config, rope_compress: Rope, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`decode_attention` up to the output's projection with its norms, RoPE (the layer's ``cos``/``sin``),
+    compressors' steps and attention in ``decode_triton``'s kernels: the per-head output ``[B, H, d]`` with its
     RoPE already undone."""
-    cos, sin = dec.rope_compress if weights.ratio else dec.rope_main
     eps, ring = cfg.rms_norm_eps, cache.window
     q_low, kv_low = linear_pair(x, weights.wq_a, weights.wkv, weights.wq_a_wkv)
     q_residual = decode_triton.decode_qkv_norms(q_low, kv_low, weights.q_norm, weights.kv_norm, cos, sin, ring,
