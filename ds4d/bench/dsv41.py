@@ -368,10 +368,12 @@ def run(args: argparse.Namespace) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     rows: list[Row] = []
     decoders = [(serving, "")]
-    if getattr(args, "route_kernel", False):  # the same weights, each decode step's routing in one launch
+    if getattr(args, "route_kernel", False):  # the same weights, each decode step's routing the other way
+        other = not model.paths.route_kernel
         routed = DeepseekV41Model(cfg, model.weights, model.hasher, device=device, dtype=dtype,
-                                  paths=model.paths.replace(route_kernel=True), expert_offload=model.expert_offload)
-        decoders.append((DeepseekV41Serving(routed, tokenizer, parameter_bytes=0), " (routing in one kernel)"))
+                                  paths=model.paths.replace(route_kernel=other), expert_offload=model.expert_offload)
+        label = " (routing in one kernel)" if other else " (routing in torch's operators)"
+        decoders.append((DeepseekV41Serving(routed, tokenizer, parameter_bytes=0), label))
         decoders[-1][0].allocate_cache(per_seq * max(batches + [1]), max(batches + [1]))
     for decoder, label in decoders:
         for batch in batches:

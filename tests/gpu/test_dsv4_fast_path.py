@@ -105,12 +105,15 @@ def _base_paths(graphs: str) -> ForwardPaths:
 def _assert_decodes_as_the_torch_path(checkpoint, model, base: ForwardPaths, change: dict) -> None:
     """``base.replace(**change)`` against ``base`` on :func:`_decode_logits`: in float32 within 1e-4 of the
     largest logit and the same greedy tokens; in bfloat16 each against the float32 fast path, the changed
-    path's largest difference at most 1.5x ``base``'s and its mean difference at most 1.25x ``base``'s.
+    path's largest and mean differences each at most 1.5x ``base``'s.
 
     Greedy tokens are not compared in bfloat16: in this random tiny model 88 of the 121 rows have their two
     largest float32 logits less than 0.25 apart (46 less than 0.1; float32 on the CPU), while either bfloat16
     path is up to about 2 off, so which rows keep their greedy token is chance (on an H100 the torch path kept
-    118 and the decode kernels 111, the kernels' largest difference the smaller, 1.66 against 2.06)."""
+    118 and the decode kernels 111, the kernels' largest difference the smaller, 1.66 against 2.06).  Where the
+    rounding falls moves the mean difference by more than a quarter between paths that are both right: on an
+    H100 torch's operators gave 0.0120 eagerly and 0.0194 through ``torch.compile``, the decode kernels 0.0168
+    and 0.0129.  The float32 cases are what bound the arithmetic (1e-4 of the largest logit)."""
     torch_path = _decode_logits(model, base)
     changed = _decode_logits(model, base.replace(**change))
     if model.dtype == torch.float32:
@@ -122,7 +125,7 @@ def _assert_decodes_as_the_torch_path(checkpoint, model, base: ForwardPaths, cha
     largest = {name: (got - exact).abs().max().item() for name, got in (("torch", torch_path), ("changed", changed))}
     mean = {name: (got - exact).abs().mean().item() for name, got in (("torch", torch_path), ("changed", changed))}
     assert largest["changed"] <= 1.5 * largest["torch"], (largest, mean)
-    assert mean["changed"] <= 1.25 * mean["torch"], (largest, mean)
+    assert mean["changed"] <= 1.5 * mean["torch"], (largest, mean)
 
 
 @pytest.mark.parametrize(("device", "dtype", "graphs"), KERNEL_CASES)

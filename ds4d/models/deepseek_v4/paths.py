@@ -53,9 +53,10 @@ class ForwardPaths:
     route_kernel: bool = False
     """Decode steps route each token in one Triton launch after the router's logits (``route_triton``: scores,
     the pick of ``k`` experts or a hash layer's table row, their weights) instead of torch's four or five (the
-    top-k's the longest).  On an H200, 16 layers of V4-Flash widths decoded 1.02-1.03x faster at batch 1 with it
-    (``ds4d bench model --route-kernel`` adds the rows of the other path); off by default until its GPU test
-    (``tests/gpu/test_dsv4_fast_path.py -k routing``) has run on a GPU."""
+    top-k's the longest).  On by default where the kernel can launch on CUDA (:meth:`for_device`): on an H200, 16
+    layers of V4-Flash widths decoded 1.02-1.03x faster at batch 1 with it, and its GPU test
+    (``tests/gpu/test_dsv4_fast_path.py -k routing``: float32 and bfloat16, eager, padded and compiled) passes on
+    an H100 (``ds4d bench model --route-kernel`` adds the rows of the other path)."""
     fused_prefill: bool = False
     """The token-wise work of steps that are not pure decode (hyper-connections, norms, RoPE, SwiGLU,
     the experts' weighted sum) goes through ``ds4d.cuda.prefill_triton``, and (bf16 models) the float32
@@ -92,13 +93,13 @@ class ForwardPaths:
         installed and CUDA graphs; elsewhere the reference path (kept exact on the CPU)."""
         if torch.device(device).type != "cuda":
             return cls()
-        from ds4d.cuda import attention_triton, decode_triton, hc_kernels, hc_triton, prefill_triton
+        from ds4d.cuda import attention_triton, decode_triton, hc_kernels, hc_triton, prefill_triton, route_triton
 
         hc = ("boundary" if hc_triton.available() else "numba") if hc_kernels.available() else "torch"
         return cls(fast_path=True, hc_kernels=hc, fused_attention=attention_triton.available(),
                    fused_prefill=hc_triton.available() and prefill_triton.available(), decode_graphs="cuda",
                    decode_kernel=decode_triton.available() and prefill_triton.available(),
-                   compile_decode=compile_decode)
+                   route_kernel=route_triton.available(), compile_decode=compile_decode)
 
     def replace(self, **changes) -> ForwardPaths:
         return dataclasses.replace(self, **changes)
