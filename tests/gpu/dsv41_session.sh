@@ -8,7 +8,7 @@ set -o pipefail
 source "$(dirname "$0")/daemon_lib.sh"
 ds4d_setup || exit 1
 # the HTTP tests' CPU half is what `make test` runs; here only their CUDA daemon (PYTEST_K to change)
-timeout "${TESTS_S:-150}" python3 -m pytest tests/gpu/test_dsv41_gpu.py tests/http/test_dsv41_http.py -q -p no:cacheprovider \
+timeout -s INT -k 20 "${TESTS_S:-150}" python3 -m pytest tests/gpu/test_dsv41_gpu.py tests/http/test_dsv41_http.py -q -rf -p no:cacheprovider \
   -k "${PYTEST_K:-not cpu}" 2>&1 | tee "$OUT/dsv41_tests.log" | tail -12
 timeout "${BENCH_S:-200}" python3 -m ds4d.cli bench model --family deepseek_v41 ${BENCH_ARGS:---decode-tokens 16 --batches 1,8} \
   --json "$OUT/dsv41_bench.json" 2>&1 | tee "$OUT/dsv41_bench.log" | tail -16

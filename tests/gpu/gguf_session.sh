@@ -19,7 +19,7 @@ ds4d_setup || exit 1
 LAYERS=${LAYERS:-0,0,4,128}
 COMMON="--no-hf --no-reference --batches ${BATCHES:-1,8} --decode-tokens 64 ${BENCH_ARGS:-}"
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout ${TESTS_S:-200} $PY -m pytest -q -x tests/unit/test_gguf_kernels.py tests/gpu/test_dsv4_gguf_gpu.py 2>&1 | tail -6
+  timeout -s INT -k 20 ${TESTS_S:-200} $PY -m pytest -q -rf -x tests/unit/test_gguf_kernels.py tests/gpu/test_dsv4_gguf_gpu.py 2>&1 | tail -6
 fi
 if [ "${GATE:-0}" = 1 ]; then  # the regression gate's 4-layer rows (tests/gpu/gate.sh --quick)
   INSTALL=0 BENCH_S=${GATE_S:-200} bash tests/gpu/gate.sh --quick 2>&1 | tail -12

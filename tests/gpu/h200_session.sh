@@ -8,7 +8,8 @@ export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TESTS_S:-240}" python3 -m pytest ${TESTS:-tests/gpu} -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  # at the limit an interrupt, not a kill: pytest still prints which tests failed before it
+  timeout -s INT -k 20 "${TESTS_S:-240}" python3 -m pytest ${TESTS:-tests/gpu} -q -rf -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 timeout "${BENCH_S:-330}" python3 -m ds4d.cli bench model ${BENCH_ARGS:---long} --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log"
 if [ "${PROFILE:-0}" = 1 ]; then

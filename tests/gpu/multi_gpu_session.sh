@@ -9,7 +9,7 @@ export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 TORCH_NCCL_SHOW_EAGER_INIT_P2P_
 GPUS=${GPUS:-$(python3 -c "import torch; print(','.join(map(str, range(torch.cuda.device_count()))))")}
 nvidia-smi topo -m | tee "$OUT/topology.txt"
 python3 -m ds4d.parallel.topology --gpus "$GPUS" | tee -a "$OUT/topology.txt"
-timeout "${TESTS_S:-300}" python3 -m pytest tests/gpu/test_parallel_gpu.py -q -p no:cacheprovider -rA 2>&1 \
+timeout -s INT -k 20 "${TESTS_S:-300}" python3 -m pytest tests/gpu/test_parallel_gpu.py -q -p no:cacheprovider -rA 2>&1 \
   | tee "$OUT/tests.log" | grep -E "PASSED|FAILED|SKIPPED|passed|failed"
 LAYOUTS=${LAYOUTS:-1,ep,pp}
 timeout "${BENCH_S:-300}" python3 -m ds4d.cli bench parallel --gpus "$GPUS" --layouts "$LAYOUTS" \
