@@ -1,6 +1,6 @@
 """Where a V4 step spends its GPU time: per-step wall times and the top kernels.
 
-    PYTHONPATH=. python3 tests/gpu/profile_dsv4.py [--tiny] [--native] [--out DIR]
+    PYTHONPATH=. python3 tests/gpu/profile_dsv4.py [--tiny] [--native] [--layers 0,0,4,128] [--out DIR]
 
 Builds the same random model as ``ds4d bench model`` and, for a 2K prefill, a
 16K prefill (chunks of 2K), and batch-1 decode after 1K tokens, prints each
@@ -61,18 +61,21 @@ def _profile(label: str, fn, out: Path | None) -> None:
     print(f"\n## {label}\n{table}", flush=True)
     if out is not None:
         (out / f"profile_{label}.txt").write_text(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60))
+        bench._write_trace(prof, 1 << 20, out / f"trace_{label}.tsv")  # every kernel of the step, in order
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--native", action="store_true", help="FP8 linears and MXFP4 experts")
+    parser.add_argument("--layers", default="", help="as bench model's --layers (its default: 0,0,4,128)")
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     out = Path(args.out) if args.out else None
     bench_parser = argparse.ArgumentParser()
     bench.add_parser(bench_parser.add_subparsers())
-    build_args = bench_parser.parse_args(["model", "--no-hf"] + ["--tiny"] * args.tiny + ["--native"] * args.native)
+    build_args = bench_parser.parse_args(["model", "--no-hf"] + ["--tiny"] * args.tiny + ["--native"] * args.native
+                                         + ["--layers", args.layers] * bool(args.layers))
     cfg, _, built, _, _ = random_v4.build(torch, build_args, torch.device("cuda"))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, cfg.vocab_size, (16384,), generator=gen).tolist()
