@@ -45,6 +45,26 @@ def test_paths_refuse_unknown_values_and_default_to_the_reference_on_the_cpu(mod
         model.with_paths(ForwardPaths(fast_path=True, decode_graphs="cuda"))
 
 
+@pytest.mark.parametrize("missing", ["", "route_triton", "decode_triton", "hc_triton"])
+def test_on_cuda_the_paths_are_every_kernel_that_can_launch(monkeypatch, missing):
+    """``for_device("cuda")`` turns each kernel path on where its module can launch and off where it cannot
+    (the modules' ``available`` stood in for, so this runs without a GPU)."""
+    from ds4d.cuda import attention_triton, decode_triton, hc_kernels, hc_triton, prefill_triton, route_triton
+
+    modules = {"attention_triton": attention_triton, "decode_triton": decode_triton, "hc_kernels": hc_kernels,
+               "hc_triton": hc_triton, "prefill_triton": prefill_triton, "route_triton": route_triton}
+    for name, module in modules.items():
+        monkeypatch.setattr(module, "available", lambda launch=name != missing: launch)
+    paths = ForwardPaths.for_device("cuda")
+    assert paths.fast_path and paths.decode_graphs == "cuda" and paths.fused_attention
+    assert paths.route_kernel == (missing != "route_triton")
+    assert paths.decode_kernel == (missing != "decode_triton")
+    assert paths.hc_kernels == ("numba" if missing == "hc_triton" else "boundary")
+    assert paths.fused_prefill == (missing != "hc_triton")
+    assert not paths.shared_beside and not paths.compile_decode
+    assert ForwardPaths.for_device("cuda", compile_decode=True).compile_decode
+
+
 def test_the_bench_rows_name_the_hyper_connection_paths_they_run():
     """``bench model``'s rows each build their paths from the device's best: the default row keeps the
     two-launch boundary (``boundary``), ``triton-hc`` the Triton weight kernels alone, ``plain-hc`` torch."""
