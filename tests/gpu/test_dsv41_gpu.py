@@ -154,14 +154,18 @@ def test_sequences_decoded_together_equal_each_decoded_alone(name):
 
 
 @pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
+@pytest.mark.parametrize("route_kernel", [False, True])
 @pytest.mark.parametrize("decode_graphs, compile_decode", [("padded", False), ("cuda", False), ("cuda", True)])
-def test_the_fixed_shape_decode_step_equals_the_per_sequence_forward(name, decode_graphs, compile_decode):
+def test_the_fixed_shape_decode_step_equals_the_per_sequence_forward(name, decode_graphs, compile_decode,
+                                                                     route_kernel):
     """tests/unit/test_dsv41_fixed_decode.py's check on the device: the fixed-shape step eagerly,
     replayed from its CUDA graphs, and compiled inside them, against the reference path, from the same
-    states each step."""
+    states each step; its routing in torch's operators and in one launch (``route_kernel``)."""
     from tests.unit.test_dsv41_fixed_decode import check_fixed_decode
 
-    fixed = check_fixed_decode(name, decode_graphs, device="cuda", tolerance=1e-4, compile_decode=compile_decode)
+    fixed = check_fixed_decode(name, decode_graphs, device="cuda", tolerance=1e-4, compile_decode=compile_decode,
+                               route_kernel=route_kernel)
+    assert fixed.model.paths.route_kernel == route_kernel
     assert fixed.graph_failure is None and len(fixed.graphs) == 1  # one bucket: 4 rows, 16 blocks
 
 

@@ -39,11 +39,11 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def servings(name: str | DeepseekV41Model, decode_graphs: str, device: str = "cpu",
-             compile_decode: bool = False,
-             reference: DeepseekV41Model | None = None) -> tuple[DeepseekV41Serving, DeepseekV41Serving]:
+             compile_decode: bool = False, reference: DeepseekV41Model | None = None,
+             route_kernel: bool | None = None) -> tuple[DeepseekV41Serving, DeepseekV41Serving]:
     """(per-sequence reference, fixed-shape step) servings of one fixture (or of a model's weights and
     expert offload; the reference path over the same weights, or ``reference`` as it is), caches
-    allocated."""
+    allocated.  ``route_kernel``: the fixed step's routing in one launch or not (None: the device's default)."""
     model = name if isinstance(name, DeepseekV41Model) else None
     if reference is None and model is not None:
         reference = DeepseekV41Model(model.cfg, model.weights, model.hasher, device=device, dtype=model.dtype,
@@ -52,6 +52,8 @@ def servings(name: str | DeepseekV41Model, decode_graphs: str, device: str = "cp
         reference = DeepseekV41Model.from_pretrained(FIXTURES / name, device=device, paths=ForwardPaths())
     model = model or reference
     paths = ForwardPaths.for_device(device).replace(decode_graphs=decode_graphs, compile_decode=compile_decode)
+    if route_kernel is not None:
+        paths = paths.replace(route_kernel=route_kernel)
     fixed = DeepseekV41Model(model.cfg, model.weights, model.hasher, device=device, dtype=model.dtype, paths=paths,
                              expert_offload=model.expert_offload)
     out = tuple(DeepseekV41Serving(model, tokenizer=None, block_tokens=BLOCK) for model in (reference, fixed))
@@ -87,10 +89,11 @@ def state_error(got: DeepseekV41Serving, want: DeepseekV41Serving, slot: int, bl
 
 def check_fixed_decode(name: str | DeepseekV41Model, decode_graphs: str, device: str = "cpu", steps: int = 12,
                        tolerance: float = 1e-5, compile_decode: bool = False,
-                       reference: DeepseekV41Model | None = None) -> DeepseekV41Serving:
+                       reference: DeepseekV41Model | None = None,
+                       route_kernel: bool | None = None) -> DeepseekV41Serving:
     """Decode steps of three sequences on both servings (:func:`servings`) from the same states; the
     fixed one back."""
-    reference, fixed = servings(name, decode_graphs, device, compile_decode, reference)
+    reference, fixed = servings(name, decode_graphs, device, compile_decode, reference, route_kernel)
     cfg = reference.cfg
     window = cfg.sliding_window
     lengths = (3, 2 * window + 1, 6 * BLOCK + 5)
@@ -119,6 +122,14 @@ def check_fixed_decode(name: str | DeepseekV41Model, decode_graphs: str, device:
 @pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
 def test_fixed_decode_steps_equal_the_per_sequence_forward(name):
     check_fixed_decode(name, "padded")
+
+
+@pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
+def test_fixed_decode_steps_routed_in_one_launch_equal_the_per_sequence_forward(name):
+    """``route_kernel`` in the fixed step (``route_triton``, Triton's interpreter here): each row's experts
+    and weights from one launch after the router's product, against the reference path's torch routing."""
+    fixed = check_fixed_decode(name, "padded", route_kernel=True)
+    assert fixed.model.paths.route_kernel
 
 
 @pytest.mark.parametrize("name", ["tiny_a", "tiny_b"])
