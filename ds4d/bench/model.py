@@ -85,10 +85,10 @@ def add_parser(sub) -> None:
                         "with --lookahead also queued ahead")
     p.add_argument("--route-kernel", action="store_true",
                    help="also decode with the other routing than the device's default (ForwardPaths.route_kernel: "
-                        "each token's routing after the router's logits in one Triton launch, off by default): rows "
-                        "with it where torch's operators are the default, else rows in them; with --lookahead also "
-                        "queued ahead (--family deepseek_v41: its decode rows again with the kernel, on the same "
-                        "weights)")
+                        "each token's routing after the router's logits in one Triton launch, V4's default on "
+                        "CUDA): rows in torch's operators where the kernel is the default, else rows with it; with "
+                        "--lookahead also queued ahead (--family deepseek_v41: its decode rows again with the other "
+                        "routing, on the same weights)")
     p.add_argument("--sampled", action="store_true",
                    help="also decode sampling instead of greedy, steps queued ahead: temperature 1 (what a request "
                         "that sets nothing gets), and temperature 1 with top-p 0.95")

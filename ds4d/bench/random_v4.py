@@ -231,10 +231,10 @@ def build(torch, args, device, offload_options=None):
 
 
 BENCH_PATHS = ("graphs", "lookahead", "sampled", "sampled-top-p", "decode-kernel", "decode-kernel-lookahead",
-               "torch-decode", "torch-decode-lookahead", "route-kernel", "route-kernel-lookahead", "torch-route",
-               "torch-route-lookahead",
-               "shared-beside", "shared-beside-lookahead", "pdl", "pdl-lookahead", "plain-hc", "numba-hc", "triton-hc",
-               "torch-attention", "torch-token-wise", "all-rows", "eager", "reference")
+               "torch-decode", "torch-decode-lookahead", "route-kernel", "route-kernel-lookahead",
+               "torch-route", "torch-route-lookahead", "shared-beside", "shared-beside-lookahead", "pdl",
+               "pdl-lookahead", "plain-hc", "numba-hc", "triton-hc", "torch-attention", "torch-token-wise", "all-rows",
+               "eager", "reference")
 GRAPH_PATHS = tuple(p for p in BENCH_PATHS if p not in ("eager", "reference"))
 """The paths that decode through CUDA graphs (where the device has them)."""
 
