@@ -44,6 +44,9 @@ def _kernels():
         import triton
         import triton.language as tl
 
+        global swiglu_rounded  # a module global, where the kernels' compiler looks their helpers up
+        from ds4d.cuda.quant_kernels import swiglu_rounded  # the SwiGLU the expert GEMV's epilogue rounds alike
+
         @triton.jit(do_not_specialize=["tokens"])
         def update_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, new_ptr, sq_ptr, tokens, d: tl.constexpr,
                           m: tl.constexpr, update: tl.constexpr, span: tl.constexpr, block_t: tl.constexpr,
@@ -125,11 +128,7 @@ def _kernels():
             dtype = out_ptr.dtype.element_ty
             g = tl.load(g_ptr + row * sg + c, mask=live, other=0.0).to(tl.float32)
             u = tl.load(u_ptr + row * su + c, mask=live, other=0.0).to(tl.float32)
-            if clamp:
-                g = tl.minimum(g, limit)
-                u = tl.minimum(tl.maximum(u, -limit), limit)
-            silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-            tl.store(out_ptr + row * so + c, (silu * u).to(dtype), mask=live)
+            tl.store(out_ptr + row * so + c, swiglu_rounded(g, u, limit, clamp, dtype), mask=live)
 
         @triton.jit
         def combine_kernel(rows_ptr, slot_ptr, w_ptr, add_ptr, out_ptr, d, k: tl.constexpr, block: tl.constexpr,

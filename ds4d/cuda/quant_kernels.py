@@ -71,6 +71,44 @@ def e2m1_pairs_scaled(packed):
 
 
 @triton.jit
+def swiglu_rounded(gate, up, limit, clamp: tl.constexpr, dtype: tl.constexpr):
+    """``silu(gate) * up`` (float32 inputs holding values of ``dtype``) in ``dtype``, rounded where the
+    model's SwiGLU rounds (``prefill_triton.swiglu``: the SiLU, then the product); ``clamp``: the gate
+    clamped from above and up on both sides at ``limit`` first."""
+    if clamp:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
+
+
+@triton.jit
+def _tile_rows(n, block_n: tl.constexpr, gated: tl.constexpr):
+    """(the weight rows of this program's tile, which of them are live) for ``n`` outputs; ``gated``: tile row
+    ``2i`` is the gate row of output ``c_i`` and row ``2i + 1`` its up row, ``c_i + n``."""
+    if gated:
+        tile = tl.arange(0, block_n)
+        outs = tl.program_id(1) * (block_n // 2) + tile // 2
+        return outs + (tile % 2) * n, outs < n
+    cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
+    return cols, cols < n
+
+
+@triton.jit
+def _store_rows(out_row, acc, cols, live_cols, n, block_n: tl.constexpr, gated: tl.constexpr, limit,
+                clamp: tl.constexpr):
+    """The tile's float32 sums into the output row, in its dtype; ``gated`` (:func:`_tile_rows`): each pair of
+    sums rounded to it and put through :func:`swiglu_rounded`."""
+    dtype = out_row.dtype.element_ty
+    if gated:
+        gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), [block_n // 2, 2]))
+        outs = tl.program_id(1) * (block_n // 2) + tl.arange(0, block_n // 2)
+        tl.store(out_row + outs, swiglu_rounded(gate, up, limit, clamp, dtype), mask=outs < n)
+    else:
+        tl.store(out_row + cols, acc.to(dtype), mask=live_cols)
+
+
+@triton.jit
 def e8m0_scaled(byte):
     """ue8m0 scale bytes -> 2^(byte - 127) * 2^14 as float32."""
     return ((byte.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
@@ -100,17 +138,19 @@ def _fp8_rows_add(acc, x_ptr, row, sxm, ws, scale, k0, k: tl.constexpr, block_n:
 
 @triton.jit
 def fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k: tl.constexpr, sxm, swn, ssn, som,
-                    block_n: tl.constexpr, block_k: tl.constexpr, block: tl.constexpr, pdl: tl.constexpr):
+                    block_n: tl.constexpr, block_k: tl.constexpr, block: tl.constexpr, pdl: tl.constexpr,
+                    gated: tl.constexpr = False, limit=0.0, clamp: tl.constexpr = False):
     """One row of x times ``block_n`` FP8 weight rows, with one scale per ``block`` x ``block`` weights
     (a divisor of ``block_k``); consecutive programs take the same weight rows for the next row of x,
     so a few rows share each weight read through the cache.
 
     ``pdl`` (launched as a programmatic dependent launch): the first weight tile, which no earlier kernel
     writes, is read before waiting for the kernel before to finish; nothing else is read or written
-    before that wait.  The next kernel may launch once every program is past it."""
+    before that wait.  The next kernel may launch once every program is past it.
+
+    ``gated``: gate rows over up rows, their SwiGLU out (``n`` wide), as in :func:`mxfp4_rows_kernel`."""
     row = tl.program_id(0)
-    cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
-    live_cols = cols < n
+    cols, live_cols = _tile_rows(n, block_n, gated)
     ws, scale = _fp8_rows_tile(w_ptr, s_ptr, cols, live_cols, 0, k, swn, ssn, block_k, block)
     wait_then_release(pdl)
     acc = _fp8_rows_add(tl.zeros([block_n], dtype=tl.float32), x_ptr, row, sxm, ws, scale, 0, k, block_n, block_k,
@@ -118,7 +158,7 @@ def fp8_rows_kernel(x_ptr, w_ptr, s_ptr, out_ptr, n, k: tl.constexpr, sxm, swn, 
     for k0 in range(block_k, k, block_k):
         ws, scale = _fp8_rows_tile(w_ptr, s_ptr, cols, live_cols, k0, k, swn, ssn, block_k, block)
         acc = _fp8_rows_add(acc, x_ptr, row, sxm, ws, scale, k0, k, block_n, block_k, block)
-    tl.store(out_ptr + row * som + cols, acc.to(out_ptr.dtype.element_ty), mask=live_cols)
+    _store_rows(out_ptr + row * som, acc, cols, live_cols, n, block_n, gated, limit, clamp)
 
 
 @triton.jit(do_not_specialize=["m"])
@@ -162,7 +202,8 @@ def fp8_dequant_kernel(w_ptr, s_ptr, out_ptr, n, k, swn, ssn, son, block: tl.con
 @triton.jit
 def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, anchor_ptr, anchor, expert_ptr, n, k: tl.constexpr,
                       sxr, swn, ssn, sor, block_n: tl.constexpr, block_b: tl.constexpr, ptx_decode: tl.constexpr,
-                      aligned: tl.constexpr, pdl: tl.constexpr):
+                      aligned: tl.constexpr, pdl: tl.constexpr, gated: tl.constexpr = False, limit=0.0,
+                      clamp: tl.constexpr = False):
     """One row times ``block_n`` rows of its expert's MXFP4 matrix, ``block_b`` bytes (2 x as many
     inputs) a step; byte j holds inputs 2j (low nibble) and 2j + 1, 16 bytes share a scale.  Each
     expert's packed bytes and scales are found through address tables (``w_table[e]``,
@@ -176,11 +217,15 @@ def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, anchor_ptr, anchor, expe
     into a pointer is read one byte at a time (half the bandwidth, ``tests/gpu/mxfp4_ablation.py``).
 
     ``pdl`` (launched as a programmatic dependent launch): waits for the kernel before first (the experts
-    it reads are chosen by it); the next kernel may launch once every program is past that wait."""
+    it reads are chosen by it); the next kernel may launch once every program is past that wait.
+
+    ``gated``: the matrix is an expert's gate rows over its up rows (``2 n`` rows) and the output is their
+    SwiGLU, ``n`` wide: the tile's rows alternate a gate row and its up row (``block_n / 2`` outputs a
+    program, each row summed as in a plain launch of the same ``block_n``), both products rounded to the
+    output's dtype and then put through :func:`swiglu_rounded` (``clamp``: at ``limit``)."""
     wait_then_release(pdl)
     row = tl.program_id(0)
-    cols = tl.program_id(1) * block_n + tl.arange(0, block_n)
-    live_cols = cols < n
+    cols, live_cols = _tile_rows(n, block_n, gated)
     expert = tl.load(expert_ptr + row)
     w_offset = tl.load(w_table + expert) - anchor
     s_offset = tl.load(s_table + expert) - anchor
@@ -208,7 +253,7 @@ def mxfp4_rows_kernel(x_ptr, w_table, s_table, out_ptr, anchor_ptr, anchor, expe
         scale = e8m0_scaled(tl.load(s_base + groups[None, :], mask=live_cols[:, None] & (groups[None, :] < k // 32),
                                     other=0))
         acc += tl.sum(tl.sum(tl.reshape(part, [block_n, block_b // 16, 16]), axis=2) * scale, axis=1)
-    tl.store(out_ptr + row * sor + cols, acc.to(out_ptr.dtype.element_ty), mask=live_cols)
+    _store_rows(out_ptr + row * sor, acc, cols, live_cols, n, block_n, gated, limit, clamp)
 
 
 @triton.jit

@@ -93,7 +93,8 @@ def _fp8_split(n: int, k: int, block_n: int, programs: int, block: int = 128) ->
 
 
 @torch.compiler.disable  # launched as is; torch.compile and CUDA graph capture see one kernel
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = 128) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = 128,
+               gated: float | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T``: ``weight`` float8_e4m3fn, ``scale`` float32 ``[ceil(N/B), ceil(K/B)]``
     for square scale blocks of edge ``B = block`` (a power of two from 16 to 128).
 
@@ -103,7 +104,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     * up to ``fp8_dense_from - 1`` (batched decode): tensor-core tiles of 16/32/64 rows,
       K split so that about ``programs`` programs run, float32 partials added after;
     * more (prefill): the weight decoded to bf16 by a Triton kernel, then cuBLAS (a few
-      microseconds of decoding against a product that is bound by compute)."""
+      microseconds of decoding against a product that is bound by compute).
+
+    ``gated`` (a SwiGLU limit, 0 for no clamp; rows that take the GEMV only, :func:`fp8_gated_fits`): the
+    weight's first half of rows are gates and the second their up rows, and the result is the SwiGLU of the two
+    halves of the product, ``[M, N/2]``, in the GEMV's launch (as :func:`mxfp4_rows_at`)."""
     import triton
 
     m, k = x.shape
@@ -112,6 +117,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         raise ValueError("fp8_linear needs the last dimension of x, weight and scale contiguous")
     if block not in (16, 32, 64, 128):
         raise ValueError(f"fp8_linear takes scale blocks of 16, 32, 64 or 128, not {block}")
+    if gated is not None and not fp8_gated_fits(m, n):
+        raise ValueError(f"fp8_linear: no gated product of {m} rows by {n} weight rows")
     if not m:
         return torch.empty(0, n, dtype=x.dtype, device=x.device)
     kernels = _kernels()
@@ -119,13 +126,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         return torch.nn.functional.linear(x, fp8_dequant(weight, scale, x.dtype, block))
     rows = TUNING["fp8_rows"]
     if m <= rows["most_rows"]:
-        rows = TUNING["fp8_rows_shapes"].get(f"{n}x{k}", rows)
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        rows = dict(TUNING["fp8_rows_shapes"].get(f"{n}x{k}", rows))
+        width = n if gated is None else n // 2
+        if gated is not None:
+            rows["block_n"] = _paired(rows["block_n"])
+        out = torch.empty(m, width, dtype=x.dtype, device=x.device)
         grid = (m, triton.cdiv(n, rows["block_n"]))
         pdl = pdl_launch(x)
-        kernels.fp8_rows_kernel[grid](x, weight, scale, out, n, k, x.stride(0), weight.stride(0), scale.stride(0),
-                                      out.stride(0), block_n=rows["block_n"], block_k=rows["block_k"],
-                                      block=block, pdl=pdl, num_warps=rows["warps"], **pdl_options(pdl))
+        limit = 0.0 if gated is None else float(gated)
+        kernels.fp8_rows_kernel[grid](x, weight, scale, out, width, k, x.stride(0), weight.stride(0),
+                                      scale.stride(0), out.stride(0), block_n=rows["block_n"],
+                                      block_k=rows["block_k"], block=block, pdl=pdl, gated=gated is not None,
+                                      limit=limit, clamp=limit > 0, num_warps=rows["warps"], **pdl_options(pdl))
         return out
     tiles = TUNING["fp8_tiles"]
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
@@ -137,6 +149,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
                                    block_n=tiles["block_n"], steps=steps, block=block, precision=_precision(x),
                                    num_warps=tiles["warps"], num_stages=tiles["stages"])
     return (partial[0] if splits == 1 else partial.sum(0)).to(x.dtype)
+
+
+def fp8_gated_fits(m: int, n: int) -> bool:
+    """Whether :func:`fp8_linear` takes ``gated`` for ``m`` rows by ``n`` weight rows: rows that take the GEMV
+    (``most_rows`` at most, at least one) and an even ``n``."""
+    return 0 < m <= TUNING["fp8_rows"]["most_rows"] and n % 2 == 0
 
 
 def fp8_dequant(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = 128) -> torch.Tensor:
@@ -175,40 +193,60 @@ def expert_table(matrices: torch.Tensor) -> torch.Tensor:
 
 
 @torch.compiler.disable
-def mxfp4_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+def mxfp4_rows(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, experts: torch.Tensor,
+               gated: float | None = None) -> torch.Tensor:
     """``[R, N]``: row ``r`` of ``x [R, K]`` times expert ``experts[r]`` of ``packed [E, N, K/2]``
-    (uint8 e2m1 pairs) with ``scales [E, N, K/32]`` (uint8 ue8m0)."""
+    (uint8 e2m1 pairs) with ``scales [E, N, K/32]`` (uint8 ue8m0).  ``gated`` (a SwiGLU limit, 0 for none):
+    the SwiGLU of the two halves of each product, ``[R, N/2]`` (:func:`mxfp4_rows_at`)."""
     if packed.stride(2) != 1 or scales.stride(2) != 1:
         raise ValueError("mxfp4_rows needs the last dimension of packed and scales contiguous")
     aligned = all(v % 16 == 0 for v in (packed.data_ptr(), packed.stride(0), scales.data_ptr(), scales.stride(0)))
     return mxfp4_rows_at(x, expert_table(packed), expert_table(scales), experts, packed.shape[1],
-                         packed.stride(1), scales.stride(1), aligned=aligned)
+                         packed.stride(1), scales.stride(1), aligned=aligned, gated=gated)
+
+
+def _paired(block_n: int) -> int:
+    """A gated launch's tile rows: ``block_n`` made even, so that each gate row has its up row beside it."""
+    return block_n + block_n % 2
 
 
 @torch.compiler.disable
 def mxfp4_rows_at(x: torch.Tensor, w_table: torch.Tensor, s_table: torch.Tensor, experts: torch.Tensor, n: int,
-                  w_row_stride: int, s_row_stride: int, *, aligned: bool = False) -> torch.Tensor:
+                  w_row_stride: int, s_row_stride: int, *, aligned: bool = False,
+                  gated: float | None = None) -> torch.Tensor:
     """:func:`mxfp4_rows` with each expert found by address (``w_table[e]``, ``s_table[e]``): its
     ``[N, K/2]`` bytes and ``[N, K/32]`` scales with the given row strides, wherever they sit (device
     memory, or host memory the device can read).  The same arithmetic as :func:`mxfp4_rows`.
     ``aligned``: the caller promises every address in both tables is a multiple of 16 (the kernel
-    then reads 16-byte vectors, about twice as fast; a false promise reads wrong bytes)."""
+    then reads 16-byte vectors, about twice as fast; a false promise reads wrong bytes).
+
+    ``gated`` (a SwiGLU limit; 0 or less: no clamp): rows ``[0, N/2)`` are gates and ``[N/2, N)`` their up
+    rows, and the result is ``prefill_triton.swiglu`` of the two halves of the plain product, ``[R, N/2]``,
+    bit for bit in the interpreter and wherever the tile's rows are summed alike, in one launch.  Its
+    programs take the setting's ``block_n`` rows, rounded up to even: half of them outputs."""
     import triton
 
     rows, k = x.shape
     if x.stride(1) != 1:
         raise ValueError("mxfp4_rows needs the last dimension of x contiguous")
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if gated is not None and n % 2:
+        raise ValueError(f"mxfp4_rows: a gated product of {n} rows (gate rows over as many up rows)")
+    t = dict(TUNING["mxfp4_rows_shapes"].get(f"{n}x{k}", TUNING["mxfp4_rows"]))
+    width = n if gated is None else n // 2
+    if gated is not None:
+        t["block_n"] = _paired(t["block_n"])
+    out = torch.empty(rows, width, dtype=x.dtype, device=x.device)
     if rows:
-        t = TUNING["mxfp4_rows_shapes"].get(f"{n}x{k}", TUNING["mxfp4_rows"])
         ptx = t["ptx_decode"] and x.is_cuda and torch.version.hip is None  # NVIDIA PTX: not the interpreter
-        grid = (rows, triton.cdiv(n, t["block_n"]))
+        grid = (rows, triton.cdiv(n, t["block_n"]))  # gated: block_n / 2 of the n / 2 outputs a program
         anchor = out.view(-1).view(torch.uint8)  # a fresh allocation: aligned to the allocator's 512 bytes
         pdl = pdl_launch(x)
-        _kernels().mxfp4_rows_kernel[grid](x, w_table, s_table, out, anchor, anchor.data_ptr(), experts, n, k,
+        limit = 0.0 if gated is None else float(gated)
+        _kernels().mxfp4_rows_kernel[grid](x, w_table, s_table, out, anchor, anchor.data_ptr(), experts, width, k,
                                            x.stride(0), w_row_stride, s_row_stride, out.stride(0),
                                            block_n=t["block_n"], block_b=t["block_b"], ptx_decode=ptx,
                                            aligned=aligned and anchor.data_ptr() % 16 == 0, pdl=pdl,
+                                           gated=gated is not None, limit=limit, clamp=limit > 0,
                                            num_warps=t["warps"], **pdl_options(pdl))
     return out
 

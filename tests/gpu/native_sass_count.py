@@ -18,7 +18,7 @@ per-shape ones (``quant_matmul.TUNING``), by kind of instruction per value a thr
 the product on tensor cores, the input row padded to 16 columns): a measured alternative, not a kernel of
 the project.  A tool for reading, not a test; ``TRITON_INTERPRET`` must be off.
 
-    PYTHONPATH=. python3 tests/gpu/native_sass_count.py [--dot-scaled] [--pdl]
+    PYTHONPATH=. python3 tests/gpu/native_sass_count.py [--dot-scaled] [--pdl] [--gated]
 """
 
 from __future__ import annotations
@@ -38,11 +38,13 @@ KINDS = {"decode": ("LOP3", "SHF", "PRMT", "IMAD", "IADD3", "SEL", "LEA"), "wide
 
 FP8_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*bf16", "n": "i32",
                  "k": "constexpr", "sxm": "i32", "swn": "i32", "ssn": "i32", "som": "i32", "block_n": "constexpr",
-                 "block_k": "constexpr", "block": "constexpr", "pdl": "constexpr"}
+                 "block_k": "constexpr", "block": "constexpr", "pdl": "constexpr", "gated": "constexpr",
+                 "limit": "fp32", "clamp": "constexpr"}
 MXFP4_SIGNATURE = {"x_ptr": "*bf16", "w_table": "*i64", "s_table": "*i64", "out_ptr": "*bf16", "anchor_ptr": "*u8",
                    "anchor": "i64", "expert_ptr": "*i64", "n": "i32", "k": "constexpr", "sxr": "i32", "swn": "i32",
                    "ssn": "i32", "sor": "i32", "block_n": "constexpr", "block_b": "constexpr",
-                   "ptx_decode": "constexpr", "aligned": "constexpr", "pdl": "constexpr"}
+                   "ptx_decode": "constexpr", "aligned": "constexpr", "pdl": "constexpr", "gated": "constexpr",
+                   "limit": "fp32", "clamp": "constexpr"}
 FP8_SHAPES = {"wq_b": (32768, 1024), "wo_b": (4096, 8192), "shared w1 + w3": (4096, 4096), "shared w2": (4096, 2048),
               "wq_a + wkv": (1536, 4096)}
 MXFP4_SHAPES = {"experts gate/up": (4096, 4096), "experts down": (4096, 2048)}
@@ -92,18 +94,29 @@ def counts(kernel, values_a_trip: float, trips: int) -> dict:
             "mma": (ops["HMMA"] + ops["HGMMA"]) / values, "top": collections.Counter(ops).most_common(6)}
 
 
-def fp8_rows(n: int, k: int, pdl: bool = False) -> tuple[dict, dict]:
-    t = quant_matmul.TUNING["fp8_rows_shapes"].get(f"{n}x{k}", quant_matmul.TUNING["fp8_rows"])
+def fp8_rows(n: int, k: int, pdl: bool = False, gated: bool = False) -> tuple[dict, dict]:
+    t = dict(quant_matmul.TUNING["fp8_rows_shapes"].get(f"{n}x{k}", quant_matmul.TUNING["fp8_rows"]))
+    if gated:
+        t["block_n"] = quant_matmul._paired(t["block_n"])
     kernel = _compile(quant_kernels.fp8_rows_kernel, FP8_SIGNATURE,
-                      {"k": k, "block_n": t["block_n"], "block_k": t["block_k"], "block": 128, "pdl": pdl}, t["warps"])
+                      {"k": k, "block_n": t["block_n"], "block_k": t["block_k"], "block": 128, "pdl": pdl,
+                       "gated": gated, "clamp": gated}, t["warps"])
     return t, counts(kernel, t["block_n"] * t["block_k"] / (32 * t["warps"]), k // t["block_k"])
 
 
-def mxfp4_rows(n: int, k: int, fn=None, t: dict | None = None, pdl: bool = False) -> tuple[dict, dict]:
-    t = t or quant_matmul.TUNING["mxfp4_rows_shapes"].get(f"{n}x{k}", quant_matmul.TUNING["mxfp4_rows"])
-    kernel = _compile(fn or quant_kernels.mxfp4_rows_kernel, MXFP4_SIGNATURE,
-                      {"k": k, "block_n": t["block_n"], "block_b": t["block_b"], "ptx_decode": t["ptx_decode"],
-                       "aligned": True, "pdl": pdl}, t["warps"])
+def mxfp4_rows(n: int, k: int, fn=None, t: dict | None = None, pdl: bool = False,
+               gated: bool = False) -> tuple[dict, dict]:
+    t = dict(t or quant_matmul.TUNING["mxfp4_rows_shapes"].get(f"{n}x{k}", quant_matmul.TUNING["mxfp4_rows"]))
+    if gated:
+        t["block_n"] = quant_matmul._paired(t["block_n"])
+    constants = {"k": k, "block_n": t["block_n"], "block_b": t["block_b"], "ptx_decode": t["ptx_decode"],
+                 "aligned": True, "pdl": pdl}
+    signature = MXFP4_SIGNATURE
+    if fn is None:
+        constants.update(gated=gated, clamp=gated)
+    else:  # a kernel of this tool: no gated epilogue
+        signature = {name: kind for name, kind in signature.items() if name not in ("gated", "limit", "clamp")}
+    kernel = _compile(fn or quant_kernels.mxfp4_rows_kernel, signature, constants, t["warps"])
     return t, counts(kernel, t["block_n"] * 2 * t["block_b"] / (32 * t["warps"]), k // 2 // t["block_b"])
 
 
@@ -111,6 +124,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dot-scaled", action="store_true", help="also the tl.dot_scaled GEMV (MXFP4 shapes)")
     parser.add_argument("--pdl", action="store_true", help="the GEMVs as launched with devices.LAUNCH['pdl']")
+    parser.add_argument("--gated", action="store_true",
+                        help="also the gate/up GEMVs with their SwiGLU in the epilogue (``gated``)")
     args = parser.parse_args()
     print(f"triton {triton.__version__}, sm_90")
     print("| weight | kernel, launch | instructions a value | decode | widen | math | shuffles | loads | registers "
@@ -118,6 +133,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     rows = [(name, "fp8_rows", *fp8_rows(n, k, pdl=args.pdl)) for name, (n, k) in FP8_SHAPES.items()]
     rows += [(name, "mxfp4_rows", *mxfp4_rows(n, k, pdl=args.pdl)) for name, (n, k) in MXFP4_SHAPES.items()]
+    if args.gated:
+        rows += [("shared w1 + w3", "fp8_rows, gated", *fp8_rows(*FP8_SHAPES["shared w1 + w3"], args.pdl, True)),
+                 ("experts gate/up", "mxfp4_rows, gated",
+                  *mxfp4_rows(*MXFP4_SHAPES["experts gate/up"], pdl=args.pdl, gated=True))]
     if args.dot_scaled:
         for block_n, block_b, warps in ((64, 128, 4), (128, 128, 4), (64, 256, 4)):
             t = {"block_n": block_n, "block_b": block_b, "warps": warps, "ptx_decode": False}

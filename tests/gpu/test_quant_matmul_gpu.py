@@ -95,6 +95,41 @@ def test_mxfp4_rows_and_grouped(n, k):
         _check(qm.mxfp4_grouped(x, packed, scales, offsets), want)
 
 
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("limit", [0.0, 10.0])
+def test_gated_mxfp4_rows_are_the_product_then_its_swiglu_bit_for_bit(rows, limit):
+    """V4-Flash's routed gate/up bank (2 x 2048 rows of 4096): the SwiGLU in the GEMV's epilogue gives what the
+    plain GEMV and ``prefill_triton.swiglu`` give, bit for bit, compiled."""
+    from ds4d.cuda import prefill_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    packed, scales = zip(*(quantize_mxfp4(torch.randn(4096, 4096, device="cuda", generator=gen) * 0.05)
+                           for _ in range(3)))
+    packed = torch.stack([p.view(torch.uint8) for p in packed])
+    scales = torch.stack([s.view(torch.uint8) for s in scales])
+    x = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, 3, (rows,), device="cuda", generator=gen)
+    plain = qm.mxfp4_rows(x, packed, scales, ids)
+    want = prefill_triton.swiglu(plain[:, :2048], plain[:, 2048:], limit)
+    assert torch.equal(qm.mxfp4_rows(x, packed, scales, ids, gated=limit), want)
+
+
+@pytest.mark.parametrize("limit", [0.0, 10.0])
+def test_gated_fp8_gemv_is_the_product_then_its_swiglu_bit_for_bit(limit):
+    """V4-Flash's shared expert, ``w1`` over ``w3`` (4096 rows of 4096) in FP8: the SwiGLU in the batch-1 GEMV's
+    epilogue gives the plain GEMV and ``prefill_triton.swiglu`` bit for bit, compiled (the shape's own setting
+    takes one row a program, the gated launch two)."""
+    from ds4d.cuda import prefill_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    weight, scale = quantize_fp8_block(torch.randn(4096, 4096, device="cuda", generator=gen) * 0.05)
+    factors = scale.view(torch.uint8).int().sub(127).float().exp2()
+    x = torch.randn(1, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    plain = qm.fp8_linear(x, weight, factors)
+    want = prefill_triton.swiglu(plain[:, :2048], plain[:, 2048:], limit)
+    assert torch.equal(qm.fp8_linear(x, weight, factors, gated=limit), want)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mxfp4_rows_ptx_decode_equals_the_plain_decode(dtype, monkeypatch):
     """Every byte value (both nibbles, signs, the subnormal code) under every scale byte from 100 to

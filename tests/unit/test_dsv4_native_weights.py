@@ -125,6 +125,37 @@ def test_fp8_linears_of_one_input_multiply_in_one_gemv_and_give_the_same_logits_
     assert narrow.attn.wq_a_wkv is None and narrow.ffn.shared_w13 is None
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests run the compiled kernels")
+def test_decode_kernels_take_the_swiglus_in_the_gate_up_gemvs_with_the_same_logits(tmp_path, monkeypatch):
+    """With the decode kernels, a batch-1 step's SwiGLUs run in the epilogues of the routed experts' MXFP4 gate/up
+    GEMV and of the shared expert's fused FP8 ``w1 + w3`` GEMV (``gated``): the logits of prefill and decode are
+    bit for bit those of the GEMVs followed by ``prefill_triton.swiglu``."""
+    from ds4d.cuda import quant_matmul
+    from ds4d.models.deepseek_v4 import moe
+
+    path = write_tiny_checkpoint(tmp_path / "wide", seed=5, layers=[4], hidden_size=512, q_lora_rank=128,
+                                 head_dim=128, moe_intermediate_size=128)
+    prompt = [(i * 7919) % 5000 + 10 for i in range(40)]
+    model = _load(path, native=True)
+    model = model.with_paths(model.paths.replace(decode_kernel=True))
+    gated = []
+    for name in ("mxfp4_rows_at", "fp8_linear"):
+        plain = getattr(quant_matmul, name)
+
+        def recorded(*args, plain=plain, name=name, **kwargs):
+            if kwargs.get("gated") is not None:
+                gated.append(name)
+            return plain(*args, **kwargs)
+
+        monkeypatch.setattr(quant_matmul, name, recorded)
+    fused = torch.cat(_prefill_then_steps(model, prompt))
+    assert gated.count("mxfp4_rows_at") == 3 and gated.count("fp8_linear") == 3  # each decode step's one layer
+    monkeypatch.setattr(moe, "_gated_product", lambda *args: None)
+    monkeypatch.setattr(Fp8Weight, "gated", lambda self, x, limit: None)
+    assert torch.equal(fused, torch.cat(_prefill_then_steps(model.with_paths(), prompt)))
+    assert len(gated) == 6
+
+
 def test_weight_format_choice():
     assert not native_weights("auto", torch.float32, "cpu")
     assert not native_weights("dense", torch.bfloat16, "cpu")

@@ -93,6 +93,60 @@ def test_mxfp4_row_does_not_depend_on_the_others():
         assert torch.equal(qm.mxfp4_rows(x[r:r + 1], packed, scales, ids[r:r + 1])[0], together[r])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("half", "k", "limit", "block_n"), [(10, 96, 0.0, None), (7, 64, 1.5, None), (5, 32, 0.7, 2),
+                                                             (6, 1056, 2.0, 4), (5, 64, 1.0, 1)])
+def test_gated_mxfp4_rows_equal_the_product_then_its_swiglu(monkeypatch, dtype, half, k, limit, block_n):
+    """``gated``: the SwiGLU of the gate rows' and up rows' products in the GEMV's own launch, bit for bit the
+    plain GEMV then ``prefill_triton.swiglu`` (the clamp at ``limit``; output widths that end mid-program, the
+    kernel's own setting, narrower ones, and one row a program, whose gated launch takes two)."""
+    from ds4d.cuda import prefill_triton
+
+    if block_n is not None:
+        monkeypatch.setitem(qm.TUNING, "mxfp4_rows_shapes", {f"{2 * half}x{k}": {
+            "block_n": block_n, "block_b": 16, "warps": 1, "ptx_decode": True}})
+    gen = torch.Generator().manual_seed(half * 31 + k)
+    packed, scales, _ = _mxfp4_bank(3, 2 * half, k, gen)
+    x = (torch.randn(4, k, generator=gen) * 2).to(dtype)
+    ids = torch.tensor([2, 0, 2, 1])
+    plain = qm.mxfp4_rows(x, packed, scales, ids)
+    want = prefill_triton.swiglu(plain[:, :half], plain[:, half:], limit)
+    got = qm.mxfp4_rows(x, packed, scales, ids, gated=limit)
+    assert got.shape == (4, half) and got.dtype == dtype
+    assert torch.equal(got, want)
+    if limit:  # the clamp bites on these values, so the check above covers it
+        assert not torch.equal(want, prefill_triton.swiglu(plain[:, :half], plain[:, half:], 0.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("half", "k", "limit", "block_n"), [(128, 256, 0.0, None), (40, 300, 1.5, 1), (24, 128, 0.5, 4)])
+def test_gated_fp8_rows_equal_the_product_then_its_swiglu(monkeypatch, dtype, half, k, limit, block_n):
+    """The FP8 GEMV's ``gated`` launch (a shared expert's ``w1`` rows over its ``w3`` rows): bit for bit the plain
+    GEMV then ``prefill_triton.swiglu``; a shape's own setting of one row a program takes two gated."""
+    from ds4d.cuda import prefill_triton
+
+    if block_n is not None:
+        monkeypatch.setitem(qm.TUNING, "fp8_rows_shapes", {f"{2 * half}x{k}": {
+            "most_rows": 1, "block_n": block_n, "block_k": 128, "warps": 1}})
+    gen = torch.Generator().manual_seed(half + k)
+    weight, scale, _ = _fp8(2 * half, k, gen)
+    x = (torch.randn(1, k, generator=gen) * 0.3).to(dtype)
+    plain = qm.fp8_linear(x, weight, scale)
+    want = prefill_triton.swiglu(plain[:, :half], plain[:, half:], limit)
+    got = qm.fp8_linear(x, weight, scale, gated=limit)
+    assert got.shape == (1, half) and torch.equal(got, want)
+    assert qm.fp8_gated_fits(1, 2 * half) and not qm.fp8_gated_fits(2, 2 * half) and not qm.fp8_gated_fits(1, 7)
+    with pytest.raises(ValueError, match="gated"):
+        qm.fp8_linear(torch.cat([x, x]), weight, scale, gated=limit)
+
+
+def test_gated_mxfp4_rows_refuse_an_odd_matrix():
+    gen = torch.Generator().manual_seed(2)
+    packed, scales, _ = _mxfp4_bank(1, 7, 32, gen)
+    with pytest.raises(ValueError, match="gated"):
+        qm.mxfp4_rows(torch.randn(1, 32), packed, scales, torch.tensor([0]), gated=0.0)
+
+
 class _Launches:
     """A kernel whose launches are recorded (their block sizes) and then run."""
 

@@ -32,6 +32,7 @@ from ds4d.cuda import gguf_matmul, moe_gemv, prefill_triton, quant_matmul, route
 from ds4d.models.deepseek_v4.config import DeepseekV4Config
 from ds4d.models.deepseek_v4.ops import linear, linear_f32, linear_pair
 from ds4d.models.deepseek_v4.stored import (
+    Fp8Weight,
     GgufAddresses,
     GgufMatrices,
     GgufWeight,
@@ -55,9 +56,13 @@ def _gated(gate: torch.Tensor, up: torch.Tensor, limit: float, kernels: bool = F
 
 
 def _swiglu(x: torch.Tensor, w1: Linear, w3: Linear, w2: Linear, limit: float, kernels: bool = False,
-            w13: GgufWeight | None = None) -> torch.Tensor:
-    """``w13``: ``w1`` and ``w3`` as one weight (``ops.linear_pair``)."""
-    return linear(_gated(*linear_pair(x, w1, w3, w13), limit, kernels), w2)
+            w13: GgufWeight | Fp8Weight | None = None) -> torch.Tensor:
+    """``w13``: ``w1`` and ``w3`` as one weight (``ops.linear_pair``); with ``kernels``, an FP8 one's SwiGLU in
+    its GEMV's launch where the rows take it (``Fp8Weight.gated``: bit for bit the product, then :func:`_gated`)."""
+    act = w13.gated(x, limit) if kernels and isinstance(w13, Fp8Weight) else None
+    if act is None:
+        act = _gated(*linear_pair(x, w1, w3, w13), limit, kernels)
+    return linear(act, w2)
 
 
 def _scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -144,18 +149,36 @@ def expert_ffn(
 
     Each row's result depends only on that row, its expert's weights and ``step_rows``
     (all rows of the MoE call; default: these rows), so any split of one call's rows
-    into banks (device, staging) gives the same rows back.  ``kernels``: see :func:`_gated`.
+    into banks (device, staging) gives the same rows back.  ``kernels``: see :func:`_gated`; per-row MXFP4
+    experts then take the SwiGLU in their gate/up GEMV's launch (:func:`_gated_product`, the same values).
 
     ``pair_weights`` (one routing weight per row; DeepSeek-V4.1's arithmetic): the SwiGLU runs in
     float32 and is multiplied by the row's weight before ``down``, and the float32 output is already
     weighted (:func:`combine_sorted` without weights).  Without them the output is unweighted."""
     step_rows = rows.shape[0] if step_rows is None else step_rows
-    hidden = _grouped_linear(rows, gate_up, offsets, expert_of_row, step_rows)
-    gate, up = hidden.chunk(2, dim=-1)
     if pair_weights is None:
-        return _grouped_linear(_gated(gate, up, limit, kernels), down, offsets, expert_of_row, step_rows)
+        act = _gated_product(rows, gate_up, expert_of_row, step_rows, limit) if kernels else None
+        if act is None:
+            act = _gated(*_grouped_linear(rows, gate_up, offsets, expert_of_row, step_rows).chunk(2, dim=-1), limit,
+                         kernels)
+        return _grouped_linear(act, down, offsets, expert_of_row, step_rows)
+    gate, up = _grouped_linear(rows, gate_up, offsets, expert_of_row, step_rows).chunk(2, dim=-1)
     act = (pair_weights.float()[:, None] * _gated(gate.float(), up.float(), limit)).to(rows.dtype)
     return _grouped_linear(act, down, offsets, expert_of_row, step_rows).float()
+
+
+def _gated_product(x: torch.Tensor, gate_up, expert_of_row: torch.Tensor, step_rows: int,
+                   limit: float) -> torch.Tensor | None:
+    """The SwiGLU of each row's gate and up products in the GEMV's own launch (``quant_matmul.mxfp4_rows_at``,
+    ``gated``: bit for bit :func:`_grouped_linear` then :func:`_gated` with its kernel) where the rows take the
+    per-row MXFP4 kernel; else None."""
+    if isinstance(gate_up, Mxfp4Addresses):
+        return quant_matmul.mxfp4_rows_at(x, gate_up.packed, gate_up.scales, expert_of_row, gate_up.rows,
+                                          gate_up.inputs // 2, gate_up.inputs // 32, aligned=gate_up.aligned,
+                                          gated=limit)
+    if isinstance(gate_up, Mxfp4Matrices) and _per_row_kernel(x, gate_up, step_rows):
+        return quant_matmul.mxfp4_rows(x, gate_up.packed, gate_up.scales, expert_of_row, gated=limit)
+    return None
 
 
 def combine_sorted(

@@ -58,6 +58,15 @@ class Fp8Weight:
         return (quant_matmul.available() and x.dtype == self.dtype and x.device == self.data.device
                 and 0 < rows <= quant_matmul.TUNING["fp8_rows"]["most_rows"])
 
+    def gated(self, x: torch.Tensor, limit: float) -> torch.Tensor | None:
+        """For a weight of gate rows over as many up rows (``fuse_rows`` of ``w1`` and ``w3``): the SwiGLU of
+        the two halves of ``x``'s product in the GEMV's own launch (``quant_matmul.fp8_linear``, ``gated``), where
+        ``x`` takes the GEMV; else None."""
+        flat = x.reshape(-1, x.shape[-1])
+        if not (self.takes_gemv(x) and quant_matmul.fp8_gated_fits(flat.shape[0], self.data.shape[0])):
+            return None
+        return quant_matmul.fp8_linear(flat, self.data, self.scale, self.block, gated=limit).view(*x.shape[:-1], -1)
+
 
 @dataclass
 class GgufWeight:
