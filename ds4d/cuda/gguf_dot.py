@@ -47,6 +47,22 @@ def dot4(a, b, c, native: tl.constexpr):
 
 
 @triton.jit
+def sign_bytes(pattern, native: tl.constexpr):
+    """IQ2_XXS's 7-bit sign ``pattern`` (int32) -> two words of four bytes, byte ``i`` of the first 1 where value ``i``
+    of the eight is negative, of the second value ``4 + i``: bit ``i`` of the pattern, the eighth bit its parity (so
+    that the count of minus signs is even: the ``gguf`` package's ``ksigns``).  Each 4-bit half becomes four
+    bytes by one multiply, bit ``i`` moved by ``7 i`` to bit ``8 i``, no two moved bits meeting; no table read."""
+    if native:
+        ones = tl.inline_asm_elementwise("popc.b32 $0, $1;", "=r,r", [pattern], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        ones = pattern ^ (pattern >> 4)
+        ones = ones ^ (ones >> 2)
+        ones = ones ^ (ones >> 1)
+    bits = pattern | ((ones & 1) << 7)
+    return ((bits & 15) * 0x204081) & 0x01010101, ((bits >> 4) * 0x204081) & 0x01010101
+
+
+@triton.jit
 def quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, k, sxm, runs: tl.constexpr):
     """Row ``program_id(0)``, runs of 32 inputs ``program_id(1) * runs`` on: ``q = floor(x * (127 / amax) + 0.5)``
     (int8), the run's scale ``amax / 127`` (float32; 0 for a run of zeros) and the sums of ``q`` over each 16."""
@@ -116,13 +132,17 @@ def q8_0_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, expert_ptr, n, m, k: tl.constexp
 @triton.jit
 def iq2_xxs_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_ptr, n, m, k: tl.constexpr,
                    row_bytes, expert_bytes, by_expert: tl.constexpr, block_n: tl.constexpr, groups: tl.constexpr,
-                   native: tl.constexpr):
+                   native: tl.constexpr, computed_signs: tl.constexpr = False):
     """IQ2_XXS: 66-byte blocks of 256 (``d``, then eight groups of 32 values in 8 bytes: four grid indices, a word
     of four 7-bit sign patterns over a 4-bit scale).  A group is four parts of 8 values; a part's grid entry and
     sign bytes are read as one 64-bit word each (``grid_ptr``: int64 ``[256]``, the entry's eight magnitudes as
     bytes; ``signs_ptr``: int64 ``[128]``, bytes ``t``, 1 where the pattern's value is negative, the eighth sign by
     parity), its inputs as another.  The sign is applied in the byte as ``(g ^ 255 t) + t``, which never carries
-    into the next byte since no magnitude is 0."""
+    into the next byte since no magnitude is 0.
+
+    ``computed_signs``: the sign bytes made from the pattern's bits (:func:`sign_bytes`) instead of read from
+    ``signs_ptr``: the same words, so the same sums bit for bit.  A warp's table reads each gather from up to 32
+    addresses, a cache wavefront per line touched; the computed bytes cost a few integer instructions instead."""
     r, row, g = _program(raw_ptr, expert_ptr, n, row_bytes, expert_bytes, by_expert, block_n, groups)
     inputs = q_ptr.to(tl.pointer_type(tl.int64)) + r.to(tl.int64) * (k // 8)
     scales = d_ptr + r.to(tl.int64) * (k // 32)
@@ -136,10 +156,15 @@ def iq2_xxs_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_p
         total = tl.zeros_like(indices)
         for part in tl.static_range(4):
             entry = tl.load(grid_ptr + ((indices >> (8 * part)) & 255))
-            minus = tl.load(signs_ptr + ((aux >> (7 * part)) & 127))
+            pattern = (aux >> (7 * part)) & 127
+            if computed_signs:
+                low, high = sign_bytes(pattern, native)
+            else:
+                minus = tl.load(signs_ptr + pattern)
+                low, high = minus.to(tl.int32), (minus >> 32).to(tl.int32)
             x = tl.load(inputs + group * 4 + part)
             for half in tl.static_range(2):
-                t = (minus >> (32 * half)).to(tl.int32)
+                t = low if half == 0 else high
                 word = ((entry >> (32 * half)).to(tl.int32) ^ (t * 255)) + t
                 total = dot4(word, (x >> (32 * half)).to(tl.int32), total, native)
         d = half_word(tl.load(block.to(tl.pointer_type(tl.uint16))).to(tl.int32))

@@ -370,7 +370,7 @@ def _launch_dot(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_byt
     if qtype == "IQ2_XXS":
         _dot().iq2_xxs_kernel[grid](q, d, flat, out, _grid_words(flat.device).view(torch.int64),
                                     _sign_words(flat.device).view(torch.int64), chosen, n, m, cols, row_bytes,
-                                    expert_bytes, **common)
+                                    expert_bytes, computed_signs=launch.get("computed_signs", False), **common)
     elif qtype == "Q2_K":
         _dot().q2_k_kernel[grid](q, d, s, flat, out, chosen, n, m, cols, row_bytes, expert_bytes, **common)
     else:

@@ -178,13 +178,17 @@ DOT_KERNELS = {  # type: (kernel, its pointers, input width, by expert, values a
 DOT_LAUNCHES = [(8, 16, 4), (16, 8, 4), (32, 8, 8)]  # (weight rows a program, groups of each a trip, warps)
 
 
-def dot_counts(qtype: str, block_n: int, groups: int, warps: int) -> dict[str, float]:
+def dot_counts(qtype: str, block_n: int, groups: int, warps: int, computed_signs: bool = False) -> dict[str, float]:
     """``gguf_dot``'s GEMV of ``qtype`` at the q2 recipe's width (its loop): instructions, global loads and
-    ``dp4a`` per weight value a thread takes, registers a thread, spilled loads and stores."""
+    ``dp4a`` per weight value a thread takes, registers a thread, spilled loads and stores.  ``computed_signs``
+    (IQ2_XXS): its sign bytes made from the pattern's bits, not read from the table."""
     name, pointers, k, by_expert, per_group = DOT_KERNELS[qtype]
     signature = dict(pointer.split(":") for pointer in pointers) | DOT_COMMON
     aligned = tuple(i for i, arg in enumerate(signature) if arg.endswith(("_ptr", "_bytes")))
     constants = {"k": k, "by_expert": by_expert, "block_n": block_n, "groups": groups, "native": True}
+    if qtype == "IQ2_XXS":
+        signature["computed_signs"] = "constexpr"
+        constants["computed_signs"] = computed_signs
     ops, registers, _ = loop_and_registers(_compile(getattr(gguf_dot, name), signature, constants, aligned, warps))
     values = block_n * groups * per_group / (32 * warps)
     return {"instructions": sum(ops.values()) / values, "loads": ops["LDG"] / values, "dp4a": ops["IDP"] / values,
@@ -206,18 +210,21 @@ def main() -> None:
             launch = gguf_matmul.DOT[qtype]
             floats = gguf_matmul.BLOCKWISE[qtype]
             float_counts = loop_counts(qtype, k, by_expert, floats["block_n"], floats["supers"], 1, floats["stages"])
-            print(json.dumps(dict(dot_counts(qtype, launch["block_n"], launch["groups"], launch["warps"]), qtype=qtype,
-                                  float_instructions=float_counts["instructions"])))
+            counts = dot_counts(qtype, launch["block_n"], launch["groups"], launch["warps"],
+                                launch.get("computed_signs", False))
+            print(json.dumps(dict(counts, qtype=qtype, float_instructions=float_counts["instructions"])))
         return
     if args.dot:
         print("| type | weight rows x groups, warps | instructions a value | loads a value | dp4a a value | registers "
               "| spills |")
         print("|---|---|---|---|---|---|---|")
         for qtype in DOT_KERNELS:
-            for block_n, groups, warps in DOT_LAUNCHES:
-                c = dot_counts(qtype, block_n, groups, warps)
-                print(f"| {qtype} | {block_n} x {groups}, {warps} | {c['instructions']:.2f} | {c['loads']:.2f} | "
-                      f"{c['dp4a']:.3f} | {c['registers']} | {c['spills']} |")
+            for computed in (False, True) if qtype == "IQ2_XXS" else (False,):
+                for block_n, groups, warps in DOT_LAUNCHES:
+                    c = dot_counts(qtype, block_n, groups, warps, computed)
+                    name = qtype + (", signs computed" if computed else "")
+                    print(f"| {name} | {block_n} x {groups}, {warps} | {c['instructions']:.2f} | {c['loads']:.2f} | "
+                          f"{c['dp4a']:.3f} | {c['registers']} | {c['spills']} |")
         return
     if args.tiles:
         if not args.json:

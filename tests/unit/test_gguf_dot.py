@@ -102,6 +102,30 @@ def test_matrices_found_by_address_give_the_banks_products(qtype):
     assert torch.allclose(loose, want, rtol=0, atol=2e-6 * want.abs().max().item())
 
 
+def test_iq2_xxs_sign_bytes_computed_from_the_pattern_give_the_tables_sums_bit_for_bit(monkeypatch):
+    """``computed_signs`` (the sign bytes from the pattern's bits and its parity, no table read): every one of the
+    128 patterns against the ``gguf`` package's ``ksigns``, then the GEMV's sums, one matrix and rows by expert,
+    equal to the table's bit for bit."""
+    from gguf import quants
+
+    from ds4d.cuda import gguf_dot
+
+    table = torch.frombuffer(bytearray(quants.IQ2_XXS.ksigns), dtype=torch.uint8).to(torch.int32)
+    want = (table[:, None] >> torch.arange(8)) & 1
+    if not torch.cuda.is_available():  # the interpreter: call the kernel's helper as a plain function
+        low, high = gguf_dot.sign_bytes.fn(torch.arange(128, dtype=torch.int32), False)
+        got = torch.stack([(word[:, None] >> (8 * torch.arange(4))) & 255 for word in (low, high)], 1).view(128, 8)
+        assert torch.equal(got, want)
+    experts, n, cols = 3, 16, 1024
+    raw = torch.from_numpy(random_blocks("IQ2_XXS", experts * n, cols, seed=17)).to(device())
+    bank, chosen = raw.view(experts, n, -1), torch.tensor([2, 0, 2, 1], device=device())
+    x = torch.randn(4, cols, generator=torch.Generator().manual_seed(17)).to(device())
+    before = [gguf_matmul.dot_gemv(x[:1], raw, "IQ2_XXS"), gguf_matmul.dot_gemv(x, bank, "IQ2_XXS", chosen)]
+    monkeypatch.setitem(gguf_matmul.DOT, "IQ2_XXS", {**gguf_matmul.DOT["IQ2_XXS"], "computed_signs": True})
+    after = [gguf_matmul.dot_gemv(x[:1], raw, "IQ2_XXS"), gguf_matmul.dot_gemv(x, bank, "IQ2_XXS", chosen)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
 def test_q8_0_rows_of_one_matrix_share_a_program_and_give_each_rows_product():
     """``DOT_ROWS``: up to eight input rows of one Q8_0 matrix in a program (each weight word read once for all of
     them): nine rows (a program of eight and one of one row, seven rows dead) give the quantised inputs' product,
