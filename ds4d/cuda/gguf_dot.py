@@ -63,6 +63,22 @@ def sign_bytes(pattern, native: tl.constexpr):
 
 
 @triton.jit
+def grid_bytes(selectors, native: tl.constexpr):
+    """Four IQ2_XXS grid magnitudes as the bytes of a word, from four selectors in the low nibbles of ``selectors``
+    (int32; nibble ``i`` 0, 1 or 2 for 8, 25 or 43: the ``gguf`` package's ``grid_map``), by one byte permute
+    (``prmt``) of the word holding those three bytes."""
+    if native:
+        table = tl.zeros_like(selectors) + 0x002B1908
+        return tl.inline_asm_elementwise("prmt.b32 $0, $2, 0, $1;", "=r,r,r", [selectors, table], dtype=tl.int32,
+                                         is_pure=True, pack=1)
+    else:
+        word = tl.zeros_like(selectors)
+        for i in tl.static_range(4):
+            word = word | (((0x002B1908 >> (8 * ((selectors >> (4 * i)) & 15))) & 255) << (8 * i))
+        return word
+
+
+@triton.jit
 def quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, k, sxm, runs: tl.constexpr):
     """Row ``program_id(0)``, runs of 32 inputs ``program_id(1) * runs`` on: ``q = floor(x * (127 / amax) + 0.5)``
     (int8), the run's scale ``amax / 127`` (float32; 0 for a run of zeros) and the sums of ``q`` over each 16."""
@@ -132,7 +148,7 @@ def q8_0_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, expert_ptr, n, m, k: tl.constexp
 @triton.jit
 def iq2_xxs_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_ptr, n, m, k: tl.constexpr,
                    row_bytes, expert_bytes, by_expert: tl.constexpr, block_n: tl.constexpr, groups: tl.constexpr,
-                   native: tl.constexpr, computed_signs: tl.constexpr = False):
+                   native: tl.constexpr, computed_signs: tl.constexpr = False, selector_grid: tl.constexpr = False):
     """IQ2_XXS: 66-byte blocks of 256 (``d``, then eight groups of 32 values in 8 bytes: four grid indices, a word
     of four 7-bit sign patterns over a 4-bit scale).  A group is four parts of 8 values; a part's grid entry and
     sign bytes are read as one 64-bit word each (``grid_ptr``: int64 ``[256]``, the entry's eight magnitudes as
@@ -142,7 +158,10 @@ def iq2_xxs_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_p
 
     ``computed_signs``: the sign bytes made from the pattern's bits (:func:`sign_bytes`) instead of read from
     ``signs_ptr``: the same words, so the same sums bit for bit.  A warp's table reads each gather from up to 32
-    addresses, a cache wavefront per line touched; the computed bytes cost a few integer instructions instead."""
+    addresses, a cache wavefront per line touched; the computed bytes cost a few integer instructions instead.
+    ``selector_grid``: ``grid_ptr`` is int32 ``[256]``, each entry's eight magnitudes as selectors (4 bits each,
+    :func:`grid_bytes`): half the table's bytes, so a warp's gathers touch about half the lines, and the same
+    words again."""
     r, row, g = _program(raw_ptr, expert_ptr, n, row_bytes, expert_bytes, by_expert, block_n, groups)
     inputs = q_ptr.to(tl.pointer_type(tl.int64)) + r.to(tl.int64) * (k // 8)
     scales = d_ptr + r.to(tl.int64) * (k // 32)
@@ -156,6 +175,10 @@ def iq2_xxs_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_p
         total = tl.zeros_like(indices)
         for part in tl.static_range(4):
             entry = tl.load(grid_ptr + ((indices >> (8 * part)) & 255))
+            if selector_grid:
+                magnitudes = (grid_bytes(entry, native), grid_bytes(entry >> 16, native))
+            else:
+                magnitudes = (entry.to(tl.int32), (entry >> 32).to(tl.int32))
             pattern = (aux >> (7 * part)) & 127
             if computed_signs:
                 low, high = sign_bytes(pattern, native)
@@ -165,7 +188,7 @@ def iq2_xxs_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_p
             x = tl.load(inputs + group * 4 + part)
             for half in tl.static_range(2):
                 t = low if half == 0 else high
-                word = ((entry >> (32 * half)).to(tl.int32) ^ (t * 255)) + t
+                word = (magnitudes[half] ^ (t * 255)) + t
                 total = dot4(word, (x >> (32 * half)).to(tl.int32), total, native)
         d = half_word(tl.load(block.to(tl.pointer_type(tl.uint16))).to(tl.int32))
         scale = d * (0.5 + small_int_float((aux >> 28) & 15)) * 0.25

@@ -119,6 +119,23 @@ def _grid_words(device: torch.device) -> torch.Tensor:
     return _state[key]
 
 
+def _grid_selectors(device: torch.device) -> torch.Tensor:
+    """IQ2_XXS's grid as ``gguf_dot.grid_bytes`` reads it: int32 ``[256]``, value ``i`` of entry ``e`` in nibble
+    ``i``: 0, 1 or 2 where it is the first, second or third of the ``gguf`` package's ``grid_map``."""
+    key = ("selectors", str(device))
+    if key not in _state:
+        from gguf import quants
+
+        grid = _tables(torch.device("cpu"), "IQ2_XXS")[0].reshape(256, 8)
+        magnitudes = torch.tensor(quants.IQ2_XXS.grid_map, dtype=grid.dtype)
+        if tuple(magnitudes.tolist()) != (8, 25, 43) or not bool(torch.isin(grid, magnitudes).all()):
+            raise ValueError("the gguf package's IQ2_XXS grid is not made of 8, 25 and 43")
+        selectors = (grid[:, :, None] == magnitudes).to(torch.int64).argmax(dim=2)  # [256, 8] in 0..2
+        words = (selectors << (4 * torch.arange(8))).sum(dim=1)
+        _state[key] = words.to(torch.int32).to(device)
+    return _state[key]
+
+
 WORD_BYTES = {"Q8_0": 2, "Q2_K": 4, "IQ2_XXS": 2}
 """The block-wise kernels read their blocks in words of this many bytes: a matrix starts at a multiple of it
 (as every allocation does, and every row, since the rows are whole blocks: 34, 84 and 66 bytes)."""
@@ -368,9 +385,11 @@ def _launch_dot(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_byt
     grid = (-(-n // launch["block_n"]), m)
     chosen = chosen if by_expert else d
     if qtype == "IQ2_XXS":
-        _dot().iq2_xxs_kernel[grid](q, d, flat, out, _grid_words(flat.device).view(torch.int64),
-                                    _sign_words(flat.device).view(torch.int64), chosen, n, m, cols, row_bytes,
-                                    expert_bytes, computed_signs=launch.get("computed_signs", False), **common)
+        selectors = launch.get("selector_grid", False)
+        table = _grid_selectors(flat.device) if selectors else _grid_words(flat.device).view(torch.int64)
+        _dot().iq2_xxs_kernel[grid](q, d, flat, out, table, _sign_words(flat.device).view(torch.int64), chosen, n, m,
+                                    cols, row_bytes, expert_bytes, computed_signs=launch.get("computed_signs", False),
+                                    selector_grid=selectors, **common)
     elif qtype == "Q2_K":
         _dot().q2_k_kernel[grid](q, d, s, flat, out, chosen, n, m, cols, row_bytes, expert_bytes, **common)
     else:

@@ -9,7 +9,7 @@ the least time per byte summed over each type's cases.
 
 ``--rows``: instead, Q8_0 linears at 2, 4 and 8 input rows of one matrix (a batch's decode step), the launches
 of ``gguf_matmul.DOT_ROWS`` (each weight word read once for a program's rows).  IQ2_XXS's cases also time each
-launch with the sign bytes computed (:data:`SIGNS`).
+launch with the sign bytes computed, and with the grid read as selectors too (:data:`SIGNS`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ LAUNCHES = [{"block_n": b, "groups": g, "warps": w}
             for b, g, w in ((8, 16, 4), (16, 8, 4), (4, 32, 4), (8, 8, 2), (32, 8, 8), (16, 16, 8), (64, 4, 8),
                             (32, 4, 4))]
 """``gguf_matmul.DOT``'s launches: weight rows a program, groups of each a trip, warps."""
-SIGNS = [dict(launch, computed_signs=True) for launch in LAUNCHES]
-"""IQ2_XXS's launches again with its sign bytes computed from the pattern's bits (``gguf_dot.sign_bytes``)."""
+SIGNS = [dict(launch, computed_signs=True, selector_grid=grid) for grid in (False, True) for launch in LAUNCHES]
+"""IQ2_XXS's launches again with its sign bytes computed from the pattern's bits (``gguf_dot.sign_bytes``), and
+with its grid read as selectors as well (``gguf_dot.grid_bytes``)."""
 ROWS_CASES = [(f"{name} [{n}, {k}], {rows} rows", "Q8_0", n, k, rows, 0)
               for name, n, k in (("wq_b", 32768, 1024), ("wo_b", 4096, 8192)) for rows in (2, 4, 8)]
 """``--rows``: the q2 recipe's largest Q8_0 linears at a batch's rows."""
@@ -52,7 +53,8 @@ def main() -> None:
         want = gguf_matmul.gemv(x, weights[0], qtype, ids)
         times = timed[label] = {}
         errors = {}
-        for launch in LAUNCHES[:args.count] + (SIGNS[:args.count] if qtype == "IQ2_XXS" and not args.rows else []):
+        variants = [launch for launch in SIGNS if LAUNCHES.index({k: launch[k] for k in LAUNCHES[0]}) < args.count]
+        for launch in LAUNCHES[:args.count] + (variants if qtype == "IQ2_XXS" and not args.rows else []):
             launches[qtype] = launch
             try:
                 got = gguf_matmul.dot_gemv(x, weights[0], qtype, ids)

@@ -178,17 +178,20 @@ DOT_KERNELS = {  # type: (kernel, its pointers, input width, by expert, values a
 DOT_LAUNCHES = [(8, 16, 4), (16, 8, 4), (32, 8, 8)]  # (weight rows a program, groups of each a trip, warps)
 
 
-def dot_counts(qtype: str, block_n: int, groups: int, warps: int, computed_signs: bool = False) -> dict[str, float]:
+def dot_counts(qtype: str, block_n: int, groups: int, warps: int, computed_signs: bool = False,
+               selector_grid: bool = False) -> dict[str, float]:
     """``gguf_dot``'s GEMV of ``qtype`` at the q2 recipe's width (its loop): instructions, global loads and
-    ``dp4a`` per weight value a thread takes, registers a thread, spilled loads and stores.  ``computed_signs``
-    (IQ2_XXS): its sign bytes made from the pattern's bits, not read from the table."""
+    ``dp4a`` per weight value a thread takes, registers a thread, spilled loads and stores.  ``computed_signs``,
+    ``selector_grid`` (IQ2_XXS): its sign bytes made from the pattern's bits, its grid read as selectors."""
     name, pointers, k, by_expert, per_group = DOT_KERNELS[qtype]
     signature = dict(pointer.split(":") for pointer in pointers) | DOT_COMMON
     aligned = tuple(i for i, arg in enumerate(signature) if arg.endswith(("_ptr", "_bytes")))
     constants = {"k": k, "by_expert": by_expert, "block_n": block_n, "groups": groups, "native": True}
     if qtype == "IQ2_XXS":
-        signature["computed_signs"] = "constexpr"
-        constants["computed_signs"] = computed_signs
+        signature.update(computed_signs="constexpr", selector_grid="constexpr")
+        constants.update(computed_signs=computed_signs, selector_grid=selector_grid)
+        if selector_grid:
+            signature["grid_ptr"] = "*i32"
     ops, registers, _ = loop_and_registers(_compile(getattr(gguf_dot, name), signature, constants, aligned, warps))
     values = block_n * groups * per_group / (32 * warps)
     return {"instructions": sum(ops.values()) / values, "loads": ops["LDG"] / values, "dp4a": ops["IDP"] / values,
@@ -211,7 +214,7 @@ def main() -> None:
             floats = gguf_matmul.BLOCKWISE[qtype]
             float_counts = loop_counts(qtype, k, by_expert, floats["block_n"], floats["supers"], 1, floats["stages"])
             counts = dot_counts(qtype, launch["block_n"], launch["groups"], launch["warps"],
-                                launch.get("computed_signs", False))
+                                launch.get("computed_signs", False), launch.get("selector_grid", False))
             print(json.dumps(dict(counts, qtype=qtype, float_instructions=float_counts["instructions"])))
         return
     if args.dot:
@@ -219,10 +222,11 @@ def main() -> None:
               "| spills |")
         print("|---|---|---|---|---|---|---|")
         for qtype in DOT_KERNELS:
-            for computed in (False, True) if qtype == "IQ2_XXS" else (False,):
+            variants = [(False, False), (True, False), (True, True)] if qtype == "IQ2_XXS" else [(False, False)]
+            for computed, selectors in variants:
                 for block_n, groups, warps in DOT_LAUNCHES:
-                    c = dot_counts(qtype, block_n, groups, warps, computed)
-                    name = qtype + (", signs computed" if computed else "")
+                    c = dot_counts(qtype, block_n, groups, warps, computed, selectors)
+                    name = qtype + (", signs computed" if computed else "") + (", grid selectors" if selectors else "")
                     print(f"| {name} | {block_n} x {groups}, {warps} | {c['instructions']:.2f} | {c['loads']:.2f} | "
                           f"{c['dp4a']:.3f} | {c['registers']} | {c['spills']} |")
         return

@@ -102,10 +102,13 @@ def test_matrices_found_by_address_give_the_banks_products(qtype):
     assert torch.allclose(loose, want, rtol=0, atol=2e-6 * want.abs().max().item())
 
 
-def test_iq2_xxs_sign_bytes_computed_from_the_pattern_give_the_tables_sums_bit_for_bit(monkeypatch):
+@pytest.mark.parametrize(("computed_signs", "selector_grid"), [(True, False), (False, True), (True, True)])
+def test_iq2_xxs_signs_computed_and_grid_selectors_give_the_tables_sums_bit_for_bit(monkeypatch, computed_signs,
+                                                                                   selector_grid):
     """``computed_signs`` (the sign bytes from the pattern's bits and its parity, no table read): every one of the
-    128 patterns against the ``gguf`` package's ``ksigns``, then the GEMV's sums, one matrix and rows by expert,
-    equal to the table's bit for bit."""
+    128 patterns against the ``gguf`` package's ``ksigns``; ``selector_grid`` (the grid as 4-bit selectors of its
+    three magnitudes): every entry's bytes against the grid's.  Then the GEMV's sums, one matrix and rows by
+    expert, equal to the tables' bit for bit."""
     from gguf import quants
 
     from ds4d.cuda import gguf_dot
@@ -116,12 +119,16 @@ def test_iq2_xxs_sign_bytes_computed_from_the_pattern_give_the_tables_sums_bit_f
         low, high = gguf_dot.sign_bytes.fn(torch.arange(128, dtype=torch.int32), False)
         got = torch.stack([(word[:, None] >> (8 * torch.arange(4))) & 255 for word in (low, high)], 1).view(128, 8)
         assert torch.equal(got, want)
+    selectors = gguf_matmul._grid_selectors(torch.device("cpu"))
+    magnitudes = torch.tensor(quants.IQ2_XXS.grid_map)[(selectors[:, None] >> (4 * torch.arange(8))) & 15]
+    assert torch.equal(magnitudes.to(torch.uint8).view(torch.int32), gguf_matmul._grid_words(torch.device("cpu")))
     experts, n, cols = 3, 16, 1024
     raw = torch.from_numpy(random_blocks("IQ2_XXS", experts * n, cols, seed=17)).to(device())
     bank, chosen = raw.view(experts, n, -1), torch.tensor([2, 0, 2, 1], device=device())
     x = torch.randn(4, cols, generator=torch.Generator().manual_seed(17)).to(device())
     before = [gguf_matmul.dot_gemv(x[:1], raw, "IQ2_XXS"), gguf_matmul.dot_gemv(x, bank, "IQ2_XXS", chosen)]
-    monkeypatch.setitem(gguf_matmul.DOT, "IQ2_XXS", {**gguf_matmul.DOT["IQ2_XXS"], "computed_signs": True})
+    monkeypatch.setitem(gguf_matmul.DOT, "IQ2_XXS", {**gguf_matmul.DOT["IQ2_XXS"], "computed_signs": computed_signs,
+                                                     "selector_grid": selector_grid})
     after = [gguf_matmul.dot_gemv(x[:1], raw, "IQ2_XXS"), gguf_matmul.dot_gemv(x, bank, "IQ2_XXS", chosen)]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
