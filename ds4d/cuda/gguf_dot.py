@@ -19,7 +19,9 @@ so nothing crosses threads until the row's sum after the loop (compiled for sm_9
 1.8-3.3 instructions a weight value and 32-40 registers, against the float GEMV's 7.0-12.4 instructions;
 ``tests/gpu/gguf_sass_count.py --dot``).  A program takes ``block_n`` weight rows, ``groups`` groups
 of each a trip, and one input row (``program_id(1)``); with ``by_expert`` that row's matrix is
-``expert_ptr[row]``'s of a bank, ``expert_bytes`` apart.  :func:`q8_0_rows_kernel` takes up to eight input rows of
+``expert_ptr[row]``'s of a bank, ``expert_bytes`` apart; with ``gated`` the matrix is gate rows over up rows and
+the program stores their SwiGLU (a feed-forward's first product and its activation in one launch).
+:func:`q8_0_rows_kernel` takes up to eight input rows of
 one matrix a program (a batch's linears), each weight word read once for all of them.
 
 ``native`` (a GPU): ``dp4a`` by inline PTX; else (Triton's interpreter) the same sum by shifts and multiplies,
@@ -33,6 +35,7 @@ import triton.language as tl
 
 from ds4d.cuda.gguf_blockwise import half_word, small_int_float
 from ds4d.cuda.gguf_kernels import stored_as
+from ds4d.cuda.quant_kernels import swiglu_rounded
 
 
 @triton.jit
@@ -99,33 +102,51 @@ def quantize_kernel(x_ptr, q_ptr, d_ptr, s_ptr, k, sxm, runs: tl.constexpr):
 
 @triton.jit
 def _program(raw_ptr, expert_ptr, n, row_bytes, expert_bytes, by_expert: tl.constexpr, block_n: tl.constexpr,
-             groups: tl.constexpr):
+             groups: tl.constexpr, gated: tl.constexpr = False):
     """(input row, each element's weight row pointer and group within a trip): element ``e`` is weight row
-    ``e // groups`` of the program's ``block_n``, group ``e % groups``."""
+    ``e // groups`` of the program's ``block_n``, group ``e % groups``.  ``gated``: the matrix is ``n`` gate rows
+    over their ``n`` up rows, and the program's rows alternate a gate row and its up row (``block_n / 2``
+    outputs, :func:`_store`)."""
     r = tl.program_id(1)
     base = raw_ptr
     if by_expert:
         base = raw_ptr + tl.load(expert_ptr + r).to(tl.int64) * expert_bytes
     e = tl.arange(0, block_n * groups)
-    weight = tl.program_id(0) * block_n + e // groups
-    return r, base + tl.where(weight < n, weight, 0).to(tl.int64) * row_bytes, e % groups
+    tile = e // groups
+    if gated:
+        out = tl.program_id(0) * (block_n // 2) + tile // 2
+        weight = tl.where(out < n, out + (tile % 2) * n, 0)
+    else:
+        weight = tl.program_id(0) * block_n + tile
+        weight = tl.where(weight < n, weight, 0)
+    return r, base + weight.to(tl.int64) * row_bytes, e % groups
 
 
 @triton.jit
-def _store(acc, out_ptr, r, n, m, block_n: tl.constexpr, groups: tl.constexpr):
-    """Each weight row's groups summed, stored in row ``r`` of ``out [m, n]`` (rounded to its dtype)."""
+def _store(acc, out_ptr, r, n, m, block_n: tl.constexpr, groups: tl.constexpr, gated: tl.constexpr = False,
+           limit=0.0, clamp: tl.constexpr = False):
+    """Each weight row's groups summed, stored in row ``r`` of ``out [m, n]`` (rounded to its dtype); ``gated``
+    (:func:`_program`): each gate row's and up row's sums rounded to it, and their SwiGLU stored
+    (``quant_kernels.swiglu_rounded``, the rounding of the model's SwiGLU kernel)."""
     sums = tl.sum(tl.reshape(acc, (block_n, groups)), axis=1)
-    rows = tl.program_id(0) * block_n + tl.arange(0, block_n)
-    tl.store(out_ptr + r.to(tl.int64) * n + rows, stored_as(sums, out_ptr),
-             mask=(rows < n) & (tl.zeros_like(rows) + r < m))
+    if gated:
+        rounded = stored_as(sums, out_ptr).to(tl.float32)
+        gate, up = tl.split(tl.reshape(rounded, (block_n // 2, 2)))
+        values = swiglu_rounded(gate, up, limit, clamp, out_ptr.dtype.element_ty)
+        rows = tl.program_id(0) * (block_n // 2) + tl.arange(0, block_n // 2)
+    else:
+        values = stored_as(sums, out_ptr)
+        rows = tl.program_id(0) * block_n + tl.arange(0, block_n)
+    tl.store(out_ptr + r.to(tl.int64) * n + rows, values, mask=(rows < n) & (tl.zeros_like(rows) + r < m))
 
 
 @triton.jit
 def q8_0_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, expert_ptr, n, m, k: tl.constexpr, row_bytes, expert_bytes,
-                by_expert: tl.constexpr, block_n: tl.constexpr, groups: tl.constexpr, native: tl.constexpr):
+                by_expert: tl.constexpr, block_n: tl.constexpr, groups: tl.constexpr, native: tl.constexpr,
+                gated: tl.constexpr = False, limit=0.0, clamp: tl.constexpr = False):
     """Q8_0: 34-byte blocks of 32 (``d``, then 32 int8 codes at 2-byte alignment, read as 16-bit halves of the
     words of four); a group is a block, its inputs read as four 64-bit words."""
-    r, row, g = _program(raw_ptr, expert_ptr, n, row_bytes, expert_bytes, by_expert, block_n, groups)
+    r, row, g = _program(raw_ptr, expert_ptr, n, row_bytes, expert_bytes, by_expert, block_n, groups, gated)
     inputs = q_ptr.to(tl.pointer_type(tl.int64)) + r.to(tl.int64) * (k // 8)
     scales = d_ptr + r.to(tl.int64) * (k // 32)
     acc = tl.zeros((block_n * groups,), dtype=tl.float32)
@@ -142,13 +163,14 @@ def q8_0_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, expert_ptr, n, m, k: tl.constexp
                 total = dot4(word, (x >> (32 * half)).to(tl.int32), total, native)
         d = half_word(tl.load(block.to(tl.pointer_type(tl.uint16))).to(tl.int32))
         acc += total.to(tl.float32) * (d * tl.load(scales + b))
-    _store(acc, out_ptr, r, n, m, block_n, groups)
+    _store(acc, out_ptr, r, n, m, block_n, groups, gated, limit, clamp)
 
 
 @triton.jit
 def iq2_xxs_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_ptr, n, m, k: tl.constexpr,
                    row_bytes, expert_bytes, by_expert: tl.constexpr, block_n: tl.constexpr, groups: tl.constexpr,
-                   native: tl.constexpr, computed_signs: tl.constexpr = False, selector_grid: tl.constexpr = False):
+                   native: tl.constexpr, computed_signs: tl.constexpr = False, selector_grid: tl.constexpr = False,
+                   gated: tl.constexpr = False, limit=0.0, clamp: tl.constexpr = False):
     """IQ2_XXS: 66-byte blocks of 256 (``d``, then eight groups of 32 values in 8 bytes: four grid indices, a word
     of four 7-bit sign patterns over a 4-bit scale).  A group is four parts of 8 values; a part's grid entry and
     sign bytes are read as one 64-bit word each (``grid_ptr``: int64 ``[256]``, the entry's eight magnitudes as
@@ -162,7 +184,7 @@ def iq2_xxs_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_p
     ``selector_grid``: ``grid_ptr`` is int32 ``[256]``, each entry's eight magnitudes as selectors (4 bits each,
     :func:`grid_bytes`): half the table's bytes, so a warp's gathers touch about half the lines, and the same
     words again."""
-    r, row, g = _program(raw_ptr, expert_ptr, n, row_bytes, expert_bytes, by_expert, block_n, groups)
+    r, row, g = _program(raw_ptr, expert_ptr, n, row_bytes, expert_bytes, by_expert, block_n, groups, gated)
     inputs = q_ptr.to(tl.pointer_type(tl.int64)) + r.to(tl.int64) * (k // 8)
     scales = d_ptr + r.to(tl.int64) * (k // 32)
     acc = tl.zeros((block_n * groups,), dtype=tl.float32)
@@ -193,17 +215,18 @@ def iq2_xxs_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_p
         d = half_word(tl.load(block.to(tl.pointer_type(tl.uint16))).to(tl.int32))
         scale = d * (0.5 + small_int_float((aux >> 28) & 15)) * 0.25
         acc += total.to(tl.float32) * (scale * tl.load(scales + group))
-    _store(acc, out_ptr, r, n, m, block_n, groups)
+    _store(acc, out_ptr, r, n, m, block_n, groups, gated, limit, clamp)
 
 
 @triton.jit
 def q2_k_kernel(q_ptr, d_ptr, s_ptr, raw_ptr, out_ptr, expert_ptr, n, m, k: tl.constexpr, row_bytes, expert_bytes,
-                by_expert: tl.constexpr, block_n: tl.constexpr, groups: tl.constexpr, native: tl.constexpr):
+                by_expert: tl.constexpr, block_n: tl.constexpr, groups: tl.constexpr, native: tl.constexpr,
+                gated: tl.constexpr = False, limit=0.0, clamp: tl.constexpr = False):
     """Q2_K: 84-byte blocks of 256 (16 scale bytes, 64 code bytes, ``d``, ``dmin``).  A group is a run (half
     ``h``, sub-block ``e`` of a block) of 16 code bytes, four words, whose 2-bit fields ``s`` are four runs of
     16 values, ``h * 128 + 32 s + 16 e`` on, each with its scale byte ``8 h + 2 s + e`` (low nibble the scale,
     high the minimum): ``d * scale * sum(q x) - dmin * minimum * sum(x)`` with the quantised inputs."""
-    r, row, g = _program(raw_ptr, expert_ptr, n, row_bytes, expert_bytes, by_expert, block_n, groups)
+    r, row, g = _program(raw_ptr, expert_ptr, n, row_bytes, expert_bytes, by_expert, block_n, groups, gated)
     inputs = q_ptr.to(tl.pointer_type(tl.int64)) + r.to(tl.int64) * (k // 8)
     scales = d_ptr + r.to(tl.int64) * (k // 32)
     sums = s_ptr + r.to(tl.int64) * (k // 16)
@@ -235,7 +258,7 @@ def q2_k_kernel(q_ptr, d_ptr, s_ptr, raw_ptr, out_ptr, expert_ptr, n, m, k: tl.c
             xs = tl.load(sums + col // 16)
             acc += (total.to(tl.float32) * ((d * small_int_float(sc & 15)) * dx)
                     - (dmin * small_int_float(sc >> 4)) * (dx * xs.to(tl.float32)))
-    _store(acc, out_ptr, r, n, m, block_n, groups)
+    _store(acc, out_ptr, r, n, m, block_n, groups, gated, limit, clamp)
 
 
 @triton.jit

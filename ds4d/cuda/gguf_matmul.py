@@ -250,7 +250,8 @@ def _launch_gemv(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_by
 
 
 def gemv_at(x: torch.Tensor, addresses: torch.Tensor, qtype: str, n: int, *, aligned: bool = False,
-            out_dtype: torch.dtype = torch.float32, int8_inputs: bool = False) -> torch.Tensor:
+            out_dtype: torch.dtype = torch.float32, int8_inputs: bool = False,
+            gated: float | None = None) -> torch.Tensor:
     """:func:`gemv` with row ``m``'s matrix found by address: ``addresses[m]`` (int64) is where its ``n``
     rows of ``x.shape[1]`` values in ``qtype`` blocks start, rows contiguous, wherever they sit (device
     memory, or host memory the device can read).  The by-expert kernels of :func:`gemv` over a bank of
@@ -259,21 +260,30 @@ def gemv_at(x: torch.Tensor, addresses: torch.Tensor, qtype: str, n: int, *, ali
     apart, so the compiler knows what it knows of a bank's aligned experts and builds the same kernel:
     the result is :func:`gemv`'s with ``experts`` bit for bit where the bank's matrices are a multiple of
     16 bytes.  Unaligned, the experts are one byte apart, and the sums may round differently (every
-    address must still be a multiple of the type's :data:`WORD_BYTES`).  ``int8_inputs`` as in :func:`gemv`.
-    No host read: capturable in a CUDA graph."""
+    address must still be a multiple of the type's :data:`WORD_BYTES`).  ``int8_inputs`` as in :func:`gemv`;
+    ``gated`` (with ``int8_inputs``, a type of :data:`DOT`) as in :func:`dot_gemv`.  No host read: capturable in
+    a CUDA graph."""
     row_bytes = row_bytes_of(qtype, x.shape[-1])
     if x.stride(-1) != 1:
         x = x.contiguous()
+    if gated is not None and not gated_fits(qtype, int8_inputs):
+        raise ValueError(f"gemv_at: a gated product takes int8 inputs and a type of {sorted(DOT)}, not {qtype}")
     if not x.shape[0]:
-        return torch.empty(0, n, dtype=out_dtype, device=x.device)
+        return torch.empty(0, n if gated is None else n // 2, dtype=out_dtype, device=x.device)
     anchor = _anchor(x.device)
     unit = 16 if aligned else 1
     offsets = (addresses.to(device=x.device, dtype=torch.int64) - anchor.data_ptr()).contiguous()
     if aligned:
         offsets = offsets // unit
     if int8_inputs and qtype in DOT:
-        return _launch_dot(x, anchor, qtype, n, row_bytes, unit, offsets, out_dtype)
+        return _launch_dot(x, anchor, qtype, n, row_bytes, unit, offsets, out_dtype, gated)
     return _launch_gemv(x, anchor, qtype, n, row_bytes, unit, offsets, out_dtype=out_dtype)
+
+
+def gated_fits(qtype: str, int8_inputs: bool) -> bool:
+    """Whether the GEMVs of a ``qtype`` weight (``int8_inputs`` as in :func:`gemv`) take ``gated``: the int8-input
+    kernels (:func:`dot_gemv`) do, for one row or rows by expert."""
+    return int8_inputs and qtype in DOT
 
 
 def _anchor(device: torch.device) -> torch.Tensor:
@@ -344,12 +354,17 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
 
 
 def dot_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tensor | None = None, *,
-             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+             out_dtype: torch.dtype = torch.float32, gated: float | None = None) -> torch.Tensor:
     """:func:`gemv` with ``x`` first rounded to int8 (:func:`quantize_rows`) and the products summed four bytes
     at a time in int32 (``gguf_dot``), for the types of :data:`DOT`: ``[M, N]`` in ``out_dtype``, the exact product of
     the quantised inputs with the weight's values up to float32 rounding of the groups' scaled sums.  A program
     takes one input row, so rows of one matrix each read it (the float GEMV decodes it once for up to
-    :data:`MULTI_ROWS`), except for the types of :data:`DOT_ROWS`, whose programs take up to that many rows."""
+    :data:`MULTI_ROWS`), except for the types of :data:`DOT_ROWS`, whose programs take up to that many rows.
+
+    ``gated`` (a SwiGLU limit, 0 for no clamp; one row, or rows by expert): the weight's first half of rows are
+    gates and the second their up rows, and the result is ``prefill_triton.swiglu`` of the two halves of the
+    product, ``[M, N/2]``, in the GEMV's launch (bit for bit where the rows are summed alike: always in the
+    interpreter; a launch of one row a program takes two)."""
     if qtype not in DOT:
         raise ValueError(f"no int8-input GEMV for {qtype}; these have one: {', '.join(DOT)}")
     flat, row_bytes, expert_bytes = _bank(raw, qtype, x.shape[-1])
@@ -357,32 +372,41 @@ def dot_gemv(x: torch.Tensor, raw: torch.Tensor, qtype: str, experts: torch.Tens
         raise ValueError("dot_gemv takes a matrix [N, row_bytes], or a bank [E, N, row_bytes] with experts")
     _check_word_aligned(flat, qtype)
     chosen = experts.to(device=raw.device, dtype=torch.int32) if experts is not None else None
-    return _launch_dot(x, flat, qtype, raw.shape[-2], row_bytes, expert_bytes, chosen, out_dtype)
+    return _launch_dot(x, flat, qtype, raw.shape[-2], row_bytes, expert_bytes, chosen, out_dtype, gated)
 
 
 def _launch_dot(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_bytes: int, expert_bytes: int,
-                chosen: torch.Tensor | None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                chosen: torch.Tensor | None, out_dtype: torch.dtype = torch.float32,
+                gated: float | None = None) -> torch.Tensor:
     """``gguf_dot``'s GEMV over weight rows at ``flat``; ``chosen`` (None: one matrix): per row of ``x``, the index
-    of its matrix, ``expert_bytes`` apart from ``flat``."""
+    of its matrix, ``expert_bytes`` apart from ``flat``; ``gated`` as in :func:`dot_gemv`."""
     cols, m = x.shape[-1], x.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=flat.device)
+    by_expert = chosen is not None
+    shared_rows = not by_expert and m > 1 and qtype in DOT_ROWS
+    if gated is not None and (n % 2 or shared_rows):
+        raise ValueError(f"dot_gemv: no gated product of {n} weight rows for {m} rows of one matrix")
+    width = n if gated is None else n // 2
+    out = torch.empty(m, width, dtype=out_dtype, device=flat.device)
     if not m:
         return out
     q, d, s = quantize_rows(x)
-    by_expert = chosen is not None
-    shared_rows = not by_expert and m > 1 and qtype in DOT_ROWS
-    launch = (DOT_ROWS if shared_rows else DOT)[qtype]
+    launch = dict((DOT_ROWS if shared_rows else DOT)[qtype])
     per_group = 64 if qtype == "Q2_K" else 32
     groups = next(g for g in (launch["groups"], 8, 4, 2, 1) if (cols // per_group) % g == 0)
+    if gated is not None:
+        launch["block_n"] += launch["block_n"] % 2  # a gate row and its up row side by side
     if shared_rows:
         rows_per = min(MULTI_ROWS, 1 << (m - 1).bit_length())
         _dot().q8_0_rows_kernel[(-(-n // launch["block_n"]), -(-m // rows_per))](
             q, d, flat, out, n, m, cols, row_bytes, block_n=launch["block_n"], groups=groups, rows_per=rows_per,
             native=flat.device.type == "cuda", num_warps=launch["warps"])
         return out
+    limit = 0.0 if gated is None else float(gated)
     common = {"by_expert": by_expert, "block_n": launch["block_n"], "groups": groups,
-              "native": flat.device.type == "cuda", "num_warps": launch["warps"]}
+              "native": flat.device.type == "cuda", "num_warps": launch["warps"], "gated": gated is not None,
+              "limit": limit, "clamp": limit > 0}
     grid = (-(-n // launch["block_n"]), m)
+    n = width
     chosen = chosen if by_expert else d
     if qtype == "IQ2_XXS":
         selectors = launch.get("selector_grid", False)
@@ -475,10 +499,15 @@ def linear(x: torch.Tensor, raw: torch.Tensor, qtype: str, *, gemv_rows: int = G
 
 
 def expert_rows(x: torch.Tensor, raw: torch.Tensor, qtype: str, expert_of_row: torch.Tensor,
-                offsets: torch.Tensor | None, *, int8_inputs: bool = False) -> torch.Tensor:
+                offsets: torch.Tensor | None, *, int8_inputs: bool = False, gated: float | None = None) -> torch.Tensor:
     """Rows of ``x [M, K]`` times their expert's matrix of the bank ``raw [E, N, row_bytes]``, in ``x``'s
     dtype: a GEMV per row by ``expert_of_row`` when ``offsets`` is None, else tensor-core tiles over the
-    rows sorted by expert (group ends ``offsets``); ``int8_inputs`` as in :func:`gemv`."""
+    rows sorted by expert (group ends ``offsets``); ``int8_inputs`` as in :func:`gemv`; ``gated`` (the GEMV per
+    row, where :func:`gated_fits`) as in :func:`dot_gemv`."""
+    if gated is not None:
+        if offsets is not None or not gated_fits(qtype, int8_inputs):
+            raise ValueError(f"expert_rows: a gated product takes the int8 GEMV per row, not {qtype} here")
+        return dot_gemv(x, raw, qtype, expert_of_row, out_dtype=x.dtype, gated=gated)
     if offsets is None:
         return gemv(x, raw, qtype, expert_of_row, out_dtype=x.dtype, int8_inputs=int8_inputs)
     return tiles(x, raw, qtype, offsets, out_dtype=x.dtype)

@@ -167,7 +167,8 @@ def loop_counts(qtype: str, k: int, by_expert: bool, block_n: int, supers: int, 
 
 
 DOT_COMMON = {"n": "i32", "m": "i32", "k": "constexpr", "row_bytes": "i32", "expert_bytes": "i64",
-              "by_expert": "constexpr", "block_n": "constexpr", "groups": "constexpr", "native": "constexpr"}
+              "by_expert": "constexpr", "block_n": "constexpr", "groups": "constexpr", "native": "constexpr",
+              "gated": "constexpr", "limit": "fp32", "clamp": "constexpr"}
 DOT_KERNELS = {  # type: (kernel, its pointers, input width, by expert, values a group)
     "Q8_0": ("q8_0_kernel", ("q_ptr:*i8", "d_ptr:*fp32", "raw_ptr:*u8", "out_ptr:*fp32", "expert_ptr:*i32"), 8192,
              False, 32),
@@ -186,7 +187,8 @@ def dot_counts(qtype: str, block_n: int, groups: int, warps: int, computed_signs
     name, pointers, k, by_expert, per_group = DOT_KERNELS[qtype]
     signature = dict(pointer.split(":") for pointer in pointers) | DOT_COMMON
     aligned = tuple(i for i, arg in enumerate(signature) if arg.endswith(("_ptr", "_bytes")))
-    constants = {"k": k, "by_expert": by_expert, "block_n": block_n, "groups": groups, "native": True}
+    constants = {"k": k, "by_expert": by_expert, "block_n": block_n, "groups": groups, "native": True,
+                 "gated": False, "clamp": False}
     if qtype == "IQ2_XXS":
         signature.update(computed_signs="constexpr", selector_grid="constexpr")
         constants.update(computed_signs=computed_signs, selector_grid=selector_grid)

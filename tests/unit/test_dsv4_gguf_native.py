@@ -164,6 +164,54 @@ def test_weight_format_choice_for_gguf_files():
         load_gguf_model(FIXTURES / "converted.gguf", weight_format="native")
 
 
+def test_decode_kernels_take_the_swiglus_in_the_int8_gate_up_gemvs_with_the_same_logits(monkeypatch):
+    """The q2 recipe on int8 inputs (its default on CUDA), with the decode kernels: a batch-1 step's SwiGLUs run in the
+    epilogues of the routed experts' IQ2_XXS gate/up GEMV and of the shared expert's fused Q8_0 ``w1 + w3`` GEMV
+    (``gated``); the logits of prefill and decode are bit for bit those of the GEMVs followed by
+    ``prefill_triton.swiglu``."""
+    from ds4d.bench.random_v4 import base_config
+    from ds4d.cuda import gguf_matmul
+    from ds4d.models.deepseek_v4 import moe
+    from ds4d.models.deepseek_v4.config import DeepseekV4Config
+    from ds4d.models.deepseek_v4.random_init import RandomGgufReader
+
+    cfg = DeepseekV4Config.from_dict({**base_config(tiny=True), "num_hidden_layers": 1, "compress_ratios": [4],
+                                      "vocab_size": 512}, name="random-q2")
+    weights = read_weights(RandomGgufReader(cfg, dtype=torch.float32, device="cpu", recipe="q2", int8_inputs=False))
+    ffn = weights.layers[0].ffn
+    gate_up = ffn.experts.native[0]
+    assert isinstance(ffn.shared_w13, GgufWeight) and isinstance(gate_up, GgufMatrices)
+    ffn.shared_w13.int8_inputs = gate_up.int8_inputs = True  # int8 GEMVs are slow in the interpreter: these only,
+    for qtype in ("Q8_0", "IQ2_XXS"):  # and in few programs
+        monkeypatch.setitem(gguf_matmul.DOT, qtype, {"block_n": 64, "groups": 8, "warps": 4})
+    model = DeepseekV4Model(cfg, weights, tokenizer=None, dtype=torch.float32,
+                            paths=ForwardPaths(fast_path=True, decode_graphs="off", decode_kernel=True))
+    gated = []
+    plain = gguf_matmul.dot_gemv
+
+    def recorded(*args, **kwargs):
+        if kwargs.get("gated") is not None:
+            gated.append(args[2])
+        return plain(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_matmul, "dot_gemv", recorded)
+
+    def run(model: DeepseekV4Model) -> torch.Tensor:
+        driver = Driver(model)
+        driver.start("a")
+        out = [driver.prefill("a", PROMPT[:40], chunk=40)]
+        for _ in range(2):
+            out.append(driver.step([("a", [int(out[-1][-1].argmax())], 1)])[0])
+        return torch.cat(out)
+
+    fused = run(model)
+    assert sorted(gated) == ["IQ2_XXS", "IQ2_XXS", "Q8_0", "Q8_0"]  # each decode step's two gate/up GEMVs
+    monkeypatch.setattr(moe, "_gated_product", lambda *args: None)
+    monkeypatch.setattr(GgufWeight, "gated", lambda self, x, limit: None)
+    assert torch.equal(fused, run(model.with_paths()))
+    assert len(gated) == 4
+
+
 def test_random_q2_blocks_take_the_recipes_types_where_they_fit():
     """``RandomGgufReader`` (``bench model --gguf q2``, ``load_format = random-q2``) at 256-wide experts of
     128: gate/up IQ2_XXS, the down projection (128 inputs: not a block of 256) Q8_0, the linears Q8_0; the

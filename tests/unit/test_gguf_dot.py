@@ -133,6 +133,34 @@ def test_iq2_xxs_signs_computed_and_grid_selectors_give_the_tables_sums_bit_for_
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
+@pytest.mark.parametrize("qtype", DOT_TYPES)
+def test_gated_products_are_the_product_then_its_swiglu_bit_for_bit(qtype, monkeypatch):
+    """``gated`` (a feed-forward's gate rows over its up rows): the SwiGLU in the int8 GEMV's epilogue, one row of
+    one matrix and rows by expert (also found by address), bit for bit the GEMV then ``prefill_triton.swiglu``;
+    without the clamp at the type's launch, with it at a launch of one weight row a program (the gated one takes
+    two)."""
+    from ds4d.cuda import prefill_triton
+
+    experts, half, cols, dtype = 3, 6, 256, torch.bfloat16
+    raw = torch.from_numpy(random_blocks(qtype, experts * 2 * half, cols, seed=23)).to(device())
+    bank, chosen = raw.view(experts, 2 * half, -1), torch.tensor([2, 0, 2], device=device())
+    x = (torch.randn(3, cols, generator=torch.Generator().manual_seed(23)) * 3).to(device(), dtype)
+    apart = [bank[e].clone() for e in range(experts)]  # each its own allocation: aligned addresses
+    addresses = torch.tensor([apart[e].data_ptr() for e in chosen.tolist()], dtype=torch.int64).to(device())
+    for launch, limit in ((gguf_matmul.DOT[qtype], 0.0), ({**gguf_matmul.DOT[qtype], "block_n": 1}, 1.0)):
+        monkeypatch.setitem(gguf_matmul.DOT, qtype, launch)
+        for rows, where in [(x[:1], {"raw": bank[1]}), (x, {"raw": bank, "experts": chosen})]:
+            plain = gguf_matmul.dot_gemv(rows, out_dtype=dtype, qtype=qtype, **where)
+            want = prefill_triton.swiglu(plain[:, :half], plain[:, half:], limit)
+            got = gguf_matmul.dot_gemv(rows, out_dtype=dtype, qtype=qtype, gated=limit, **where)
+            assert got.shape == (rows.shape[0], half) and torch.equal(got, want)
+        at = gguf_matmul.gemv_at(x, addresses, qtype, 2 * half, aligned=True, out_dtype=dtype, int8_inputs=True,
+                                 gated=limit)
+        assert torch.equal(at, got)
+    with pytest.raises(ValueError, match="gated"):
+        gguf_matmul.gemv_at(x, addresses, qtype, 2 * half, out_dtype=dtype, gated=0.0)  # float inputs: no kernel
+
+
 def test_q8_0_rows_of_one_matrix_share_a_program_and_give_each_rows_product():
     """``DOT_ROWS``: up to eight input rows of one Q8_0 matrix in a program (each weight word read once for all of
     them): nine rows (a program of eight and one of one row, seven rows dead) give the quantised inputs' product,

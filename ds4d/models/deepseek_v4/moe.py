@@ -57,9 +57,10 @@ def _gated(gate: torch.Tensor, up: torch.Tensor, limit: float, kernels: bool = F
 
 def _swiglu(x: torch.Tensor, w1: Linear, w3: Linear, w2: Linear, limit: float, kernels: bool = False,
             w13: GgufWeight | Fp8Weight | None = None) -> torch.Tensor:
-    """``w13``: ``w1`` and ``w3`` as one weight (``ops.linear_pair``); with ``kernels``, an FP8 one's SwiGLU in
-    its GEMV's launch where the rows take it (``Fp8Weight.gated``: bit for bit the product, then :func:`_gated`)."""
-    act = w13.gated(x, limit) if kernels and isinstance(w13, Fp8Weight) else None
+    """``w13``: ``w1`` and ``w3`` as one weight (``ops.linear_pair``); with ``kernels``, its SwiGLU in its GEMV's
+    launch where the rows take it (``Fp8Weight.gated``, ``GgufWeight.gated``: bit for bit the product, then
+    :func:`_gated`)."""
+    act = w13.gated(x, limit) if kernels and isinstance(w13, (Fp8Weight, GgufWeight)) else None
     if act is None:
         act = _gated(*linear_pair(x, w1, w3, w13), limit, kernels)
     return linear(act, w2)
@@ -169,15 +170,22 @@ def expert_ffn(
 
 def _gated_product(x: torch.Tensor, gate_up, expert_of_row: torch.Tensor, step_rows: int,
                    limit: float) -> torch.Tensor | None:
-    """The SwiGLU of each row's gate and up products in the GEMV's own launch (``quant_matmul.mxfp4_rows_at``,
-    ``gated``: bit for bit :func:`_grouped_linear` then :func:`_gated` with its kernel) where the rows take the
-    per-row MXFP4 kernel; else None."""
+    """The SwiGLU of each row's gate and up products in the GEMV's own launch (``gated``: bit for bit
+    :func:`_grouped_linear` then :func:`_gated` with its kernel) where the rows take the per-row MXFP4 kernel
+    (``quant_matmul.mxfp4_rows_at``) or the per-row int8-input GGUF GEMV (``gguf_matmul.dot_gemv``); else None."""
     if isinstance(gate_up, Mxfp4Addresses):
         return quant_matmul.mxfp4_rows_at(x, gate_up.packed, gate_up.scales, expert_of_row, gate_up.rows,
                                           gate_up.inputs // 2, gate_up.inputs // 32, aligned=gate_up.aligned,
                                           gated=limit)
     if isinstance(gate_up, Mxfp4Matrices) and _per_row_kernel(x, gate_up, step_rows):
         return quant_matmul.mxfp4_rows(x, gate_up.packed, gate_up.scales, expert_of_row, gated=limit)
+    if isinstance(gate_up, GgufAddresses) and gguf_matmul.gated_fits(gate_up.qtype, gate_up.int8_inputs):
+        return gguf_matmul.gemv_at(x, gate_up.table[expert_of_row], gate_up.qtype, gate_up.rows,
+                                   aligned=gate_up.aligned, out_dtype=x.dtype, int8_inputs=True, gated=limit)
+    if (isinstance(gate_up, GgufMatrices) and gguf_matmul.available() and _per_row_kernel(x, gate_up, step_rows)
+            and gguf_matmul.gated_fits(gate_up.qtype, gate_up.int8_inputs)):
+        return gguf_matmul.expert_rows(x, gate_up.raw, gate_up.qtype, expert_of_row, None, int8_inputs=True,
+                                       gated=limit)
     return None
 
 

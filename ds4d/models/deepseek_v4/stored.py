@@ -102,6 +102,16 @@ class GgufWeight:
         rows = x.reshape(-1, x.shape[-1]).shape[0]
         return gguf_matmul.available() and x.device == self.raw.device and rows <= gguf_matmul.GEMV_ROWS
 
+    def gated(self, x: torch.Tensor, limit: float) -> torch.Tensor | None:
+        """As :meth:`Fp8Weight.gated`: for one row on the int8-input GEMV (``gguf_matmul.dot_gemv``, ``gated``), the
+        SwiGLU of the two halves of its product in the GEMV's launch; else None."""
+        flat = x.reshape(-1, x.shape[-1])
+        if not (flat.shape[0] == 1 and self.takes_gemv(x) and gguf_matmul.gated_fits(self.qtype, self.int8_inputs)
+                and self.raw.shape[0] % 2 == 0):
+            return None
+        return gguf_matmul.dot_gemv(flat, self.raw, self.qtype, out_dtype=x.dtype, gated=limit).view(
+            *x.shape[:-1], -1)
+
 
 def fuse_rows(first: Linear, second: Linear) -> GgufWeight | Fp8Weight | None:
     """One weight of ``first``'s rows over ``second``'s (two linears of one input: its GEMV is one launch, with
