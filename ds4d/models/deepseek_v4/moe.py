@@ -150,8 +150,9 @@ def expert_ffn(
 
     Each row's result depends only on that row, its expert's weights and ``step_rows``
     (all rows of the MoE call; default: these rows), so any split of one call's rows
-    into banks (device, staging) gives the same rows back.  ``kernels``: see :func:`_gated`; per-row MXFP4
-    experts then take the SwiGLU in their gate/up GEMV's launch (:func:`_gated_product`, the same values).
+    into banks (device, staging) gives the same rows back.  ``kernels``: see :func:`_gated`; rows on the per-row
+    MXFP4 or int8 GGUF GEMVs then take the SwiGLU in their gate/up GEMV's launch (:func:`_gated_product`, the same
+    values).
 
     ``pair_weights`` (one routing weight per row; DeepSeek-V4.1's arithmetic): the SwiGLU runs in
     float32 and is multiplied by the row's weight before ``down``, and the float32 output is already
