@@ -126,8 +126,10 @@ def test_iq2_xxs_signs_computed_and_grid_selectors_give_the_tables_sums_bit_for_
     raw = torch.from_numpy(random_blocks("IQ2_XXS", experts * n, cols, seed=17)).to(device())
     bank, chosen = raw.view(experts, n, -1), torch.tensor([2, 0, 2, 1], device=device())
     x = torch.randn(4, cols, generator=torch.Generator().manual_seed(17)).to(device())
+    launch = {key: gguf_matmul.DOT["IQ2_XXS"][key] for key in ("block_n", "groups", "warps")}
+    monkeypatch.setitem(gguf_matmul.DOT, "IQ2_XXS", launch)  # both tables read
     before = [gguf_matmul.dot_gemv(x[:1], raw, "IQ2_XXS"), gguf_matmul.dot_gemv(x, bank, "IQ2_XXS", chosen)]
-    monkeypatch.setitem(gguf_matmul.DOT, "IQ2_XXS", {**gguf_matmul.DOT["IQ2_XXS"], "computed_signs": computed_signs,
+    monkeypatch.setitem(gguf_matmul.DOT, "IQ2_XXS", {**launch, "computed_signs": computed_signs,
                                                      "selector_grid": selector_grid})
     after = [gguf_matmul.dot_gemv(x[:1], raw, "IQ2_XXS"), gguf_matmul.dot_gemv(x, bank, "IQ2_XXS", chosen)]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
