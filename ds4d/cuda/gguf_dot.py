@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ds4d.cuda.gguf_blockwise import half_word, small_int_float
 from ds4d.cuda.gguf_kernels import stored_as
-from ds4d.cuda.quant_kernels import swiglu_rounded
+from ds4d.cuda.quant_kernels import swiglu_pairs
 
 
 @triton.jit
@@ -127,12 +127,10 @@ def _store(acc, out_ptr, r, n, m, block_n: tl.constexpr, groups: tl.constexpr, g
            limit=0.0, clamp: tl.constexpr = False):
     """Each weight row's groups summed, stored in row ``r`` of ``out [m, n]`` (rounded to its dtype); ``gated``
     (:func:`_program`): each gate row's and up row's sums rounded to it, and their SwiGLU stored
-    (``quant_kernels.swiglu_rounded``, the rounding of the model's SwiGLU kernel)."""
+    (``quant_kernels.swiglu_pairs``, the rounding of the model's SwiGLU kernel)."""
     sums = tl.sum(tl.reshape(acc, (block_n, groups)), axis=1)
     if gated:
-        rounded = stored_as(sums, out_ptr).to(tl.float32)
-        gate, up = tl.split(tl.reshape(rounded, (block_n // 2, 2)))
-        values = swiglu_rounded(gate, up, limit, clamp, out_ptr.dtype.element_ty)
+        values = swiglu_pairs(stored_as(sums, out_ptr).to(tl.float32), block_n, limit, clamp, out_ptr.dtype.element_ty)
         rows = tl.program_id(0) * (block_n // 2) + tl.arange(0, block_n // 2)
     else:
         values = stored_as(sums, out_ptr)

@@ -406,19 +406,19 @@ def _launch_dot(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_byt
     common = {"by_expert": by_expert, "block_n": launch["block_n"], "groups": groups,
               "native": flat.device.type == "cuda", "num_warps": launch["warps"], "gated": gated is not None,
               "limit": limit, "clamp": limit > 0}
-    grid = (-(-n // launch["block_n"]), m)
-    n = width
+    grid = (-(-n // launch["block_n"]), m)  # gated: block_n / 2 of the width outputs a program
     chosen = chosen if by_expert else d
     if qtype == "IQ2_XXS":
         selectors = launch.get("selector_grid", False)
         table = _grid_selectors(flat.device) if selectors else _grid_words(flat.device).view(torch.int64)
-        _dot().iq2_xxs_kernel[grid](q, d, flat, out, table, _sign_words(flat.device).view(torch.int64), chosen, n, m,
-                                    cols, row_bytes, expert_bytes, computed_signs=launch.get("computed_signs", False),
-                                    selector_grid=selectors, **common)
+        signs = _sign_words(flat.device).view(torch.int64)
+        _dot().iq2_xxs_kernel[grid](q, d, flat, out, table, signs, chosen, width, m, cols, row_bytes, expert_bytes,
+                                    computed_signs=launch.get("computed_signs", False), selector_grid=selectors,
+                                    **common)
     elif qtype == "Q2_K":
-        _dot().q2_k_kernel[grid](q, d, s, flat, out, chosen, n, m, cols, row_bytes, expert_bytes, **common)
+        _dot().q2_k_kernel[grid](q, d, s, flat, out, chosen, width, m, cols, row_bytes, expert_bytes, **common)
     else:
-        _dot().q8_0_kernel[grid](q, d, flat, out, chosen, n, m, cols, row_bytes, expert_bytes, **common)
+        _dot().q8_0_kernel[grid](q, d, flat, out, chosen, width, m, cols, row_bytes, expert_bytes, **common)
     return out
 
 

@@ -83,6 +83,14 @@ def swiglu_rounded(gate, up, limit, clamp: tl.constexpr, dtype: tl.constexpr):
 
 
 @triton.jit
+def swiglu_pairs(rounded, block_n: tl.constexpr, limit, clamp: tl.constexpr, dtype: tl.constexpr):
+    """A gated tile's ``block_n`` sums (float32 holding values of ``dtype``; gate and up rows alternating) ->
+    the ``block_n / 2`` SwiGLUs of its pairs (:func:`swiglu_rounded`)."""
+    gate, up = tl.split(tl.reshape(rounded, [block_n // 2, 2]))
+    return swiglu_rounded(gate, up, limit, clamp, dtype)
+
+
+@triton.jit
 def _tile_rows(n, block_n: tl.constexpr, gated: tl.constexpr):
     """(the weight rows of this program's tile, which of them are live) for ``n`` outputs; ``gated``: tile row
     ``2i`` is the gate row of output ``c_i`` and row ``2i + 1`` its up row, ``c_i + n``."""
@@ -98,12 +106,12 @@ def _tile_rows(n, block_n: tl.constexpr, gated: tl.constexpr):
 def _store_rows(out_row, acc, cols, live_cols, n, block_n: tl.constexpr, gated: tl.constexpr, limit,
                 clamp: tl.constexpr):
     """The tile's float32 sums into the output row, in its dtype; ``gated`` (:func:`_tile_rows`): each pair of
-    sums rounded to it and put through :func:`swiglu_rounded`."""
+    sums rounded to it and put through :func:`swiglu_pairs`."""
     dtype = out_row.dtype.element_ty
     if gated:
-        gate, up = tl.split(tl.reshape(acc.to(dtype).to(tl.float32), [block_n // 2, 2]))
         outs = tl.program_id(1) * (block_n // 2) + tl.arange(0, block_n // 2)
-        tl.store(out_row + outs, swiglu_rounded(gate, up, limit, clamp, dtype), mask=outs < n)
+        tl.store(out_row + outs, swiglu_pairs(acc.to(dtype).to(tl.float32), block_n, limit, clamp, dtype),
+                 mask=outs < n)
     else:
         tl.store(out_row + cols, acc.to(dtype), mask=live_cols)
 
