@@ -167,8 +167,8 @@ def test_weight_format_choice_for_gguf_files():
 def test_decode_kernels_take_the_swiglus_in_the_int8_gate_up_gemvs_with_the_same_logits(monkeypatch):
     """The q2 recipe on int8 inputs (its default on CUDA), with the decode kernels: a batch-1 step's SwiGLUs run in the
     epilogues of the routed experts' IQ2_XXS gate/up GEMV and of the shared expert's fused Q8_0 ``w1 + w3`` GEMV
-    (``gated``); the logits of prefill and decode are bit for bit those of the GEMVs followed by
-    ``prefill_triton.swiglu``."""
+    (``gated``), the routed experts' reading the token's row in place for each of them; the logits of prefill and
+    decode are bit for bit those of the GEMVs followed by ``prefill_triton.swiglu``."""
     from ds4d.bench.random_v4 import base_config
     from ds4d.cuda import gguf_matmul
     from ds4d.models.deepseek_v4 import moe
@@ -186,12 +186,13 @@ def test_decode_kernels_take_the_swiglus_in_the_int8_gate_up_gemvs_with_the_same
         monkeypatch.setitem(gguf_matmul.DOT, qtype, {"block_n": 64, "groups": 8, "warps": 4})
     model = DeepseekV4Model(cfg, weights, tokenizer=None, dtype=torch.float32,
                             paths=ForwardPaths(fast_path=True, decode_graphs="off", decode_kernel=True))
-    gated = []
+    gated, strides = [], []
     plain = gguf_matmul.dot_gemv
 
     def recorded(*args, **kwargs):
         if kwargs.get("gated") is not None:
             gated.append(args[2])
+            strides.append(args[0].stride(0))
         return plain(*args, **kwargs)
 
     monkeypatch.setattr(gguf_matmul, "dot_gemv", recorded)
@@ -206,6 +207,8 @@ def test_decode_kernels_take_the_swiglus_in_the_int8_gate_up_gemvs_with_the_same
 
     fused = run(model)
     assert sorted(gated) == ["IQ2_XXS", "IQ2_XXS", "Q8_0", "Q8_0"]  # each decode step's two gate/up GEMVs
+    # the token's row read by every one of its experts' rows (a view, no copy)
+    assert [st for name, st in zip(gated, strides) if name == "IQ2_XXS"] == [0, 0]
     monkeypatch.setattr(moe, "_gated_product", lambda *args: None)
     monkeypatch.setattr(GgufWeight, "gated", lambda self, x, limit: None)
     assert torch.equal(fused, run(model.with_paths()))

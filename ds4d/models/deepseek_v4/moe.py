@@ -248,9 +248,10 @@ def _routed_grouped(
 
 
 def _pair_rows(x: torch.Tensor, k: int, gate_up) -> torch.Tensor:
-    """Row ``t * k + j`` is token ``t``'s row of ``x``: for one token and MXFP4 experts (whose GEMV reads its
-    input rows by stride) a view of ``x``'s row, nothing copied; else ``x``'s rows repeated."""
-    if x.shape[0] == 1 and isinstance(gate_up, (Mxfp4Matrices, Mxfp4Addresses)):
+    """Row ``t * k + j`` is token ``t``'s row of ``x``: for one token and experts as stored, MXFP4 or GGUF blocks
+    (whose GEMVs read their input rows by stride; the int8 one quantises each row it is given), a view of ``x``'s
+    row, nothing copied; else ``x``'s rows repeated."""
+    if x.shape[0] == 1 and isinstance(gate_up, (Mxfp4Matrices, Mxfp4Addresses, GgufMatrices, GgufAddresses)):
         return x.expand(k, -1)
     return x.repeat_interleave(k, dim=0)
 
