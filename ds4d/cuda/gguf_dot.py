@@ -50,6 +50,18 @@ def dot4(a, b, c, native: tl.constexpr):
 
 
 @triton.jit
+def input_words(inputs, at, wide: tl.constexpr):
+    """The int64 words ``at`` and ``at + 1`` of ``inputs`` (``at`` even: 16 bytes apart from the start of a row):
+    ``wide``, as one 16-byte load (a warp's load whose lanes are 32 bytes apart touches the same cache lines
+    either way, so half the loads touch half the lines); else as two."""
+    if wide:
+        both = tl.load(inputs + tl.multiple_of(at, 2)[:, None] + tl.arange(0, 2)[None, :])
+        return tl.split(both)
+    else:
+        return tl.load(inputs + at), tl.load(inputs + at + 1)
+
+
+@triton.jit
 def sign_bytes(pattern, native: tl.constexpr):
     """IQ2_XXS's 7-bit sign ``pattern`` (int32) -> two words of four bytes, byte ``i`` of the first 1 where value ``i``
     of the eight is negative, of the second value ``4 + i``: bit ``i`` of the pattern, the eighth bit its parity (so
@@ -141,9 +153,10 @@ def _store(acc, out_ptr, r, n, m, block_n: tl.constexpr, groups: tl.constexpr, g
 @triton.jit
 def q8_0_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, expert_ptr, n, m, k: tl.constexpr, row_bytes, expert_bytes,
                 by_expert: tl.constexpr, block_n: tl.constexpr, groups: tl.constexpr, native: tl.constexpr,
-                gated: tl.constexpr = False, limit=0.0, clamp: tl.constexpr = False):
+                gated: tl.constexpr = False, limit=0.0, clamp: tl.constexpr = False, wide_inputs: tl.constexpr = False):
     """Q8_0: 34-byte blocks of 32 (``d``, then 32 int8 codes at 2-byte alignment, read as 16-bit halves of the
-    words of four); a group is a block, its inputs read as four 64-bit words."""
+    words of four); a group is a block, its inputs read as four 64-bit words (``wide_inputs``: two loads of two,
+    :func:`input_words`)."""
     r, row, g = _program(raw_ptr, expert_ptr, n, row_bytes, expert_bytes, by_expert, block_n, groups, gated)
     inputs = q_ptr.to(tl.pointer_type(tl.int64)) + r.to(tl.int64) * (k // 8)
     scales = d_ptr + r.to(tl.int64) * (k // 32)
@@ -153,8 +166,10 @@ def q8_0_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, expert_ptr, n, m, k: tl.constexp
         block = row + b * 34
         halves = (block + 2).to(tl.pointer_type(tl.uint16))
         total = tl.zeros_like(b)
+        x0, x1 = input_words(inputs, b * 4, wide_inputs)
+        x2, x3 = input_words(inputs, b * 4 + 2, wide_inputs)
         for part in tl.static_range(4):
-            x = tl.load(inputs + b * 4 + part)
+            x = x0 if part == 0 else (x1 if part == 1 else (x2 if part == 2 else x3))
             for half in tl.static_range(2):
                 at = halves + 4 * part + 2 * half
                 word = tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 16)
@@ -168,7 +183,7 @@ def q8_0_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, expert_ptr, n, m, k: tl.constexp
 def iq2_xxs_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_ptr, n, m, k: tl.constexpr,
                    row_bytes, expert_bytes, by_expert: tl.constexpr, block_n: tl.constexpr, groups: tl.constexpr,
                    native: tl.constexpr, computed_signs: tl.constexpr = False, selector_grid: tl.constexpr = False,
-                   gated: tl.constexpr = False, limit=0.0, clamp: tl.constexpr = False):
+                   gated: tl.constexpr = False, limit=0.0, clamp: tl.constexpr = False, wide_inputs: tl.constexpr = False):
     """IQ2_XXS: 66-byte blocks of 256 (``d``, then eight groups of 32 values in 8 bytes: four grid indices, a word
     of four 7-bit sign patterns over a 4-bit scale).  A group is four parts of 8 values; a part's grid entry and
     sign bytes are read as one 64-bit word each (``grid_ptr``: int64 ``[256]``, the entry's eight magnitudes as
@@ -181,7 +196,7 @@ def iq2_xxs_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_p
     addresses, a cache wavefront per line touched; the computed bytes cost a few integer instructions instead.
     ``selector_grid``: ``grid_ptr`` is int32 ``[256]``, each entry's eight magnitudes as selectors (4 bits each,
     :func:`grid_bytes`): half the table's bytes, so a warp's gathers touch about half the lines, and the same
-    words again."""
+    words again.  ``wide_inputs``: a group's inputs in two 16-byte loads, not four of 8 (:func:`input_words`)."""
     r, row, g = _program(raw_ptr, expert_ptr, n, row_bytes, expert_bytes, by_expert, block_n, groups, gated)
     inputs = q_ptr.to(tl.pointer_type(tl.int64)) + r.to(tl.int64) * (k // 8)
     scales = d_ptr + r.to(tl.int64) * (k // 32)
@@ -193,6 +208,8 @@ def iq2_xxs_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_p
         indices = tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 16)
         aux = tl.load(at + 2).to(tl.int32) | (tl.load(at + 3).to(tl.int32) << 16)
         total = tl.zeros_like(indices)
+        x0, x1 = input_words(inputs, group * 4, wide_inputs)
+        x2, x3 = input_words(inputs, group * 4 + 2, wide_inputs)
         for part in tl.static_range(4):
             entry = tl.load(grid_ptr + ((indices >> (8 * part)) & 255))
             if selector_grid:
@@ -205,7 +222,7 @@ def iq2_xxs_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_p
             else:
                 minus = tl.load(signs_ptr + pattern)
                 low, high = minus.to(tl.int32), (minus >> 32).to(tl.int32)
-            x = tl.load(inputs + group * 4 + part)
+            x = x0 if part == 0 else (x1 if part == 1 else (x2 if part == 2 else x3))
             for half in tl.static_range(2):
                 t = low if half == 0 else high
                 word = (magnitudes[half] ^ (t * 255)) + t
@@ -219,11 +236,12 @@ def iq2_xxs_kernel(q_ptr, d_ptr, raw_ptr, out_ptr, grid_ptr, signs_ptr, expert_p
 @triton.jit
 def q2_k_kernel(q_ptr, d_ptr, s_ptr, raw_ptr, out_ptr, expert_ptr, n, m, k: tl.constexpr, row_bytes, expert_bytes,
                 by_expert: tl.constexpr, block_n: tl.constexpr, groups: tl.constexpr, native: tl.constexpr,
-                gated: tl.constexpr = False, limit=0.0, clamp: tl.constexpr = False):
+                gated: tl.constexpr = False, limit=0.0, clamp: tl.constexpr = False, wide_inputs: tl.constexpr = False):
     """Q2_K: 84-byte blocks of 256 (16 scale bytes, 64 code bytes, ``d``, ``dmin``).  A group is a run (half
     ``h``, sub-block ``e`` of a block) of 16 code bytes, four words, whose 2-bit fields ``s`` are four runs of
     16 values, ``h * 128 + 32 s + 16 e`` on, each with its scale byte ``8 h + 2 s + e`` (low nibble the scale,
-    high the minimum): ``d * scale * sum(q x) - dmin * minimum * sum(x)`` with the quantised inputs."""
+    high the minimum): ``d * scale * sum(q x) - dmin * minimum * sum(x)`` with the quantised inputs (a field's 16
+    read as two 64-bit words: ``wide_inputs``, one 16-byte load, :func:`input_words`)."""
     r, row, g = _program(raw_ptr, expert_ptr, n, row_bytes, expert_bytes, by_expert, block_n, groups, gated)
     inputs = q_ptr.to(tl.pointer_type(tl.int64)) + r.to(tl.int64) * (k // 8)
     scales = d_ptr + r.to(tl.int64) * (k // 32)
@@ -245,8 +263,7 @@ def q2_k_kernel(q_ptr, d_ptr, s_ptr, raw_ptr, out_ptr, expert_ptr, n, m, k: tl.c
         c3 = tl.load(codes + 3)
         for s in tl.static_range(4):
             col = first + 32 * s
-            x01 = tl.load(inputs + col // 8)
-            x23 = tl.load(inputs + col // 8 + 1)
+            x01, x23 = input_words(inputs, col // 8, wide_inputs)
             total = dot4((c0 >> (2 * s)) & 0x03030303, x01.to(tl.int32), tl.zeros_like(c0), native)
             total = dot4((c1 >> (2 * s)) & 0x03030303, (x01 >> 32).to(tl.int32), total, native)
             total = dot4((c2 >> (2 * s)) & 0x03030303, x23.to(tl.int32), total, native)

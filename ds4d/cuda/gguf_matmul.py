@@ -303,7 +303,10 @@ trip (Q8_0, IQ2_XXS: 32 values; Q2_K: 64), warps.  The best of three launches (8
 ``tests/gpu/gguf_dot_sweep.py --launches 3`` on an H100 (docs/BENCHMARKS.md): against 8 x 16, Q8_0's ``wkv``
 [512, 4096] 5.2 us (8.7), ``wo_b`` 20.0 (20.8), ``wq_b`` 19.7 (18.1); IQ2_XXS gate/up 42.4 (44.0); Q2_K down 18.6
 (24.6).  IQ2_XXS's ``computed_signs`` and ``selector_grid`` (``gguf_dot.iq2_xxs_kernel``: no table gathers for its
-signs, half the grid's bytes) took its gate/up at 6 rows by expert from 42.7 to 30.6 us on an H100, the same sums."""
+signs, half the grid's bytes) took its gate/up at 6 rows by expert from 42.7 to 30.6 us on an H100, the same sums.
+``wide_inputs`` (each type; off unless set): the quantised inputs read 16 bytes a load, not 8 (``gguf_dot.input_words``:
+half the loads, the same cache lines each; compiled for sm_90 the same sums with 1-3% fewer instructions a value,
+``tests/gpu/gguf_sass_count.py --dot``); not yet timed."""
 
 
 DOT_ROWS = {"Q8_0": {"block_n": 4, "groups": 32, "warps": 4}}
@@ -405,7 +408,7 @@ def _launch_dot(x: torch.Tensor, flat: torch.Tensor, qtype: str, n: int, row_byt
     limit = 0.0 if gated is None else float(gated)
     common = {"by_expert": by_expert, "block_n": launch["block_n"], "groups": groups,
               "native": flat.device.type == "cuda", "num_warps": launch["warps"], "gated": gated is not None,
-              "limit": limit, "clamp": limit > 0}
+              "limit": limit, "clamp": limit > 0, "wide_inputs": launch.get("wide_inputs", False)}
     grid = (-(-n // launch["block_n"]), m)  # gated: block_n / 2 of the width outputs a program
     chosen = chosen if by_expert else d
     if qtype == "IQ2_XXS":

@@ -5,11 +5,12 @@ launch of its own).  Each launch of :data:`LAUNCHES` is timed and its result che
 (the inputs' rounding: a few 1e-3 of the largest sum); then a table of the best per case, and the launch with
 the least time per byte summed over each type's cases.
 
-    PYTHONPATH=. python3 tests/gpu/gguf_dot_sweep.py [BEST.json] [--types IQ2_XXS,Q2_K] [--launches N] [--rows]
+    PYTHONPATH=. python3 tests/gpu/gguf_dot_sweep.py [BEST.json] [--types IQ2_XXS,Q2_K] [--launches N] [--rows] [--wide]
 
 ``--rows``: instead, Q8_0 linears at 2, 4 and 8 input rows of one matrix (a batch's decode step), the launches
 of ``gguf_matmul.DOT_ROWS`` (each weight word read once for a program's rows).  IQ2_XXS's cases also time each
-launch with the sign bytes computed, and with the grid read as selectors too (:data:`SIGNS`).
+launch with the sign bytes computed, and with the grid read as selectors too (:data:`SIGNS`).  ``--wide``:
+instead, each launch with the type's default options, its inputs read 8 and 16 bytes a load (``wide_inputs``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def main() -> None:
     parser.add_argument("--types", help="only these types' cases, comma-separated (default: every case)")
     parser.add_argument("--launches", dest="count", type=int, default=len(LAUNCHES), help="only the first N launches")
     parser.add_argument("--rows", action="store_true", help="Q8_0 at several rows of one matrix (DOT_ROWS)")
+    parser.add_argument("--wide", action="store_true", help="each launch reading its inputs 8 and 16 bytes a load")
     args = parser.parse_args()
     cases = ROWS_CASES if args.rows else CASES
     cases = [case for case in cases if args.types is None or case[1] in args.types.split(",")]
@@ -54,7 +56,12 @@ def main() -> None:
         times = timed[label] = {}
         errors = {}
         variants = [launch for launch in SIGNS if LAUNCHES.index({k: launch[k] for k in LAUNCHES[0]}) < args.count]
-        for launch in LAUNCHES[:args.count] + (variants if qtype == "IQ2_XXS" and not args.rows else []):
+        tried = LAUNCHES[:args.count] + (variants if qtype == "IQ2_XXS" and not args.rows else [])
+        if args.wide:  # each launch with the type's default options, reading its inputs a word a load and two
+            extras = {k: v for k, v in gguf_matmul.DOT[qtype].items() if k not in LAUNCHES[0]}
+            tried = [{**launch, **extras, "wide_inputs": wide} for launch in LAUNCHES[:args.count]
+                     for wide in (False, True)]
+        for launch in tried:
             launches[qtype] = launch
             try:
                 got = gguf_matmul.dot_gemv(x, weights[0], qtype, ids)

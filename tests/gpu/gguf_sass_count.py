@@ -180,15 +180,17 @@ DOT_LAUNCHES = [(8, 16, 4), (16, 8, 4), (32, 8, 8)]  # (weight rows a program, g
 
 
 def dot_counts(qtype: str, block_n: int, groups: int, warps: int, computed_signs: bool = False,
-               selector_grid: bool = False) -> dict[str, float]:
+               selector_grid: bool = False, wide_inputs: bool = False) -> dict[str, float]:
     """``gguf_dot``'s GEMV of ``qtype`` at the q2 recipe's width (its loop): instructions, global loads and
     ``dp4a`` per weight value a thread takes, registers a thread, spilled loads and stores.  ``computed_signs``,
-    ``selector_grid`` (IQ2_XXS): its sign bytes made from the pattern's bits, its grid read as selectors."""
+    ``selector_grid`` (IQ2_XXS): its sign bytes made from the pattern's bits, its grid read as selectors;
+    ``wide_inputs``: its inputs read 16 bytes a load."""
     name, pointers, k, by_expert, per_group = DOT_KERNELS[qtype]
     signature = dict(pointer.split(":") for pointer in pointers) | DOT_COMMON
     aligned = tuple(i for i, arg in enumerate(signature) if arg.endswith(("_ptr", "_bytes")))
     constants = {"k": k, "by_expert": by_expert, "block_n": block_n, "groups": groups, "native": True,
-                 "gated": False, "clamp": False}
+                 "gated": False, "clamp": False, "wide_inputs": wide_inputs}
+    signature["wide_inputs"] = "constexpr"
     if qtype == "IQ2_XXS":
         signature.update(computed_signs="constexpr", selector_grid="constexpr")
         constants.update(computed_signs=computed_signs, selector_grid=selector_grid)
@@ -216,7 +218,8 @@ def main() -> None:
             floats = gguf_matmul.BLOCKWISE[qtype]
             float_counts = loop_counts(qtype, k, by_expert, floats["block_n"], floats["supers"], 1, floats["stages"])
             counts = dot_counts(qtype, launch["block_n"], launch["groups"], launch["warps"],
-                                launch.get("computed_signs", False), launch.get("selector_grid", False))
+                                launch.get("computed_signs", False), launch.get("selector_grid", False),
+                                launch.get("wide_inputs", False))
             print(json.dumps(dict(counts, qtype=qtype, float_instructions=float_counts["instructions"])))
         return
     if args.dot:
@@ -225,10 +228,11 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|")
         for qtype in DOT_KERNELS:
             variants = [(False, False), (True, False), (True, True)] if qtype == "IQ2_XXS" else [(False, False)]
-            for computed, selectors in variants:
+            for computed, selectors, wide in [(*v, False) for v in variants] + [(*variants[-1], True)]:
                 for block_n, groups, warps in DOT_LAUNCHES:
-                    c = dot_counts(qtype, block_n, groups, warps, computed, selectors)
+                    c = dot_counts(qtype, block_n, groups, warps, computed, selectors, wide)
                     name = qtype + (", signs computed" if computed else "") + (", grid selectors" if selectors else "")
+                    name += ", 16-byte input loads" if wide else ""
                     print(f"| {name} | {block_n} x {groups}, {warps} | {c['instructions']:.2f} | {c['loads']:.2f} | "
                           f"{c['dp4a']:.3f} | {c['registers']} | {c['spills']} |")
         return

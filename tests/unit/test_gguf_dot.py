@@ -163,6 +163,27 @@ def test_gated_products_are_the_product_then_its_swiglu_bit_for_bit(qtype, monke
         gguf_matmul.gemv_at(x, addresses, qtype, 2 * half, out_dtype=dtype, gated=0.0)  # float inputs: no kernel
 
 
+@pytest.mark.parametrize("qtype", DOT_TYPES)
+def test_inputs_read_sixteen_bytes_a_load_give_the_same_sums_bit_for_bit(qtype, monkeypatch):
+    """``wide_inputs`` (``gguf_dot.input_words``: two of the quantised inputs' 64-bit words in one load): one row,
+    rows by expert and a gated product, bit for bit the launch that reads a word a load."""
+    experts, n, cols = 3, 8, 512
+    raw = torch.from_numpy(random_blocks(qtype, experts * n, cols, seed=31)).to(device())
+    bank, chosen = raw.view(experts, n, -1), torch.tensor([2, 0, 2], device=device())
+    x = (torch.randn(3, cols, generator=torch.Generator().manual_seed(31)) * 2).to(device())
+    cases = [(x[:1], {"raw": bank[1]}, {}), (x, {"raw": bank, "experts": chosen}, {}),
+             (x, {"raw": bank, "experts": chosen}, {"gated": 0.0, "out_dtype": torch.bfloat16})]
+    launch = {**gguf_matmul.DOT[qtype], "block_n": 4, "groups": 4}  # few programs: the interpreter is slow
+    for wide in (False, True):
+        monkeypatch.setitem(gguf_matmul.DOT, qtype, {**launch, "wide_inputs": wide})
+        got = [gguf_matmul.dot_gemv(rows, qtype=qtype, **where, **options) for rows, where, options in cases]
+        if not wide:
+            want = got
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    _close(got[0], _reference(x[:1].cpu(), bank[1].cpu().numpy(), qtype, cols))
+
+
 def test_q8_0_rows_of_one_matrix_share_a_program_and_give_each_rows_product():
     """``DOT_ROWS``: up to eight input rows of one Q8_0 matrix in a program (each weight word read once for all of
     them): nine rows (a program of eight and one of one row, seven rows dead) give the quantised inputs' product,
