@@ -295,18 +295,20 @@ def _anchor(device: torch.device) -> torch.Tensor:
     return _state[key]
 
 
-DOT = {"Q8_0": {"block_n": 4, "groups": 32, "warps": 4},
-       "Q2_K": {"block_n": 16, "groups": 8, "warps": 4},
-       "IQ2_XXS": {"block_n": 4, "groups": 32, "warps": 4, "computed_signs": True, "selector_grid": True}}
+DOT = {"Q8_0": {"block_n": 4, "groups": 32, "warps": 4, "wide_inputs": True},
+       "Q2_K": {"block_n": 16, "groups": 8, "warps": 4, "wide_inputs": True},
+       "IQ2_XXS": {"block_n": 4, "groups": 32, "warps": 4, "computed_signs": True, "selector_grid": True,
+                   "wide_inputs": True}}
 """Types with a GEMV on int8-quantised inputs (``gguf_dot``) and its launch: weight rows a program, groups of each a
 trip (Q8_0, IQ2_XXS: 32 values; Q2_K: 64), warps.  The best of three launches (8 x 16, 16 x 8, 4 x 32, 4 warps) in
 ``tests/gpu/gguf_dot_sweep.py --launches 3`` on an H100 (docs/BENCHMARKS.md): against 8 x 16, Q8_0's ``wkv``
 [512, 4096] 5.2 us (8.7), ``wo_b`` 20.0 (20.8), ``wq_b`` 19.7 (18.1); IQ2_XXS gate/up 42.4 (44.0); Q2_K down 18.6
 (24.6).  IQ2_XXS's ``computed_signs`` and ``selector_grid`` (``gguf_dot.iq2_xxs_kernel``: no table gathers for its
 signs, half the grid's bytes) took its gate/up at 6 rows by expert from 42.7 to 30.6 us on an H100, the same sums.
-``wide_inputs`` (each type; off unless set): the quantised inputs read 16 bytes a load, not 8 (``gguf_dot.input_words``:
-half the loads, the same cache lines each; compiled for sm_90 the same sums with 1-3% fewer instructions a value,
-``tests/gpu/gguf_sass_count.py --dot``); not yet timed."""
+``wide_inputs``: the quantised inputs read 16 bytes a load, not 8 (``gguf_dot.input_words``: half the loads, the same
+cache lines each; compiled for sm_90 the same sums with 1-3% fewer instructions a value,
+``tests/gpu/gguf_sass_count.py --dot``); ``gguf_dot_sweep.py --launches 3 --wide`` on an H100 picked it for every
+type (IQ2_XXS gate/up 27.3 us, Q2_K down 18.6, Q8_0 ``wo_b`` 19.8)."""
 
 
 DOT_ROWS = {"Q8_0": {"block_n": 4, "groups": 32, "warps": 4}}

@@ -43,12 +43,14 @@ MAX_TOKENS = 64
 """:func:`hc_mixes` is used up to this many tokens (decode batches)."""
 _BLOCK_K = 2048
 _BLOCK_T = 16
-TUNING = {"boundary_block_d": 64, "boundary_programs": 64, "boundary_warps": 4, "collapse_warps": 8}
+TUNING = {"boundary_block_d": 64, "boundary_programs": 64, "boundary_warps": 4, "collapse_warps": 1}
 """:func:`hc_boundary_step`: columns a step of its first kernel's programs, about how many programs a
 token (column ranges of every stream), and the warps of its two kernels (``tests/gpu/decode_fusions_time.py``
 on an H100, with the second kernel still one program a token: 11.7 us for one token and 12.2 for eight at
 V4-Flash widths; 128 columns a step and 2 warps 11.6 and 11.9; 32 columns a step with 32 programs a token
-23 us; the two-program form not yet timed alone)."""
+23 us).  The second kernel in two programs a token, on an H100 (``--quick``): one warp 7.7 us for one token and
+9.0 for eight, against 9.1 and 10.0 with eight warps (2 and 4: 10.0-10.4); with one Sinkhorn iteration instead of
+20, 6.4 and 6.9."""
 MAX_BOUNDARY_D = 8192
 """:func:`hc_boundary_step` takes streams of up to this width (its second kernel holds a token's streams)."""
 _state: dict[str, object] = {}
