@@ -10,8 +10,7 @@ that is a batched matmul, a few elementwise kernels, cuBLAS's GEMV for an
 output of 24 values over 16K inputs and the mixing kernel.  Here:
 
 * :func:`hc_boundary_step` -- the whole boundary for a few tokens in two
-  launches: programs over (token, column range) update the streams (adding up
-  a feed-forward's output first where it comes as its parts) and take
+  launches: programs over (token, column range) update the streams and take
   the partial dot products of every ``fn`` row and the partial sums of squares
   in the same pass; then two programs a token add them up, one collapsing the
   streams and norming them, the other making ``post`` and ``comb`` at the same
@@ -37,7 +36,6 @@ from __future__ import annotations
 import torch
 
 from ds4d.cuda.devices import pdl_launch, pdl_options, triton_can_launch
-from ds4d.cuda.prefill_triton import ExpertSum
 
 MAX_TOKENS = 64
 """:func:`hc_mixes` is used up to this many tokens (decode batches)."""
@@ -121,14 +119,12 @@ def boundary_usable(tokens: int, m: int, d: int) -> bool:
 
 
 @torch.compiler.disable
-def hc_boundary_step(streams: torch.Tensor, output: torch.Tensor | ExpertSum | None, post: torch.Tensor | None,
+def hc_boundary_step(streams: torch.Tensor, output: torch.Tensor | None, post: torch.Tensor | None,
                      comb: torch.Tensor | None, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                      norm: torch.Tensor, hc_eps: float, iters: int, norm_eps: float):
     """``hyper.hc_boundary`` for a few tokens: (the sub-layer input ``[T, D]`` in the streams' dtype, the
     streams after taking in ``output``, post ``[T, m]``, comb ``[T, m, m]``), with ``output``, ``post``
-    and ``comb`` those of the sub-layer before (None before the first).  An ``output`` left as a feed-forward's
-    parts (:class:`~ds4d.cuda.prefill_triton.ExpertSum`, its ``add`` in the streams' dtype) is added up by the
-    first kernel as it reads it, the same values as ``output.value()``."""
+    and ``comb`` those of the sub-layer before (None before the first)."""
     import triton
 
     tokens, m, d = streams.shape
@@ -136,13 +132,6 @@ def hc_boundary_step(streams: torch.Tensor, output: torch.Tensor | ExpertSum | N
         raise ValueError(f"hc_boundary_step: fn {tuple(fn.shape)} for {m} streams of {d}")
     update = output is not None
     streams = streams.contiguous()
-    rows = weights = streams  # unread unless the output is an ExpertSum
-    experts = 0
-    if isinstance(output, ExpertSum):
-        if output.add.dtype != streams.dtype:
-            raise ValueError(f"hc_boundary_step: an ExpertSum in {output.add.dtype} for streams in {streams.dtype}")
-        rows, weights, output = output.rows.contiguous(), output.weights.float().contiguous(), output.add
-        experts = weights.shape[1]
     if update:
         output, post, comb = output.contiguous(), post.float().contiguous(), comb.float().contiguous()
         new = torch.empty_like(streams)
@@ -160,8 +149,7 @@ def hc_boundary_step(streams: torch.Tensor, output: torch.Tensor | ExpertSum | N
     if tokens:
         kernels, fn, pdl = _kernels(), fn.contiguous(), pdl_launch(streams)
         kernels.boundary_mixes_kernel[(tokens, splits)](
-            streams, output, rows, weights, post, comb, new, fn, dots, squares, tokens, d=d, m=m, update=update,
-            experts=experts, span=span,
+            streams, output, post, comb, new, fn, dots, squares, tokens, d=d, m=m, update=update, span=span,
             block_d=block_d, block_mix=triton.next_power_of_2(width), pdl=pdl, num_warps=t["boundary_warps"],
             **pdl_options(pdl))
         kernels.boundary_collapse_kernel[(tokens, 2)](

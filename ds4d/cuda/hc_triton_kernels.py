@@ -89,17 +89,14 @@ def weights_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, to
 
 
 @triton.jit(do_not_specialize=["tokens"])
-def boundary_mixes_kernel(s_ptr, o_ptr, rows_ptr, w_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, dot_ptr, sq_ptr, tokens,
-                          d: tl.constexpr, m: tl.constexpr, update: tl.constexpr, experts: tl.constexpr,
-                          span: tl.constexpr, block_d: tl.constexpr, block_mix: tl.constexpr, pdl: tl.constexpr):
+def boundary_mixes_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, new_ptr, fn_ptr, dot_ptr, sq_ptr, tokens,
+                          d: tl.constexpr, m: tl.constexpr, update: tl.constexpr, span: tl.constexpr,
+                          block_d: tl.constexpr, block_mix: tl.constexpr, pdl: tl.constexpr):
     """One token's ``span`` columns of every stream (the second grid axis picks which): with ``update``
     the new streams ``post * output + comb^T streams`` (rounded where ``hyper.hc_post`` rounds) are
     written; then the partial sums of their squares and of their products with every row of ``fn``
-    (the mixing logits before the norm) go to ``sq[split, t]`` and ``dot[split, t, :]``.  ``experts``
-    (0: ``o_ptr`` is the output): the output is a feed-forward's parts (``prefill_triton.ExpertSum``), added up
-    here as ``prefill_triton.combine`` adds them: ``rows_ptr`` the experts' rows, ``w_ptr`` their weights,
-    ``o_ptr`` the term added.  ``pdl`` (a programmatic dependent launch): first waits for the kernel before,
-    then lets the next one launch."""
+    (the mixing logits before the norm) go to ``sq[split, t]`` and ``dot[split, t, :]``.  ``pdl``
+    (a programmatic dependent launch): first waits for the kernel before, then lets the next one launch."""
     wait_then_release(pdl)
     t = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -114,12 +111,6 @@ def boundary_mixes_kernel(s_ptr, o_ptr, rows_ptr, w_ptr, post_ptr, comb_ptr, new
         live = cols < d
         if update:
             o = tl.load(o_ptr + t * d + cols, mask=live, other=0.0).to(tl.float32)
-            if experts:  # the routed experts' weighted sum, rounded, then the shared expert's output added
-                routed = tl.zeros([block_d], dtype=tl.float32)
-                for j in tl.static_range(experts):
-                    row = tl.load(rows_ptr + (t * experts + j) * d + cols, mask=live, other=0.0).to(tl.float32)
-                    routed += row * tl.load(w_ptr + t * experts + j)
-                o = (routed.to(dtype).to(tl.float32) + o).to(dtype).to(tl.float32)
         for i in tl.static_range(m):
             if update:  # new stream i: post[i] * output + sum over j of comb[j, i] * old stream j
                 p_i = tl.load(post_ptr + t * m + i).to(dtype).to(tl.float32)

@@ -16,8 +16,7 @@ in bf16, twice that as the float32 copies the reference makes).  Here:
   touching only the rotated channels;
 * :func:`swiglu` -- the clamped SwiGLU of gate and up projections;
 * :func:`combine` -- each token's ``k`` expert outputs (rows sorted by expert)
-  weighted and summed; :class:`ExpertSum` -- the same sum left as its parts, for
-  a kernel that reads it to add up (``hc_triton.hc_boundary_step``).
+  weighted and summed.
 
 Every kernel rounds where the torch reference (``hyper.py``, ``ops.py``,
 ``moe.py`` in ``ds4d.models.deepseek_v4``) rounds, so the two agree up to the
@@ -27,8 +26,6 @@ them with the reference).
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 
@@ -279,18 +276,3 @@ def combine(rows: torch.Tensor, order: torch.Tensor | None, expert_weights: torc
             rows, slot, weights, out if add is None else add.contiguous(), out, d, k=k, block=block,
             in_order=order is None, add=add is not None, num_warps=4)
     return out
-
-
-class ExpertSum(NamedTuple):
-    """A feed-forward's output left as its parts: row ``t * k + j`` of ``rows [T * k, D]`` is token ``t``'s ``j``-th
-    routed expert's output, ``weights [T, k]`` (float32) their routing weights, and ``add [T, D]`` (the shared
-    expert's output, in the output's dtype) is added after the weighted sum is rounded.  :meth:`value` is
-    :func:`combine`'s result; ``hc_triton.hc_boundary_step`` makes the same values as it reads them, so a decode
-    step's sum takes no launch of its own."""
-
-    rows: torch.Tensor
-    weights: torch.Tensor
-    add: torch.Tensor
-
-    def value(self) -> torch.Tensor:
-        return combine(self.rows, None, self.weights, self.add.dtype, add=self.add)

@@ -23,11 +23,10 @@ from tests.gpu.native_sass_count import FP8_SIGNATURE, MXFP4_SIGNATURE
 F32_SIGNATURE = {"x_ptr": "*bf16", "a_ptr": "*fp32", "b_ptr": "*fp32", "out_a": "*fp32", "out_b": "*fp32",
                  "n_a": "i32", "n_b": "i32", "k": "constexpr", "sx": "i32", "sa": "i32", "sb": "i32", "soa": "i32",
                  "sob": "i32", "blocks_a": "i32", "block_n": "constexpr", "block_k": "constexpr", "pdl": "constexpr"}
-MIXES_SIGNATURE = {"s_ptr": "*bf16", "o_ptr": "*bf16", "rows_ptr": "*bf16", "w_ptr": "*fp32", "post_ptr": "*fp32",
-                   "comb_ptr": "*fp32", "new_ptr": "*bf16", "fn_ptr": "*fp32", "dot_ptr": "*fp32", "sq_ptr": "*fp32",
-                   "tokens": "i32", "d": "constexpr", "m": "constexpr", "update": "constexpr",
-                   "experts": "constexpr", "span": "constexpr", "block_d": "constexpr", "block_mix": "constexpr",
-                   "pdl": "constexpr"}
+MIXES_SIGNATURE = {"s_ptr": "*bf16", "o_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "new_ptr": "*bf16",
+                   "fn_ptr": "*fp32", "dot_ptr": "*fp32", "sq_ptr": "*fp32", "tokens": "i32", "d": "constexpr",
+                   "m": "constexpr", "update": "constexpr", "span": "constexpr", "block_d": "constexpr",
+                   "block_mix": "constexpr", "pdl": "constexpr"}
 COLLAPSE_SIGNATURE = {"s_ptr": "*bf16", "dot_ptr": "*fp32", "sq_ptr": "*fp32", "base_ptr": "*fp32",
                       "scale_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16", "post_ptr": "*fp32",
                       "comb_ptr": "*fp32", "tokens": "i32", "hc_eps": "fp32", "norm_eps": "fp32",
@@ -44,8 +43,7 @@ def kernels() -> dict[str, tuple]:
                        {"k": 4096, "block_n": 32, "block_b": 256, "ptx_decode": True, "aligned": True}, 4),
         "f32_rows": (f32_gemv._kernel(), F32_SIGNATURE, {"k": 4096, "block_n": 2, "block_k": 4096}, 4),
         "boundary_mixes": (hc_triton_kernels.boundary_mixes_kernel, MIXES_SIGNATURE,
-                           {"d": 4096, "m": 4, "update": True, "experts": 6, "span": 512, "block_d": 256,
-                            "block_mix": 32}, 4),
+                           {"d": 4096, "m": 4, "update": True, "span": 512, "block_d": 256, "block_mix": 32}, 4),
         "boundary_collapse": (hc_triton_kernels.boundary_collapse_kernel, COLLAPSE_SIGNATURE,
                               {"iters": 20, "d": 4096, "m": 4, "splits": 8, "block_s": 8, "block_d": 4096}, 4),
     }

@@ -147,32 +147,6 @@ def test_routing_in_one_kernel_decodes_as_the_torch_routing(checkpoint, device, 
     _assert_decodes_as_the_torch_path(checkpoint, model, _base_paths(graphs), {"route_kernel": True})
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the boundary kernels add the parts up on CUDA only")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("graphs", ["off", "padded", "compiled"])
-def test_the_feed_forwards_sum_made_by_the_next_boundary_decodes_bit_for_bit(checkpoint, dtype, graphs, monkeypatch):
-    """With the decode and boundary kernels, a decode step's feed-forward output reaches the next layer's boundary
-    as its parts (``prefill_triton.ExpertSum``), whose first kernel adds them up as it reads them: the logits are
-    bit for bit those of the sum made first by ``prefill_triton.combine``."""
-    from ds4d.cuda import prefill_triton
-    from ds4d.models.deepseek_v4 import model as model_module
-
-    model = load_model(checkpoint, dtype=dtype, device="cuda")
-    paths = _base_paths(graphs).replace(decode_kernel=True, hc_kernels="boundary")
-    plain, made = model_module.moe_forward, []
-
-    def recorded(*args, **kwargs):
-        out = plain(*args, **kwargs)
-        made.append(isinstance(out, prefill_triton.ExpertSum))
-        return out
-
-    monkeypatch.setattr(model_module, "moe_forward", recorded)
-    parts = _decode_logits(model, paths)
-    assert any(made)
-    monkeypatch.setattr(model_module, "moe_forward", lambda *args, **kwargs: plain(*args, **{**kwargs, "parts": False}))
-    assert torch.equal(parts, _decode_logits(model, paths))
-
-
 def test_grouped_experts_match_the_expert_loop(checkpoint):
     from ds4d.models.deepseek_v4.moe import moe_forward
 

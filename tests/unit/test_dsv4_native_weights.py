@@ -156,35 +156,6 @@ def test_decode_kernels_take_the_swiglus_in_the_gate_up_gemvs_with_the_same_logi
     assert len(gated) == 6
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU tests run the compiled kernels")
-def test_a_decode_steps_feed_forward_reaches_the_next_boundary_as_its_parts_with_the_same_logits(tmp_path,
-                                                                                              monkeypatch):
-    """With the decode kernels and the boundary kernels, a decode step's feed-forward output is left as its parts
-    (``prefill_triton.ExpertSum``: routed rows, weights, the shared expert's output) for the next layer's
-    boundary, except the last layer's; the logits are bit for bit those of the sum made first.  (On the CPU the
-    boundary takes the parts' value; on a GPU its kernel adds them up: ``tests/gpu/test_dsv4_fast_path.py``.)"""
-    from ds4d.cuda import prefill_triton
-    from ds4d.models.deepseek_v4 import model as model_module
-
-    path = write_tiny_checkpoint(tmp_path / "two", seed=3, layers=[0, 4])
-    prompt = [(i * 7919) % 5000 + 10 for i in range(24)]
-    model = _load(path, native=True)
-    model = model.with_paths(model.paths.replace(decode_kernel=True, hc_kernels="boundary"))
-    made = []
-    plain = model_module.moe_forward
-
-    def recorded(*args, **kwargs):
-        out = plain(*args, **kwargs)
-        made.append(isinstance(out, prefill_triton.ExpertSum))
-        return out
-
-    monkeypatch.setattr(model_module, "moe_forward", recorded)
-    parts = torch.cat(_prefill_then_steps(model, prompt))
-    assert made == [False, False] + [True, False] * 3  # the prompt's two layers, then each decode step's
-    monkeypatch.setattr(model_module, "moe_forward", lambda *args, **kwargs: plain(*args, **{**kwargs, "parts": False}))
-    assert torch.equal(parts, torch.cat(_prefill_then_steps(model.with_paths(), prompt)))
-
-
 def test_weight_format_choice():
     assert not native_weights("auto", torch.float32, "cpu")
     assert not native_weights("dense", torch.bfloat16, "cpu")

@@ -106,32 +106,3 @@ def test_the_boundary_kernels_take_a_few_tokens_of_bounded_width():
     assert hc_triton.boundary_usable(1, 4, 4096) and hc_triton.boundary_usable(hc_triton.MAX_TOKENS, 4, 7168)
     assert not hc_triton.boundary_usable(1, 4, hc_triton.MAX_BOUNDARY_D + 1)
     assert not hc_triton.boundary_usable(hc_triton.MAX_TOKENS + 1, 4, 4096) and not hc_triton.boundary_usable(1, 3, 64)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("tokens", "d", "experts"), [(1, 256, 6), (3, 300, 2)])
-def test_the_boundary_adds_up_a_feed_forward_left_as_its_parts(dtype, tokens, d, experts):
-    """An output given as ``prefill_triton.ExpertSum`` (routed rows, their weights, the shared expert's output): the
-    boundary's first kernel adds it up as it reads it, bit for bit the boundary of ``prefill_triton.combine``'s sum;
-    ``hyper.hc_boundary`` on its other paths takes the sum's value first."""
-    from ds4d.cuda import prefill_triton
-
-    (streams, _, post, comb), norm, weights = _boundary_case(tokens, 4, d, seed=tokens + d, dtype=dtype)
-    gen = torch.Generator().manual_seed(d)
-    rows = (torch.randn(tokens * experts, d, generator=gen) * 3).to(DEVICE, dtype)
-    shares = torch.rand(tokens, experts, generator=gen).to(DEVICE)
-    shared = torch.randn(tokens, d, generator=gen).to(DEVICE, dtype)
-    parts = prefill_triton.ExpertSum(rows, shares, shared)
-    summed = prefill_triton.combine(rows, None, shares, dtype, add=shared)
-    assert torch.equal(parts.value(), summed)
-    hyper_args = (weights.fn, weights.base, weights.scale, norm, 1e-6, 20, 1e-6)
-    got = hc_triton.hc_boundary_step(streams, parts, post, comb, *hyper_args)
-    want = hc_triton.hc_boundary_step(streams, summed, post, comb, *hyper_args)
-    for g, w in zip(got, want):
-        assert torch.equal(g, w)
-    through = hc_boundary(parts, streams, post, comb, weights, norm, 20, 1e-6, 1e-6)
-    for g, w in zip(through, hc_boundary(summed, streams, post, comb, weights, norm, 20, 1e-6, 1e-6)):
-        assert torch.equal(g, w)
-    with pytest.raises(ValueError, match="ExpertSum"):
-        other = torch.float16 if dtype == torch.float32 else torch.float32
-        hc_triton.hc_boundary_step(streams, parts._replace(add=shared.to(other)), post, comb, *hyper_args)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ds4d.cuda.prefill_triton import ExpertSum
 from ds4d.cuda.rows import padded_product
 from ds4d.models.deepseek_v4.ops import linear_f32, rms_norm, unweighted_rms_norm
 from ds4d.models.deepseek_v4.weights import HyperWeights
@@ -83,7 +82,7 @@ def hc_post(output: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, com
 
 
 def hc_boundary(
-    output: torch.Tensor | ExpertSum | None,
+    output: torch.Tensor | None,
     streams: torch.Tensor,
     post: torch.Tensor | None,
     comb: torch.Tensor | None,
@@ -106,9 +105,7 @@ def hc_boundary(
     (``ds4d.cuda.prefill_triton``'s update, which also sums squares, and collapse-and-norm around
     ``hc_triton.hc_weights``), the mixing
     logits from one matmul of the streams as stored (``weights.fn_split`` where set), about two
-    passes over the streams where torch makes a dozen (many tokens: a prefill step).  ``output`` may be a
-    feed-forward's output left as its parts (``prefill_triton.ExpertSum``): the boundary kernels add it up as they
-    read it; any other path takes its value first."""
+    passes over the streams where torch makes a dozen (many tokens: a prefill step)."""
     m = streams.shape[-2]
     if fused == "boundary":
         fused = "triton"
@@ -118,8 +115,6 @@ def hc_boundary(
             if hc_triton.boundary_usable(streams.shape[0], m, streams.shape[-1]):
                 return hc_triton.hc_boundary_step(streams, output, post, comb, weights.fn, weights.base, weights.scale,
                                                   norm, hc_eps, iterations, norm_eps)
-    if isinstance(output, ExpertSum):
-        output = output.value()
     if kernels and m & (m - 1) == 0:
         from ds4d.cuda import hc_triton, prefill_triton
 

@@ -391,9 +391,6 @@ class DeepseekV4Model:
         paths = self.paths
         kernels = not decode and paths.fast_path and paths.fused_prefill
         route_kernel = decode and paths.fast_path and paths.route_kernel
-        decode_kernels = decode and paths.fast_path and paths.decode_kernel
-        # the feed-forward's sum left to the next boundary's kernels, which add it up as they read it
-        parts = decode_kernels and paths.fused_hc == "boundary"
         if decode:
             attend = partial(decode_attention, kernel=paths.fast_path and paths.decode_kernel)
         else:
@@ -426,7 +423,7 @@ class DeepseekV4Model:
                 output = moe_forward(x, token_ids, layer.ffn, cfg, grouped=paths.fast_path, kernels=kernels,
                                      tally=None if tally is None else tally.layer(index),
                                      beside=decode and paths.shared_beside, route_kernel=route_kernel,
-                                     decode_kernels=decode_kernels, parts=parts and index < last)
+                                     decode_kernels=decode and paths.fast_path and paths.decode_kernel)
         return hc_post(output, streams, post, comb)
 
 

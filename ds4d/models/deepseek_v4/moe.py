@@ -221,12 +221,10 @@ def _row_by_row(x: torch.Tensor, weight, step_rows: int) -> bool:
 
 def _routed_grouped(
     x: torch.Tensor, expert_weights: torch.Tensor, indices: torch.Tensor, weights: MoEWeights, limit: float,
-    kernels: bool = False, plus: torch.Tensor | None = None, parts: bool = False,
-) -> torch.Tensor | prefill_triton.ExpertSum:
+    kernels: bool = False, plus: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The routed experts' weighted sum ``[T, D]`` in ``x``'s dtype (``plus``: then plus it); ``kernels``: the
-    SwiGLU, the sum and ``plus`` in Triton (``prefill_triton``) where it launches.  ``parts`` (with ``plus``): where
-    that sum would take :func:`prefill_triton.combine` over rows in slot order, the sum left as its parts
-    (``prefill_triton.ExpertSum``) instead."""
+    SwiGLU, the sum and ``plus`` in Triton (``prefill_triton``) where it launches."""
     tokens, k = indices.shape
     bank = weights.experts
     gate_up, down = bank.native if bank.native is not None else bank.dense()
@@ -234,8 +232,6 @@ def _routed_grouped(
     if _row_by_row(x, gate_up, flat.shape[0]):  # no sort, no group ends: row t * k + j is token t's j-th expert
         out = expert_ffn(_pair_rows(x, k, gate_up), gate_up, down, None, flat, limit, kernels=kernels)
         if kernels and prefill_triton.usable(out):
-            if parts and plus is not None and plus.dtype == x.dtype:
-                return prefill_triton.ExpertSum(out, expert_weights.float(), plus)
             return prefill_triton.combine(out, None, expert_weights, x.dtype, add=plus)
         weighted = out.float() * expert_weights.reshape(-1, 1)
         routed = weighted.view(tokens, k, -1).sum(dim=1).to(x.dtype)  # the sum of combine_sorted, in slot order
@@ -291,17 +287,15 @@ def _shared(x: torch.Tensor, weights: MoEWeights, limit: float, kernels: bool) -
 def moe_forward(
     x: torch.Tensor, token_ids: torch.Tensor, weights: MoEWeights, cfg: DeepseekV4Config, *, grouped: bool = False,
     kernels: bool = False, tally: torch.Tensor | None = None, beside: bool = False, route_kernel: bool = False,
-    decode_kernels: bool = False, parts: bool = False,
-) -> torch.Tensor | prefill_triton.ExpertSum:
+    decode_kernels: bool = False,
+) -> torch.Tensor:
     """``kernels`` (with ``grouped``): SwiGLU and the routed experts' weighted sum in Triton
     (``ds4d.cuda.prefill_triton``) and the router's logits from its split weight, for steps of many tokens.
     ``decode_kernels`` (with ``grouped``): the SwiGLUs, and the routed experts' weighted sum with the shared
     expert's output added, in Triton, for a decode step's few rows (the router as without).
     ``beside`` (with ``grouped``): the shared expert on a second stream (``ds4d.cuda.streams``), its SwiGLU
     in Triton, while the routing and the routed experts run on the current one.  ``route_kernel``: the
-    routing after the router's logits in one Triton launch (:func:`route`).  ``parts`` (with ``decode_kernels``): the
-    output may come back as its parts, the routed rows, their weights and the shared expert's output
-    (``prefill_triton.ExpertSum``), for the next hyper-connection boundary to add up as it reads them."""
+    routing after the router's logits in one Triton launch (:func:`route`)."""
     limit = cfg.swiglu_limit
     beside = beside and grouped
     if beside:  # queued first, so it starts with the router
@@ -313,8 +307,7 @@ def moe_forward(
         return routed + streams.rejoin(shared, x.device)
     if grouped:
         tail = kernels or decode_kernels
-        return _routed_grouped(x, expert_weights, indices, weights, limit, tail, plus=_shared(x, weights, limit, tail),
-                               parts=parts and decode_kernels)
+        return _routed_grouped(x, expert_weights, indices, weights, limit, tail, plus=_shared(x, weights, limit, tail))
     routed = torch.zeros_like(x)
     for expert in torch.unique(indices).tolist():
         token_idx, slot = torch.where(indices == expert)
