@@ -62,6 +62,7 @@ TUNING = {
     "fp8_rows_shapes": {"32768x1024": {"block_n": 2, "block_k": 1024, "warps": 2},  # wq_b
                         "4096x8192": {"block_n": 2, "block_k": 4096, "warps": 1},  # wo_b
                         "4096x4096": {"block_n": 1, "block_k": 1024, "warps": 1},  # shared w1 + w3
+                        "2048x4096": {"block_n": 1, "block_k": 1024, "warps": 1},  # w1, w3 alone: as in the pair
                         "1536x4096": {"block_n": 4, "block_k": 4096, "warps": 4}},  # wq_a + wkv
     "fp8_tiles": {"block_n": 128, "warps": 4, "stages": 3, "programs": 256},
     "fp8_dense_from": 257,
@@ -74,8 +75,10 @@ TUNING = {
 a weight of N rows of K inputs (key ``"NxK"``), settings that replace the kernel's own
 (``tests/gpu/rows_shape_sweep.py``; ``--sweep`` sets them aside while it times the kernel's own).  On an
 H100 the FP8 ones took wq_b from 14.7 to 13.9 us, wo_b 16.8 to 14.9, the shared expert's w1 + w3 9.6 to
-8.4 and wq_a + wkv 6.3 to 4.8.  The MXFP4 ones (``--mxfp4-only``, which tries up to the whole row a step, on an
-H100, 6 rows by expert): the experts' gate/up 28.3 to 26.8 us and down 16.3 to 14.9."""
+8.4 and wq_a + wkv 6.3 to 4.8.  V4-Flash's ``w1`` and ``w3`` alone (a batch-1 row takes their pair) run the
+pair's setting, so that each sums its rows as the pair does (``stored.fuse_rows``: bit for bit; with the kernel's
+own setting they did not, on an H100).  The MXFP4 ones (``--mxfp4-only``, which tries up to the whole row a step, on
+an H100, 6 rows by expert): the experts' gate/up 28.3 to 26.8 us and down 16.3 to 14.9."""
 
 
 # ---------------------------------------------------------------------- FP8 linears
