@@ -62,7 +62,6 @@ TUNING = {
     "fp8_rows_shapes": {"32768x1024": {"block_n": 2, "block_k": 1024, "warps": 2},  # wq_b
                         "4096x8192": {"block_n": 2, "block_k": 4096, "warps": 1},  # wo_b
                         "4096x4096": {"block_n": 1, "block_k": 1024, "warps": 1},  # shared w1 + w3
-                        "2048x4096": {"block_n": 1, "block_k": 1024, "warps": 1},  # w1, w3 alone: as in the pair
                         "1536x4096": {"block_n": 4, "block_k": 4096, "warps": 4}},  # wq_a + wkv
     "fp8_tiles": {"block_n": 128, "warps": 4, "stages": 3, "programs": 256},
     "fp8_dense_from": 257,
@@ -75,9 +74,8 @@ TUNING = {
 a weight of N rows of K inputs (key ``"NxK"``), settings that replace the kernel's own
 (``tests/gpu/rows_shape_sweep.py``; ``--sweep`` sets them aside while it times the kernel's own).  On an
 H100 the FP8 ones took wq_b from 14.7 to 13.9 us, wo_b 16.8 to 14.9, the shared expert's w1 + w3 9.6 to
-8.4 and wq_a + wkv 6.3 to 4.8.  V4-Flash's ``w1`` and ``w3`` alone (a batch-1 row takes their pair) run the
-pair's setting, so that each sums its rows as the pair does (``stored.fuse_rows``: bit for bit; with the kernel's
-own setting they did not, on an H100).  The MXFP4 ones (``--mxfp4-only``, which tries up to the whole row a step, on
+8.4 and wq_a + wkv 6.3 to 4.8 (each half of a pair alone takes the pair's setting: ``fp8_linear``'s
+``setting_rows``).  The MXFP4 ones (``--mxfp4-only``, which tries up to the whole row a step, on
 an H100, 6 rows by expert): the experts' gate/up 28.3 to 26.8 us and down 16.3 to 14.9."""
 
 
@@ -99,7 +97,7 @@ def _fp8_split(n: int, k: int, block_n: int, programs: int, block: int = 128) ->
 
 @torch.compiler.disable  # launched as is; torch.compile and CUDA graph capture see one kernel
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: int = 128,
-               gated: float | None = None) -> torch.Tensor:
+               gated: float | None = None, setting_rows: int | None = None) -> torch.Tensor:
     """``x [M, K] @ weight[N, K]^T``: ``weight`` float8_e4m3fn, ``scale`` float32 ``[ceil(N/B), ceil(K/B)]``
     for square scale blocks of edge ``B = block`` (a power of two from 16 to 128).
 
@@ -113,7 +111,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
     ``gated`` (a SwiGLU limit, 0 for no clamp; rows that take the GEMV only, :func:`fp8_gated_fits`): the
     weight's first half of rows are gates and the second their up rows, and the result is the SwiGLU of the two
-    halves of the product, ``[M, N/2]``, in the GEMV's launch (as :func:`mxfp4_rows_at`)."""
+    halves of the product, ``[M, N/2]``, in the GEMV's launch (as :func:`mxfp4_rows_at`).  ``setting_rows``: the
+    GEMV's per-shape setting is the one of a weight of that many rows (default N), so that a weight whose rows are
+    part of a larger one (``stored.fuse_rows``) sums each row as the larger one does."""
     import triton
 
     m, k = x.shape
@@ -131,7 +131,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         return torch.nn.functional.linear(x, fp8_dequant(weight, scale, x.dtype, block))
     rows = TUNING["fp8_rows"]
     if m <= rows["most_rows"]:
-        rows = dict(TUNING["fp8_rows_shapes"].get(f"{n}x{k}", rows))
+        rows = dict(TUNING["fp8_rows_shapes"].get(f"{setting_rows or n}x{k}", rows))
         width = n if gated is None else n // 2
         if gated is not None:
             rows["block_n"] = _paired(rows["block_n"])

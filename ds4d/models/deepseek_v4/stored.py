@@ -29,6 +29,7 @@ class Fp8Weight:
     scale: torch.Tensor  # float32 [ceil(out/block), ceil(in/block)]
     dtype: torch.dtype  # the activations' dtype (and the result's)
     block: int = 128
+    setting_rows: int | None = None  # its rows are part of a fused weight of this many (``fuse_rows``)
 
     @classmethod
     def from_stored(cls, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, block: int = 128) -> Fp8Weight:
@@ -48,7 +49,8 @@ class Fp8Weight:
         """``x [..., in] @ W^T``."""
         if quant_matmul.available() and x.dtype == self.dtype:
             flat = x.reshape(-1, x.shape[-1])
-            return quant_matmul.fp8_linear(flat, self.data, self.scale, self.block).view(*x.shape[:-1], -1)
+            return quant_matmul.fp8_linear(flat, self.data, self.scale, self.block,
+                                           setting_rows=self.setting_rows).view(*x.shape[:-1], -1)
         return torch.nn.functional.linear(x, self.dense())  # no kernel here: decode, then the plain product
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
@@ -143,6 +145,7 @@ def _fuse_fp8(first: Fp8Weight, second: Fp8Weight) -> Fp8Weight | None:
     data, scale = torch.cat([first.data, second.data]), torch.cat([first.scale, second.scale])
     first.data, second.data = data[:rows], data[rows:]
     first.scale, second.scale = scale[:scale_rows], scale[scale_rows:]
+    first.setting_rows = second.setting_rows = data.shape[0]  # each alone sums its rows as the fused GEMV does
     return Fp8Weight(data, scale, first.dtype, first.block)
 
 
