@@ -10,6 +10,9 @@
 #                                # steps and as one step layer by layer (a call of its own, about 6 minutes)
 #   tests/gpu/gate.sh --agent    # an agent's next step through a daemon over random weights (agent_bench.sh,
 #                                # LOAD=random): prefix reused from the GPU pool and from the RAM tier, and cold
+#   tests/gpu/gate.sh --tests [PYTEST ARGS]   # every test under tests/gpu in one pytest process (TESTS_S seconds
+#                                # at most, 560 by default; e.g. `-k quant_matmul` for a part); any failure, or
+#                                # running out of time, fails the gate
 #   UPDATE=1 tests/gpu/gate.sh   # also write new and better figures into the baseline
 #   GGUF=1 tests/gpu/gate.sh --quick   # also 4 layers of the q2 GGUF recipe (`--gguf q2`, about 3 minutes more)
 #   DECODE_KERNEL=1 tests/gpu/gate.sh --quick   # also the rows of the other decode attention than the default
@@ -26,7 +29,7 @@ ds4d_setup || exit 1
 COMMON="--native --compile --lookahead --no-hf --no-reference --batches 1,8 --decode-tokens 64 --repeats ${REPEATS:-5}"
 [ "${DECODE_KERNEL:-0}" = 1 ] && COMMON="$COMMON --decode-kernel"  # also the other decode attention's rows
 [ "${ROUTE_KERNEL:-0}" = 1 ] && COMMON="$COMMON --route-kernel"  # also the routing kernel's rows
-gpu=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1)
+gpu=$(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | head -1)
 case "$gpu" in
   *H200*) machine=h200; fraction=0.88 ;;
   *H100*) machine=h100; fraction=0.4 ;;
@@ -48,9 +51,16 @@ case "$mode" in
   --agent)
     LOAD=random INSTALL=0 bash tests/gpu/agent_bench.sh 2>&1 | tail -30
     for name in agent_gpu agent_ram; do [ -f "$OUT/$name.json" ] && results+=("$OUT/$name.json"); done ;;
+  --tests)
+    [ -n "$gpu" ] || { echo "no GPU: tests/gpu would only skip"; exit 2; }
+    timeout "${TESTS_S:-560}" python3 -m pytest -q -p no:cacheprovider tests/gpu "${@:2}" \
+      --junitxml "$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -30
+    status=${PIPESTATUS[0]}
+    [ "$status" = 124 ] && echo "tests/gpu ran past ${TESTS_S:-560} s"
+    exit "$status" ;;
   --quick) DEPTHS=("layers4:0,0,4,128") ;;
   "") DEPTHS=("layers4:0,0,4,128" "layers16:0,0,4,128,4,128,4,128,4,128,4,128,4,128,4,128") ;;
-  *) echo "unknown mode $mode (--quick, --full, --agent)"; exit 2 ;;
+  *) echo "unknown mode $mode (--quick, --full, --agent, --tests)"; exit 2 ;;
 esac
 if [ "${GGUF:-0}" = 1 ]; then
   DEPTHS+=("q2layers4:0,0,4,128")
