@@ -97,3 +97,18 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def wide_gguf_gemv_programs():
+    """The block-wise GGUF GEMV (``gguf_matmul.BLOCKWISE``) at 32 weight rows a program, where its GPU launches
+    take 4-16.  Triton's interpreter runs one program at a time, each costing about the same whatever its rows,
+    so a tiny model's decode step takes a quarter of the time.  A row's sums come from the same loop either way;
+    tests/unit/test_gguf_kernels.py checks the kernel at the GPU's launches.  Modules of GGUF model tests in the
+    interpreter use it with ``pytest.mark.usefixtures("wide_gguf_gemv_programs")``."""
+    from ds4d.cuda import gguf_matmul
+
+    with pytest.MonkeyPatch.context() as patch:
+        for qtype, launch in gguf_matmul.BLOCKWISE.items():
+            patch.setitem(gguf_matmul.BLOCKWISE, qtype, dict(launch, block_n=32))
+        yield

@@ -48,7 +48,10 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--device", default="cuda")
     p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--batches", default="1,8,64", help="decode batch sizes at 1K context")
+    p.add_argument("--batches", default="1,8,64", help="decode batch sizes at --decode-context")
+    p.add_argument("--decode-context", type=int, default=1024,
+                   help="tokens of each sequence's prompt before the --batches decode rows (rows named @1K for 1024; V4)")
+    p.add_argument("--prefill-tokens", type=int, default=2048, help="tokens of the prefill row's one prompt (V4)")
     p.add_argument("--repeats", type=int, default=1,
                    help="time each prefill and decode row this many times after its warm-up; the row is their "
                         "median (the JSON row's extra also gives the lowest and highest)")
@@ -323,6 +326,9 @@ def run(args: argparse.Namespace) -> int:
     if args.family == "deepseek_v41":
         from ds4d.bench.dsv41 import run as run_v41
 
+        if (args.decode_context, args.prefill_tokens) != (1024, 2048):
+            raise SystemExit("--decode-context and --prefill-tokens are V4's rows; V4.1's take --context")
+
         return run_v41(args)
     import torch
 
@@ -403,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
         for path in with_paths:
             timed = on_path(model, path, best)
             chunk = min(args.prefill_chunk, max(128, 16384 // batch))
-            label = f"decode b{batch} @{context // 1024}K" + PATH_NOTES[path]
+            label = f"decode b{batch} @{_context_label(context)}" + PATH_NOTES[path]
             steps = n if path != "reference" else max(8, n // 4)
             def runs(timed=timed, steps=steps, chunk=chunk, path=path):
                 with gemv_launches(path):
@@ -418,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(Row(label, got, theirs, floors.decode(batch, context),
                             extra={**per_layer(floors, batch, context, got), **spread}))
 
-    prefill_case(2048)
+    prefill_case(args.prefill_tokens)
     batches = [int(b) for b in args.batches.split(",") if b]
     ahead = (["lookahead"] if args.lookahead else []) + (list(SAMPLED) if args.sampled else [])
     if args.decode_kernel:
@@ -430,7 +436,7 @@ def run(args: argparse.Namespace) -> int:
     if args.pdl:
         ahead += ["pdl"] + (["pdl-lookahead"] if args.lookahead else [])
     for batch in batches:
-        decode_case(batch, 1024, (paths[:1] + ahead + paths[1:]) if batch == 1 else ["graphs", *ahead])
+        decode_case(batch, args.decode_context, (paths[:1] + ahead + paths[1:]) if batch == 1 else ["graphs", *ahead])
     if args.long:
         prefill_case(16384)
         decode_case(1, 32768, ["graphs"], hf_chunk=2048)
@@ -468,6 +474,11 @@ def _long_context(torch, model, ids, decode_tokens: int, chunk: int, floors, syn
     label = f"{tokens // 1000}K"
     return [Row(f"prefill {label} tok, b1", timing.prefill_tok_s, None, floors.prefill(tokens)),
             Row(f"decode b1 @{label}", decode, None, floors.decode(1, tokens), extra=per_layer(floors, 1, tokens, decode))]
+
+
+def _context_label(tokens: int) -> str:
+    """A decode row's context in its name: ``1K`` for 1,024 tokens, ``32K`` for 32,768, ``100`` for 100."""
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
 
 
 def per_layer(floors, batch: int, context: int, tok_s: float | None) -> dict:

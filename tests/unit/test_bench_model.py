@@ -18,7 +18,8 @@ def test_decode_rows_report_their_time_and_floor_per_layer(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "ds4d.cli", "bench", "model", "--tiny", "--device", "cpu", "--dtype", "float32",
          "--no-hf", "--no-reference", "--main-only", "--batches", "1,2", "--decode-tokens", "3", "--layers", "0,4",
-         "--decode-kernel", "--route-kernel", "--pdl", "--repeats", "2", "--json", str(out)],
+         "--decode-context", "160", "--prefill-tokens", "256", "--decode-kernel", "--route-kernel", "--pdl",
+         "--repeats", "2", "--json", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -27,9 +28,9 @@ def test_decode_rows_report_their_time_and_floor_per_layer(tmp_path):
     route = " (graphs, routing in one kernel)"  # route_triton's kernel, in the interpreter too
     pdl = " (graphs, GEMVs as dependent launches)"  # launched plainly on the CPU: the rows' names and runs
     assert [row["case"] for row in decode] == [
-        f"decode b{b} @1K{note}" for b in (1, 2) for note in ("", kernel, route, pdl)]
+        f"decode b{b} @160{note}" for b in (1, 2) for note in ("", kernel, route, pdl)]
     assert all(row["ds4d"] > 0 for row in decode)
-    decode = [row for row in decode if row["case"] in ("decode b1 @1K", "decode b2 @1K")]
+    decode = [row for row in decode if row["case"] in ("decode b1 @160", "decode b2 @160")]
     for row, batch in zip(decode, (1, 2), strict=True):
         extra = row["extra"]
         # what the step takes beyond its layers' share is the same for the measured time and for the floor:
@@ -40,7 +41,8 @@ def test_decode_rows_report_their_time_and_floor_per_layer(tmp_path):
         assert head_from_floor > 0 and extra["layer_floor_ms"] > 0
         assert f"| {row['case']} | {extra['layer_ms']:.3f} | {extra['layer_floor_ms']:.3f} |" in run.stdout
     prefill = [row for row in result["rows"] if row["case"].startswith("prefill")]
-    assert prefill and all(set(row["extra"]) == {"runs", "lowest", "highest"} for row in prefill)
+    assert [row["case"] for row in prefill] == ["prefill 256 tok, b1"]
+    assert all(set(row["extra"]) == {"runs", "lowest", "highest"} for row in prefill)
     for row in result["rows"]:  # --repeats 2: the median of two runs lies between them
         extra = row["extra"]
         assert extra["runs"] == 2 and extra["lowest"] <= row["ds4d"] <= extra["highest"]

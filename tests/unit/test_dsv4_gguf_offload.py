@@ -40,7 +40,7 @@ from ds4d.models.deepseek_v4.stored import GgufMatrices
 from tests.parity.make_gguf_v4_fixtures import OUT as FIXTURES
 from tests.unit.test_dsv4_model import Driver
 
-pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+pytestmark = [pytest.mark.usefixtures("one_torch_thread", "wide_gguf_gemv_programs"),
               pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the GPU runs the compiled kernels (tests/gpu)")]
 
