@@ -24,6 +24,23 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+TEMP_GIB = 6
+"""Free space the suite wants in the temporary directory: its tiny checkpoints, GGUF files and cache tiers peak
+at about 3.7 GiB there (two processes, tests/ at the time of writing)."""
+
+
+def pytest_configure(config):
+    """A warning (in the summary) where the temporary directory is short of :data:`TEMP_GIB`: tests that write
+    files then fail with "No space left on device", which names no cause in the suite."""
+    import shutil
+    import tempfile
+
+    where = tempfile.gettempdir()
+    free = shutil.disk_usage(where).free / 2**30
+    if free < TEMP_GIB and not hasattr(config, "workerinput"):  # once, in the process that reports
+        config.issue_config_time_warning(pytest.PytestConfigWarning(
+            f"{where} has {free:.1f} GiB free; the suite writes up to about 4 GiB there"), stacklevel=2)
+
 
 _NESTED_CALL = ("def __call__(self, *args, **kwargs): # This is a device function call _patch_lang(self.fn) "
                 "fn = self.rewrite() try: return fn(*args, **kwargs) except Exception as e: "
