@@ -269,8 +269,8 @@ def _opencode_env(home: Path, config: dict) -> dict[str, str]:
     """The environment of reference/opencode/env.sh, with a scratch HOME and TMPDIR (the binary unpacks a native
     library of about 5 MB into its temporary directory on each start and leaves it there)."""
     (home / "tmp").mkdir(parents=True, exist_ok=True)
-    env = {"TMPDIR": str(home / "tmp"), "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "TERM": "dumb", "NO_COLOR": "1",
-           "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".local/share"),
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8", "TERM": "dumb", "NO_COLOR": "1",
+           "TMPDIR": str(home / "tmp"), "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), "XDG_DATA_HOME": str(home / ".local/share"),
            "XDG_CACHE_HOME": str(home / ".cache"), "XDG_STATE_HOME": str(home / ".local/state"),
            "NO_PROXY": "127.0.0.1,localhost", "npm_config_offline": "true",
            "OPENCODE_CONFIG_CONTENT": json.dumps(config)}
