@@ -33,6 +33,9 @@ from pathlib import Path
 
 from ds4d.bench.random_v4 import FLASH_RATIOS, Floors, build, measure_ceilings, on_path, say
 
+DECODE_CONTEXT, PREFILL_TOKENS = 1024, 2048
+"""V4's decode rows' prompt and its prefill row's, in tokens (``--decode-context``, ``--prefill-tokens``)."""
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("model", help="random DeepSeek-V4 model on a GPU vs HF transformers")
@@ -49,9 +52,9 @@ def add_parser(sub) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--batches", default="1,8,64", help="decode batch sizes at --decode-context")
-    p.add_argument("--decode-context", type=int, default=1024,
+    p.add_argument("--decode-context", type=int, default=DECODE_CONTEXT,
                    help="tokens of each sequence's prompt before the --batches decode rows (rows named @1K for 1024; V4)")
-    p.add_argument("--prefill-tokens", type=int, default=2048, help="tokens of the prefill row's one prompt (V4)")
+    p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS, help="tokens of the prefill row's one prompt (V4)")
     p.add_argument("--repeats", type=int, default=1,
                    help="time each prefill and decode row this many times after its warm-up; the row is their "
                         "median (the JSON row's extra also gives the lowest and highest)")
@@ -326,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     if args.family == "deepseek_v41":
         from ds4d.bench.dsv41 import run as run_v41
 
-        if (args.decode_context, args.prefill_tokens) != (1024, 2048):
+        if (args.decode_context, args.prefill_tokens) != (DECODE_CONTEXT, PREFILL_TOKENS):
             raise SystemExit("--decode-context and --prefill-tokens are V4's rows; V4.1's take --context")
 
         return run_v41(args)
